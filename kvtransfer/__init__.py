@@ -1,0 +1,2 @@
+"""KV transfer between workers: moves paged KV blocks (``model_runtime.kv_cache``) from a prefill
+worker's pool into blocks a decode worker reserved, over NCCL, CUDA IPC, shared memory or TCP."""

@@ -1,0 +1,175 @@
+"""Model and cache configuration as frozen data (pure Python).
+
+``ModelConfig.from_hf`` reads a Hugging Face ``config.json`` of the Llama family (Llama, Qwen2,
+Mistral), accepting both the ``rope_scaling`` form of older checkpoints and the
+``rope_parameters`` form written by newer ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model_runtime.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v only
+    o_bias: bool = False  # Llama ``attention_bias``: bias on q, k, v and o
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @staticmethod
+    def from_file(path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path.parent}: no config.json (not a Hugging Face model directory)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object")
+        return ModelConfig.from_hf(raw, source=str(path))
+
+    @staticmethod
+    def from_hf(raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def req(key: str) -> Any:
+            if key not in raw:
+                raise ModelLoadError(f"{source}: missing required field {key!r}")
+            return raw[key]
+
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} (only silu)")
+        num_heads = int(req("num_attention_heads"))
+        hidden = int(req("hidden_size"))
+        num_kv = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        if num_heads % num_kv:
+            raise ModelLoadError(f"{source}: num_attention_heads {num_heads} not a multiple of {num_kv} KV heads")
+
+        rope = _parse_rope(raw, source)
+        sliding = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM":
+            if raw.get("use_sliding_window"):
+                raise ModelLoadError(f"{source}: Qwen2 use_sliding_window=true is not supported")
+            sliding = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        is_qwen = arch == "Qwen2ForCausalLM"
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen or bool(raw.get("attention_bias", False)),
+            o_bias=(not is_qwen) and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope(raw: Mapping[str, Any], source: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if v is not None})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    factor = float(params.get("factor", 1.0))
+    if not math.isfinite(factor) or factor <= 0:
+        raise ModelLoadError(f"{source}: rope factor must be positive, got {factor}")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape. ``num_blocks=0`` sizes the pool from ``memory_budget_bytes``."""
+
+    block_size: int = 16
+    num_blocks: int = 0
+    memory_budget_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype_bytes: int) -> int:
+        if self.num_blocks > 0:
+            return self.num_blocks
+        per_block = model.kv_bytes_per_token(dtype_bytes) * self.block_size
+        return max(1, self.memory_budget_bytes // per_block)

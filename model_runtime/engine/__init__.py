@@ -1,0 +1,1 @@
+"""Engines: thin shells that drive the pure schedulers and the torch model."""

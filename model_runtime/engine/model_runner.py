@@ -1,0 +1,75 @@
+"""Runs one planned step: build the batch, run the model, sample. Owns the KV cache tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_runtime.config import ModelConfig
+from model_runtime.engine.batch import build_batch
+from model_runtime.kv_cache.tensors import KVLayout, allocate_kv_cache
+from model_runtime.model.llama import LlamaModel
+from model_runtime.request import Request
+from model_runtime.sampling.sampler import SampleRow, Sampler, TokenLogprobs
+from model_runtime.scheduler.plan import ScheduledChunk
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class ModelRunner:
+    def __init__(
+        self, config: ModelConfig, model: LlamaModel, num_blocks: int, block_size: int
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        self.dtype = model.dtype
+        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
+        self.layout = KVLayout.of(config, block_size, self.dtype)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None or req.params.greedy:
+            return None
+        g = self._generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            self._generators[req.request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def execute(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepResult:
+        if not chunks:
+            return StepResult({}, {})
+        batch = build_batch(chunks, self.block_size, self.device, self.config.sliding_window)
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows
+        )
+        if not batch.sample_ids:
+            return StepResult({}, {})
+        rows = []
+        for rid in batch.sample_ids:
+            req = requests[rid]
+            rows.append(
+                SampleRow(
+                    params=req.params,
+                    prompt_ids=req.prompt_token_ids,
+                    output_ids=req.output_token_ids,
+                    eos_ids=req.eos_token_ids,
+                    generator=self.generator_for(req),
+                )
+            )
+        result = self.sampler(logits, rows)
+        sampled = dict(zip(batch.sample_ids, result.token_ids, strict=True))
+        lps = {rid: lp for rid, lp in zip(batch.sample_ids, result.logprobs, strict=True) if lp is not None}
+        return StepResult(sampled, lps)

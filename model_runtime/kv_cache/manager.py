@@ -1,0 +1,136 @@
+"""Per-request block tables on top of a ``BlockPool`` (pure Python).
+
+Contract:
+* ``get_computed_blocks`` only looks; it takes no reference.
+* ``allocate_slots`` is all-or-nothing: it returns ``False`` and changes nothing when the pool
+  cannot hold the request's next tokens, so a scheduler can try, then preempt or wait.
+* ``free`` returns every reference the request holds; after it the request owns no block.
+* A block's KV is published to the prefix cache (``cache_computed_blocks``) only once all of its
+  tokens have been computed, so a prefix hit never reads a half-written block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from model_runtime.kv_cache.block_pool import BlockKey, BlockPool, PoolStats, chain_key
+from model_runtime.request import Request
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._blocks: dict[str, list[int]] = {}
+        self._keys: dict[str, list[BlockKey]] = {}
+        self._num_published: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._blocks.get(request_id, [])
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def _request_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
+        keys = self._keys.setdefault(req.request_id, [])
+        bs = self.block_size
+        while len(keys) < num_full_blocks:
+            i = len(keys)
+            keys.append(chain_key(keys[-1] if keys else None, req.token_slice(i * bs, (i + 1) * bs)))
+        return keys
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of ``req`` as (blocks, tokens); at least one token is left to compute."""
+        if not self.pool.enable_prefix_caching or req.request_id in self._blocks:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        keys = self._request_keys(req, max_blocks)
+        hits: list[int] = []
+        bs = self.block_size
+        for i in range(max_blocks):
+            block = self.pool.lookup(keys[i], req.token_slice(i * bs, (i + 1) * bs))
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.record_queries(req.num_tokens, len(hits) * bs)
+        return hits, len(hits) * bs
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        existing = len(self._blocks.get(req.request_id, ()))
+        total_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        new_blocks = max(0, blocks_needed(total_tokens, self.block_size) - existing - len(computed_blocks))
+        # A hit on an unreferenced cached block takes it out of the free queue too.
+        revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        return new_blocks + revived <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Reserve room for ``num_new_tokens`` beyond the computed ones; all-or-nothing.
+
+        ``computed_blocks`` (from ``get_computed_blocks``) are prefix hits taken on first allocation;
+        the caller then advances ``req.num_computed_tokens`` past them.
+        """
+        if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            return False
+        table = self._blocks.setdefault(req.request_id, [])
+        self._num_published.setdefault(req.request_id, 0)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self._num_published[req.request_id] = len(table)
+        total_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        missing = blocks_needed(total_tokens, self.block_size) - len(table)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Publish every block of ``req`` whose tokens are now all computed."""
+        if not self.pool.enable_prefix_caching:
+            return
+        rid = req.request_id
+        table = self._blocks.get(rid)
+        if table is None:
+            return
+        n_full = min(req.num_computed_tokens // self.block_size, len(table))
+        start = self._num_published.get(rid, 0)
+        if n_full <= start:
+            return
+        keys = self._request_keys(req, n_full)
+        bs = self.block_size
+        for i in range(start, n_full):
+            self.pool.cache(table[i], keys[i], req.token_slice(i * bs, (i + 1) * bs))
+        self._num_published[rid] = n_full
+
+    def free(self, request_id: str) -> None:
+        """Return all of the request's blocks (tail first, so the tail is evicted first)."""
+        table = self._blocks.pop(request_id, None)
+        self._keys.pop(request_id, None)
+        self._num_published.pop(request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def check_integrity(self) -> PoolStats:
+        return self.pool.check_integrity(self._blocks)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._blocks)

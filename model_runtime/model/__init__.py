@@ -1,0 +1,1 @@
+"""Llama-family model code (torch): loading, layers, paged attention."""

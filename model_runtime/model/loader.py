@@ -1,0 +1,181 @@
+"""Load a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (single or sharded).
+
+Every failure a user can cause (wrong path, unsupported architecture, missing or corrupt shard,
+wrong shape, a dtype the device cannot run) becomes a one-line ``ModelLoadError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from model_runtime.config import ModelConfig
+from model_runtime.errors import ModelLoadError
+from model_runtime.model.llama import LayerWeights, LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``None``/"auto" means float32 on CPU and bfloat16 on CUDA."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    key = _ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)} or auto")
+    dtype = DTYPES[key]
+    check_dtype_runs(dtype, device)
+    return dtype
+
+
+def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError(f"dtype bfloat16 cannot run on {torch.cuda.get_device_name(device)}")
+    try:
+        a = torch.ones(4, 8, dtype=dtype, device=device)
+        torch.nn.functional.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None])
+        torch.nn.functional.linear(a, a)
+    except (RuntimeError, NotImplementedError) as e:
+        raise ModelLoadError(f"dtype {dtype} cannot run on device {device}: {e}") from None
+
+
+def load_eos_ids(model_dir: Path, config: ModelConfig) -> ModelConfig:
+    """Merge ``generation_config.json``'s EOS ids (Llama 3 lists several) into the config."""
+    gen = model_dir / "generation_config.json"
+    if not gen.exists():
+        return config
+    try:
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return config
+    ids = set(config.eos_token_ids)
+    ids.update(eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else []))
+    return replace(config, eos_token_ids=tuple(sorted(ids)))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: corrupt shard index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files")
+    return files
+
+
+class _Tensors:
+    """Name -> lazily read tensor across shards."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        self._where: dict[str, Any] = {}
+        for f in files:
+            try:
+                handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
+            for name in handle.keys():
+                self._where[name] = (handle, f)
+
+    def names(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+        handle, f = self._where[name]
+        try:
+            t = handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{f}: cannot read {name!r} ({e})") from None
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(
+                f"weight {name!r} has shape {tuple(t.shape)}, config.json implies {shape}"
+            )
+        return t
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int
+) -> tuple[ModelConfig, LlamaModel]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    config = load_eos_ids(model_dir, ModelConfig.from_file(model_dir / "config.json"))
+    files = _weight_files(model_dir)
+    c = config
+    h, inter = c.hidden_size, c.intermediate_size
+
+    def to_dev(*ts: torch.Tensor) -> torch.Tensor:
+        out = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+        return out.to(device=device, dtype=dtype).contiguous()
+
+    with ExitStack() as stack:
+        w = _Tensors(files, stack)
+        embed = to_dev(w.get("model.embed_tokens.weight", (c.vocab_size, h)))
+        layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = to_dev(
+                w.get(a + "q_proj.weight", (c.q_size, h)),
+                w.get(a + "k_proj.weight", (c.kv_size, h)),
+                w.get(a + "v_proj.weight", (c.kv_size, h)),
+            )
+            qkv_bias = (
+                to_dev(
+                    w.get(a + "q_proj.bias", (c.q_size,)),
+                    w.get(a + "k_proj.bias", (c.kv_size,)),
+                    w.get(a + "v_proj.bias", (c.kv_size,)),
+                )
+                if c.qkv_bias
+                else None
+            )
+            m = p + "mlp."
+            layers.append(
+                LayerWeights(
+                    input_norm=to_dev(w.get(p + "input_layernorm.weight", (h,))),
+                    qkv=qkv,
+                    qkv_bias=qkv_bias,
+                    o=to_dev(w.get(a + "o_proj.weight", (h, c.q_size))),
+                    o_bias=to_dev(w.get(a + "o_proj.bias", (h,))) if c.o_bias else None,
+                    post_norm=to_dev(w.get(p + "post_attention_layernorm.weight", (h,))),
+                    gate_up=to_dev(
+                        w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))
+                    ),
+                    gate_up_bias=(
+                        to_dev(w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
+                        if c.mlp_bias
+                        else None
+                    ),
+                    down=to_dev(w.get(m + "down_proj.weight", (h, inter))),
+                    down_bias=to_dev(w.get(m + "down_proj.bias", (h,))) if c.mlp_bias else None,
+                )
+            )
+        final_norm = to_dev(w.get("model.norm.weight", (h,)))
+        if c.tie_word_embeddings or not w.has("lm_head.weight"):
+            if not c.tie_word_embeddings:
+                raise ModelLoadError("weight 'lm_head.weight' is missing and tie_word_embeddings is false")
+            lm_head = embed
+        else:
+            lm_head = to_dev(w.get("lm_head.weight", (c.vocab_size, h)))
+    return config, LlamaModel(config, embed, layers, final_norm, lm_head, max_positions)

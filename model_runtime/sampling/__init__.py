@@ -1,0 +1,1 @@
+"""Token selection: batched sampler (torch) and stop-string matching (pure)."""

@@ -1,0 +1,85 @@
+"""Colocated scheduling: decode and chunked prefill share one pool and one forward pass.
+
+Each step first gives every running decode its token (decode latency is protected), then fills
+the rest of the token budget with prefill chunks (Sarathi-style). Requests preempted on either
+side are recomputed by the prefill side before new arrivals. This is the baseline that
+disaggregation is measured against, and the local-prefill path for short prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from model_runtime.kv_cache.manager import KVCacheManager
+from model_runtime.request import FinishReason, Request, RequestStatus
+from model_runtime.scheduler.decode import DecodeScheduler
+from model_runtime.scheduler.plan import SchedulePlan, SchedulerConfig, StepUpdate
+from model_runtime.scheduler.prefill import PrefillScheduler
+
+
+class ColocatedScheduler:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.prefill = PrefillScheduler(kv, config)
+        self.decode = DecodeScheduler(kv, config)
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.prefill.add(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.decode.num_running or self.prefill.num_running or self.prefill.num_waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.prefill.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.decode.num_running + self.prefill.num_running
+
+    def schedule(self) -> SchedulePlan:
+        decode_chunks, preempted = self.decode.schedule(self.config.max_num_seqs)
+        for req in preempted:
+            self.prefill.add_preempted(req)
+        prefill_chunks, more = self.prefill.schedule(
+            self.config.max_num_batched_tokens - len(decode_chunks),
+            self.config.max_num_seqs - len(decode_chunks),
+        )
+        preempted += more
+        self.num_preemptions += len(preempted)
+        return SchedulePlan(
+            chunks=(*decode_chunks, *prefill_chunks),
+            preempted=tuple(r.request_id for r in preempted),
+        )
+
+    def update(self, plan: SchedulePlan, sampled: Mapping[str, int]) -> StepUpdate:
+        decode_chunks = [c for c in plan.chunks if self.decode.is_scheduled(c.request_id)]
+        prefill_chunks = [c for c in plan.chunks if not self.decode.is_scheduled(c.request_id)]
+        out = self.decode.update(decode_chunks, sampled)
+        pre = self.prefill.update(prefill_chunks, sampled)
+        out.finished += pre.finished
+        for req in pre.prefilled:
+            self.decode.add(req)
+        return out
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request early (abort, stop string); frees its blocks wherever it is."""
+        req = self.decode.remove(request_id) or self.prefill.remove(request_id)
+        if req is not None and not req.is_finished:
+            req.finish(reason)
+        return req
+
+    def is_idle(self) -> bool:
+        return not self.has_work and self.kv.num_requests == 0
+
+    def requests(self) -> list[Request]:
+        return [*self.decode.running, *self.prefill.running, *self.prefill.waiting_requests()]
+
+    def status_of(self, request_id: str) -> RequestStatus | None:
+        for r in self.requests():
+            if r.request_id == request_id:
+                return r.status
+        return None

@@ -1,0 +1,115 @@
+"""Messages between schedulers and the model runner."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from model_runtime.kv_cache.manager import KVCacheManager
+from model_runtime.request import Request, RequestStatus
+
+
+class QueuePolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # lower ``Request.priority`` first, FCFS among equals
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits.
+
+    ``max_num_batched_tokens`` is the token budget of one forward pass (decode tokens count one
+    each; prefill chunks fill what is left). ``max_prefill_chunk`` caps one request's chunk so a
+    long prompt cannot monopolise a step (0: no cap beyond the budget).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_prefill_chunk: int = 0
+    policy: QueuePolicy = QueuePolicy.FCFS
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_prefill_chunk < 0:
+            raise ValueError("max_prefill_chunk must be >= 0")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request to run in this step.
+
+    ``token_ids`` sit at positions ``start_pos ..``; ``block_table`` covers all of them, so the
+    runner writes their KV into those blocks. ``sample`` asks for a token from the last position.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.sample and len(self.token_ids) == 1 and self.start_pos > 0
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class StepUpdate:
+    """What changed in a step: requests that finished, and prefills that completed."""
+
+    finished: list[Request] = field(default_factory=list)
+    prefilled: list[Request] = field(default_factory=list)
+
+
+def make_chunk(kv: KVCacheManager, req: Request, num_tokens: int) -> ScheduledChunk:
+    start = req.num_computed_tokens
+    return ScheduledChunk(
+        request_id=req.request_id,
+        token_ids=tuple(req.token_slice(start, start + num_tokens)),
+        start_pos=start,
+        block_table=tuple(kv.block_table(req.request_id)),
+        sample=start + num_tokens == req.num_tokens,
+    )
+
+
+def apply_chunk(kv: KVCacheManager, req: Request, chunk: ScheduledChunk, sampled: Mapping[str, int]) -> bool:
+    """Advance ``req`` past ``chunk``; append its sampled token. True when the request finished."""
+    req.num_computed_tokens += chunk.num_tokens
+    kv.cache_computed_blocks(req)
+    if not chunk.sample:
+        return False
+    token = sampled.get(req.request_id)
+    if token is None:
+        raise KeyError(f"no sampled token for {req.request_id}")
+    req.append_token(token)
+    return req.check_token_stop()
+
+
+def preempt(kv: KVCacheManager, req: Request) -> None:
+    """Drop the request's KV; it will be recomputed from its prompt and generated tokens."""
+    kv.free(req.request_id)
+    req.num_computed_tokens = 0
+    req.num_preemptions += 1
+    req.status = RequestStatus.WAITING

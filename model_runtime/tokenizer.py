@@ -1,0 +1,116 @@
+"""Tokenizers: ``tokenizer.json`` through the ``tokenizers`` library, a byte-level one for presets,
+and incremental detokenization that never emits half of a multi-byte UTF-8 character."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+from model_runtime.errors import ModelLoadError
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character table that byte-level BPE vocabularies use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """Ids 0-255 are bytes, then ``<s>`` 256, ``</s>`` 257, ``<pad>`` 258; BOS is prepended."""
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    vocab.update({BOS: 256, EOS: 257, PAD: 258})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS, PAD])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 256)]
+    )
+    return tok
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def load(model_dir: Path) -> TextTokenizer | None:
+        """The directory's tokenizer, or ``None`` when it ships none (token-id prompts only)."""
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            return None
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises plain Exception subclasses
+            raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
+        template = None
+        cfg = model_dir / "tokenizer_config.json"
+        if cfg.exists():
+            try:
+                t = json.loads(cfg.read_text()).get("chat_template")
+                template = t if isinstance(t, str) else None
+            except (json.JSONDecodeError, AttributeError):
+                template = None
+        return TextTokenizer(tok, template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas.
+
+    Decodes a short window (``prefix_offset``..end) and emits only what the newest ids added,
+    holding back while the text ends in U+FFFD: the ids so far end inside a multi-byte
+    character, and the next id completes it.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_tail: list[int] | None = None) -> None:
+        self.tok = tokenizer
+        # A little prompt context makes tokenizers that strip leading spaces decode correctly.
+        self.ids: list[int] = list(prompt_tail or [])[-4:]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (a truncated character at the very end decodes as U+FFFD)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tok.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text) :]

@@ -1,0 +1,109 @@
+"""The ``pdserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from model_runtime.errors import PdserveError
+
+DEMO_PROMPTS = (
+    "Disaggregated serving splits prefill and decode because",
+    "The quick brown fox",
+    "Goodput is the highest request rate at which",
+)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset name (tiny, bench) or Hugging Face directory")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from model_runtime.config import CacheConfig
+    from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from model_runtime.scheduler.plan import SchedulerConfig
+
+    return LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            cache=CacheConfig(block_size=args.block_size),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+            ),
+        )
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from model_runtime.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = _build_engine(args)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.2f}s "
+          f"({engine.model_config.architecture}, {engine.model_config.num_parameters() / 1e6:.1f}M params)")
+    prompts: list[str | list[int]] = list(args.prompt or DEMO_PROMPTS)
+    if args.token_ids:
+        prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+    params = SamplingParams.create(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    t0 = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n_tok = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        n_tok += len(out.token_ids)
+        print(f"\n>>> {prompt!r}")
+        print(f"    text: {out.text!r}" if out.text is not None else "    (no tokenizer)")
+        print(f"    tokens: {out.token_ids}")
+        print(f"    finish: {out.finish_reason.openai if out.finish_reason else None}, usage: {out.usage}")
+    print(f"\n{len(prompts)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s)")
+    engine.check_integrity()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="offline generation on one colocated engine")
+    _engine_args(g)
+    g.add_argument("prompt", nargs="*", help="prompts (default: a few demo prompts)")
+    g.add_argument("--token-ids", action="store_true", help="prompts are comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except PdserveError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
