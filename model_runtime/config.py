@@ -74,7 +74,9 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ModelLoadError(f"{path.parent}: no config.json (not a Hugging Face model directory)") from None
+            raise ModelLoadError(
+                f"{path.parent}: no config.json (not a Hugging Face model directory)"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
@@ -87,7 +89,8 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
-                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
         def req(key: str) -> Any:
@@ -103,7 +106,9 @@ class ModelConfig:
         num_kv = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         if num_heads % num_kv:
-            raise ModelLoadError(f"{source}: num_attention_heads {num_heads} not a multiple of {num_kv} KV heads")
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {num_heads} not a multiple of {num_kv} KV heads"
+            )
 
         rope = _parse_rope(raw, source)
         sliding = raw.get("sliding_window")

@@ -86,7 +86,9 @@ def _weights(p: Preset) -> dict[str, torch.Tensor]:
     def norm() -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(p.hidden_size, generator=g)
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": 0.1 * torch.randn(p.vocab_size, p.hidden_size, generator=g)}
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": 0.1 * torch.randn(p.vocab_size, p.hidden_size, generator=g)
+    }
     for i in range(p.num_layers):
         pre = f"model.layers.{i}."
         w[pre + "input_layernorm.weight"] = norm()

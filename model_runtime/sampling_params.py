@@ -47,9 +47,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @staticmethod
     def create(
@@ -89,9 +87,7 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise InvalidRequestError(
-                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
-            )
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             finite(name, value)

@@ -20,7 +20,9 @@ DEMO_PROMPTS = (
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name (tiny, bench) or Hugging Face directory")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -49,8 +51,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     engine = _build_engine(args)
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.2f}s "
-          f"({engine.model_config.architecture}, {engine.model_config.num_parameters() / 1e6:.1f}M params)")
+    print(
+        f"loaded {args.model} in {time.perf_counter() - t0:.2f}s "
+        f"({engine.model_config.architecture}, {engine.model_config.num_parameters() / 1e6:.1f}M params)"
+    )
     prompts: list[str | list[int]] = list(args.prompt or DEMO_PROMPTS)
     if args.token_ids:
         prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
@@ -97,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except PdserveError as e:

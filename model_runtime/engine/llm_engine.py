@@ -59,7 +59,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, self.device)
         model_dir: Path = resolve_model(config.model)
         probe = ModelConfig.from_file(model_dir / "config.json")
-        self.max_model_len = min(config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings
+        )
         t0 = time.perf_counter()
         self.model_config, model = load_model(model_dir, self.device, dtype, self.max_model_len)
         self.tokenizer = TextTokenizer.load(model_dir)
@@ -73,12 +75,19 @@ class LLMEngine:
         self._trackers: dict[str, OutputTracker] = {}
         log.info(
             "loaded %s (%s, %s) in %.2fs: %d KV blocks of %d tokens",
-            model_dir, self.model_config.architecture, dtype, time.perf_counter() - t0, num_blocks, self.block_size,
+            model_dir,
+            self.model_config.architecture,
+            dtype,
+            time.perf_counter() - t0,
+            num_blocks,
+            self.block_size,
         )
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
             if self.tokenizer is None:
                 raise TokenizerUnavailableError()
             return self.tokenizer.encode(prompt)
@@ -98,12 +107,14 @@ class LLMEngine:
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"{n} tokens do not fit the context of {self.max_model_len} (one is needed to generate)"
+                "prompt",
+                f"{n} tokens do not fit the context of {self.max_model_len} (one is needed to generate)",
             )
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",
-                f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context of {self.max_model_len}",
+                f"prompt ({n}) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context of {self.max_model_len}",
             )
         if blocks_needed(n + params.max_tokens, self.block_size) > self.kv.num_blocks:
             raise InvalidRequestError(

@@ -12,7 +12,7 @@ from model_runtime.engine.batch import build_batch
 from model_runtime.kv_cache.tensors import KVLayout, allocate_kv_cache
 from model_runtime.model.llama import LlamaModel
 from model_runtime.request import Request
-from model_runtime.sampling.sampler import SampleRow, Sampler, TokenLogprobs
+from model_runtime.sampling.sampler import Sampler, SampleRow, TokenLogprobs
 from model_runtime.scheduler.plan import ScheduledChunk
 
 
@@ -23,9 +23,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(
-        self, config: ModelConfig, model: LlamaModel, num_blocks: int, block_size: int
-    ) -> None:
+    def __init__(self, config: ModelConfig, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         self.config = config
         self.model = model
         self.block_size = block_size

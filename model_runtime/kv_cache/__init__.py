@@ -1,1 +1,1 @@
-"""Paged KV cache: pure block bookkeeping (``block_pool``, ``manager``) and the torch tensors (``tensors``)."""
+"""Paged KV cache: pure bookkeeping (``block_pool``, ``manager``) and the torch tensors (``tensors``)."""

@@ -77,9 +77,7 @@ class KVCacheManager:
         revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
         return new_blocks + revived <= self.pool.num_free_blocks
 
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
-    ) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Reserve room for ``num_new_tokens`` beyond the computed ones; all-or-nothing.
 
         ``computed_blocks`` (from ``get_computed_blocks``) are prefix hits taken on first allocation;

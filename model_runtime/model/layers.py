@@ -39,8 +39,9 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 class Rotary:
     """Precomputed cos/sin tables, indexed by absolute position (rotate-half convention)."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
         inv_freq = rope_inv_freq(head_dim, rope)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

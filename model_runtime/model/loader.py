@@ -72,7 +72,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise ModelLoadError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            raise ModelLoadError(
+                f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -90,7 +92,7 @@ class _Tensors:
                 handle = stack.enter_context(safe_open(str(f), framework="pt"))
             except (SafetensorError, OSError, ValueError) as e:
                 raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
                 self._where[name] = (handle, f)
 
     def names(self) -> Iterator[str]:
@@ -108,9 +110,7 @@ class _Tensors:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{f}: cannot read {name!r} ({e})") from None
         if tuple(t.shape) != shape:
-            raise ModelLoadError(
-                f"weight {name!r} has shape {tuple(t.shape)}, config.json implies {shape}"
-            )
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(t.shape)}, config.json implies {shape}")
         return t
 
 

@@ -124,7 +124,9 @@ def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def compute_logprobs(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
+def compute_logprobs(
+    raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]
+) -> list[TokenLogprobs | None]:
     want = [r.params.logprobs for r in rows]
     if all(w is None for w in want):
         return [None] * len(rows)

@@ -1,8 +1,8 @@
 """Stop strings on detokenized text, across token boundaries (pure Python).
 
 Text is fed delta by delta. A stop string may straddle any number of tokens, so the matcher
-holds back the last ``len(longest stop) - 1`` characters until it knows they do not begin one;
-``flush`` releases them when generation ends for another reason.
+holds back the longest tail of the text that could still begin a stop string (never more than
+``len(longest stop) - 1`` characters); ``flush`` releases it when generation ends otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ class StopStringMatcher:
             end = idx + len(s) if self.include_stop else idx
             self.text = self.text[:end]
             return self._emit_to(end)
-        return self._emit_to(max(self.emitted, len(self.text) - self.hold))
+        return self._emit_to(max(self.emitted, len(self.text) - self._pending_prefix()))
+
+    def _pending_prefix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        for k in range(min(self.hold, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
 
     def flush(self) -> str:
         return self._emit_to(len(self.text))

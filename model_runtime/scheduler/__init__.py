@@ -9,8 +9,8 @@ __all__ = [
     "ColocatedScheduler",
     "DecodeScheduler",
     "PrefillScheduler",
-    "ScheduledChunk",
     "SchedulePlan",
+    "ScheduledChunk",
     "SchedulerConfig",
     "StepUpdate",
 ]

@@ -122,9 +122,10 @@ class PrefillScheduler:
             return chunks, preempted
 
         while budget > 0 and seqs > 0:
-            req = self._peek()
-            if req is None:
+            head = self._peek()
+            if head is None:
                 break
+            req = head
             hits, hit_tokens = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
             n = min(req.num_tokens - hit_tokens, budget)

@@ -96,7 +96,7 @@ def test_greedy_tokens_match_hf(reference: Any, sched: dict[str, Any], join_afte
 
 
 def test_last_position_logits_match_hf(reference: Any) -> None:
-    kind, path, prompts, expected = reference
+    _, path, prompts, expected = reference
     engine = _engine(path)
     runner = engine.runner
     for prompt, (_, ref_logits) in zip(prompts, expected, strict=True):

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from model_runtime.kv_cache.manager import KVCacheManager
+from model_runtime.request import Request
+from model_runtime.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tuple(tokens), SamplingParams())
+
+
+def test_allocate_slots_is_all_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = req("a", list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    assert len(kv.block_table("a")) == 3
+    b = req("b", list(range(8)))
+    assert not kv.allocate_slots(b, 8)
+    assert kv.block_table("b") == [] and kv.num_free_blocks == 1
+    kv.check_integrity()
+    kv.free("a")
+    assert kv.num_free_blocks == 4
+    kv.check_integrity()
+
+
+def test_prefix_hit_leaves_at_least_one_token_and_shares_blocks() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_computed_blocks(a)
+    # Same 8 tokens: only the first block may hit, so one token is left to compute.
+    b = req("b", list(range(8)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4 and hits == kv.block_table("a")[:1]
+    # A longer prompt sharing the prefix hits both blocks.
+    c = req("c", [*range(8), 99])
+    hits_c, n_c = kv.get_computed_blocks(c)
+    assert n_c == 8 and hits_c == kv.block_table("a")
+    assert kv.allocate_slots(c, 1, hits_c)
+    c.num_computed_tokens = 8
+    assert kv.block_table("c")[:2] == kv.block_table("a")
+    assert kv.pool.ref_count(hits_c[0]) == 2
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("c")
+    stats = kv.check_integrity()
+    assert stats.used == 0 and stats.cached == 2
+
+
+def test_only_fully_computed_blocks_are_published() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(10)))
+    assert kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 6  # a chunk boundary inside block 1
+    kv.cache_computed_blocks(a)
+    b = req("b", [*range(10), 5])
+    _, n = kv.get_computed_blocks(b)
+    assert n == 4
+    a.num_computed_tokens = 10
+    kv.cache_computed_blocks(a)
+    _, n = kv.get_computed_blocks(b)
+    assert n == 8

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_runtime.sampling.sampler import Sampler, SampleRow, apply_min_tokens, apply_penalties, filter_probs
+from model_runtime.sampling_params import SamplingParams
+
+
+def row(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    out: list[int] | None = None,
+    gen: torch.Generator | None = None,
+    eos: frozenset[int] = frozenset(),
+) -> SampleRow:
+    return SampleRow(params, prompt or [], out or [], eos, gen)
+
+
+def test_repetition_penalty_ctrl_style() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    apply_penalties(logits, [row(SamplingParams(repetition_penalty=2.0), prompt=[0], out=[1])])
+    assert logits.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_frequency_and_presence_penalties_openai_style() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    apply_penalties(logits, [row(p, prompt=[0], out=[2, 2, 3])])  # prompt tokens are not counted
+    assert logits.tolist() == [[1.0, 1.0, -1.0, -0.5]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    p = SamplingParams(min_tokens=2, stop_token_ids=(2,), temperature=0)
+    apply_min_tokens(logits, [row(p, out=[3], eos=frozenset({1}))])
+    assert logits[0, 1] == -math.inf and logits[0, 2] == -math.inf
+    r = Sampler()(torch.tensor([[0.0, 5.0, 4.0, 1.0]]), [row(p, out=[3, 3], eos=frozenset({1}))])
+    assert r.token_ids == [1]  # enough tokens: EOS allowed again
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+def probs_after(**kw: float) -> list[float]:
+    logits = torch.tensor([PROBS]).log()
+    return filter_probs(logits, [row(SamplingParams(**kw))])[0].tolist()  # type: ignore[arg-type]
+
+
+def test_min_p_threshold() -> None:
+    got = probs_after(min_p=0.2)  # threshold 0.1: only 0.05 is dropped
+    assert got == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+
+
+def test_top_p_nucleus() -> None:
+    assert probs_after(top_p=0.7) == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    assert probs_after(top_p=0.85) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert probs_after(top_p=0.3) == pytest.approx([1.0, 0.0, 0.0, 0.0])
+
+
+def test_top_k_and_temperature() -> None:
+    assert probs_after(top_k=2) == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    sq = [p * p for p in PROBS]
+    assert probs_after(temperature=0.5) == pytest.approx([s / sum(sq) for s in sq])
+
+
+def test_sampled_frequencies_match_probabilities() -> None:
+    n = 20_000
+    logits = torch.tensor([PROBS]).log().repeat(n, 1)
+    res = Sampler()(logits, [row(SamplingParams(temperature=1.0))] * n)
+    freq = torch.bincount(torch.tensor(res.token_ids), minlength=4).float() / n
+    assert freq.tolist() == pytest.approx(PROBS, abs=0.015)
+
+
+def test_top_k_never_leaves_the_top_k() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 100) * 3
+    top5 = set(logits[0].topk(5).indices.tolist())
+    n = 3000
+    res = Sampler()(logits.repeat(n, 1), [row(SamplingParams(temperature=1.5, top_k=5))] * n)
+    assert set(res.token_ids) <= top5
+    assert len(set(res.token_ids)) == 5
+
+
+def test_seeded_samples_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(1)
+    steps = [torch.randn(3, 64) for _ in range(20)]
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+
+    def run(batch_pos: int, batch_size: int) -> list[int]:
+        gen = torch.Generator().manual_seed(42)
+        others = [row(SamplingParams(temperature=1.0)) for _ in range(batch_size - 1)]
+        toks = []
+        for logits in steps:
+            rows = list(others)
+            rows.insert(batch_pos, row(p, gen=gen))
+            batch = logits[:1].repeat(batch_size, 1)
+            toks.append(Sampler()(batch, rows).token_ids[batch_pos])
+        return toks
+
+    alone = run(0, 1)
+    assert run(2, 3) == alone
+    assert run(1, 5) == alone
+    assert len(set(alone)) > 3  # it really sampled
+
+
+def test_greedy_applies_penalties_and_ignores_filters() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    res = Sampler()(logits, [row(SamplingParams(temperature=0, repetition_penalty=1.5, top_k=1), out=[0])])
+    assert res.token_ids == [1]
+
+
+def test_logprobs_are_raw_and_sorted() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    res = Sampler()(logits, [row(SamplingParams(temperature=0, logprobs=2))])
+    lp = res.logprobs[0]
+    assert lp is not None
+    ref = torch.log_softmax(logits[0], -1)
+    assert lp.token_id == 1 and lp.logprob == pytest.approx(float(ref[1]))
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert lp.top[1][1] == pytest.approx(float(ref[2]))
+    assert Sampler()(logits, [row(SamplingParams(temperature=0))]).logprobs == [None]

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from model_runtime.errors import InvalidRequestError
+from model_runtime.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -3}),
+        ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": math.nan}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+        ("top_k", {"top_k": -2}),
+        ("min_p", {"min_p": 1.1}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("frequency_penalty", {"frequency_penalty": 3.0}),
+        ("presence_penalty", {"presence_penalty": -2.5}),
+        ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),
+        ("stop_token_ids", {"stop_token_ids": (1000,)}),
+        ("logprobs", {"logprobs": 50}),
+        ("logprobs", {"logprobs": -1}),
+        ("stop", {"stop": ("",)}),
+    ],
+)
+def test_invalid_values_name_the_field(field: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs).validate(vocab_size=100)  # type: ignore[arg-type]
+    assert e.value.field == field
+
+
+def test_defaults_and_create_are_valid() -> None:
+    SamplingParams().validate(100)
+    p = SamplingParams.create(stop="x", stop_token_ids=[3], max_tokens=4)
+    assert p.stop == ("x",) and p.stop_token_ids == (3,)
+    p.validate(100)
