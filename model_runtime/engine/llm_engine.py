@@ -26,6 +26,7 @@ from model_runtime.engine.output import OutputTracker, RequestOutput
 from model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
 from model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
 from model_runtime.model.loader import load_model, resolve_dtype
+from model_runtime.platform import tune_malloc
 from model_runtime.presets import resolve_model
 from model_runtime.request import FinishReason, Request
 from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT, SamplingParams
@@ -56,6 +57,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
+        if self.device.type == "cpu":
+            tune_malloc()
         dtype = resolve_dtype(config.dtype, self.device)
         model_dir: Path = resolve_model(config.model)
         probe = ModelConfig.from_file(model_dir / "config.json")

@@ -50,10 +50,16 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 
 
 def _gather(kv_layer: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``blocks`` ([..., nb]) as [..., nb * block_size, heads, dim] each."""
-    g = kv_layer[blocks]  # [..., nb, 2, bs, H, D]
-    shape = (*blocks.shape[:-1], -1, *g.shape[-2:])
-    return g.select(-4, 0).reshape(shape), g.select(-4, 1).reshape(shape)
+    """Keys and values of ``blocks`` ([..., nb]) as [..., nb * block_size, heads, dim] each.
+
+    Viewed as [2 * num_blocks, block_size, heads, dim], a block's keys sit at row 2b and its
+    values at 2b + 1, so each is one ``index_select`` straight into a contiguous result (plain
+    advanced indexing followed by a K/V split costs two copies and is several times slower).
+    """
+    flat = kv_layer.view(-1, *kv_layer.shape[2:])
+    rows = blocks.reshape(-1) * 2
+    shape = (*blocks.shape[:-1], -1, *kv_layer.shape[-2:])
+    return flat.index_select(0, rows).view(shape), flat.index_select(0, rows + 1).view(shape)
 
 
 def paged_attention(
@@ -70,14 +76,17 @@ def paged_attention(
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         keys, values = _gather(kv_layer, meta.decode_block_tables)  # [Bd, L, Hkv, D]
         qd = q[: meta.decode_rows.numel()] if meta.decode_contiguous else q[meta.decode_rows]
+        bd, n_q, dim = qd.shape
+        n_kv = keys.shape[2]
+        # The query heads sharing a KV head act as that head's queries: [Bd, Hkv, group, D].
+        # One token has no causal structure, so this is exact, and no K/V is repeated.
         o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2),  # [Bd, Hq, 1, D]
+            qd.view(bd, n_kv, n_q // n_kv, dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=meta.decode_mask,
             scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        ).reshape(bd, n_q, dim)
         if meta.decode_contiguous:
             out[: o.shape[0]] = o
         else:

@@ -1,7 +1,8 @@
 """One implementation for Llama, Qwen2 and Mistral (they differ only in biases, tying and window).
 
-Weights are plain tensors in the Hugging Face [out, in] layout; q/k/v and gate/up projections
-are fused at load time so each layer runs four matrix multiplies.
+Projections are ``Linear`` objects (``model.linear``) that keep each weight in the fastest form
+for the device; q/k/v and gate/up are fused at load time, so each layer runs four matrix
+multiplies.
 """
 
 from __future__ import annotations
@@ -14,20 +15,17 @@ import torch.nn.functional as F
 from model_runtime.config import ModelConfig
 from model_runtime.model.attention import AttentionMetadata, paged_attention, write_kv
 from model_runtime.model.layers import Rotary, rms_norm
+from model_runtime.model.linear import Linear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> q + 2 kv
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 class LlamaModel:
@@ -39,7 +37,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         max_positions: int,
     ) -> None:
         self.config = config
@@ -67,21 +65,21 @@ class LlamaModel:
         n_tok = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        k_end = cfg.q_size + cfg.kv_size
+        n_qk_heads = cfg.num_heads + cfg.num_kv_heads
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q = qkv[:, :q_end].view(n_tok, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_end:k_end].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
+            qkv = w.qkv(x)
+            # q and k heads sit side by side in the fused output: rotate them in one pass.
+            qk = self.rotary.apply(qkv[:, :k_end].view(n_tok, n_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, k_end:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
-            q = self.rotary.apply(q, cos, sin)
-            k = self.rotary.apply(k, cos, sin)
             kv_layer = kv_cache[i]
             write_kv(kv_layer, k, v, meta)
             attn = paged_attention(q, k, v, kv_layer, meta, self.scale)
-            h = h + F.linear(attn.view(n_tok, cfg.q_size), w.o, w.o_bias)
+            h = h + w.o(attn.view(n_tok, cfg.q_size))
             x = rms_norm(h, w.post_norm, eps)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         h = rms_norm(h[sample_rows], self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

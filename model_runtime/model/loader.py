@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from model_runtime.config import ModelConfig
 from model_runtime.errors import ModelLoadError
+from model_runtime.model.linear import Linear, choose_backend
 from model_runtime.model.llama import LayerWeights, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +29,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """``None``/"auto" means float32 on CPU and bfloat16 on CUDA."""
     if name in (None, "auto"):
+        check_device(device)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     key = _ALIASES.get(name, name)
     if key not in DTYPES:
@@ -38,14 +40,28 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
+    """Run the kernels a forward pass needs once; any failure becomes a one-line error."""
+    check_device(device)
     if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise ModelLoadError(f"dtype bfloat16 cannot run on {torch.cuda.get_device_name(device)}")
     try:
         a = torch.ones(4, 8, dtype=dtype, device=device)
         torch.nn.functional.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None])
         torch.nn.functional.linear(a, a)
-    except (RuntimeError, NotImplementedError) as e:
+    except Exception as e:  # backends raise RuntimeError, NotImplementedError or AssertionError
         raise ModelLoadError(f"dtype {dtype} cannot run on device {device}: {e}") from None
+
+
+def check_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device} requested, but this torch build sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device} requested, but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    elif device.type != "cpu":
+        raise ModelLoadError(f"device type {device.type!r} is not supported (cpu or cuda)")
 
 
 def load_eos_ids(model_dir: Path, config: ModelConfig) -> ModelConfig:
@@ -129,6 +145,12 @@ def load_model(
         out = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
         return out.to(device=device, dtype=dtype).contiguous()
 
+    backend = choose_backend(device, dtype)
+
+    def linear(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] | None) -> Linear:
+        """Checkpoint [out, in] matrices, concatenated along ``out``, as one projection."""
+        return Linear(to_dev(*weights), to_dev(*biases) if biases else None, backend)
+
     with ExitStack() as stack:
         w = _Tensors(files, stack)
         embed = to_dev(w.get("model.embed_tokens.weight", (c.vocab_size, h)))
@@ -136,46 +158,46 @@ def load_model(
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = to_dev(
-                w.get(a + "q_proj.weight", (c.q_size, h)),
-                w.get(a + "k_proj.weight", (c.kv_size, h)),
-                w.get(a + "v_proj.weight", (c.kv_size, h)),
-            )
-            qkv_bias = (
-                to_dev(
-                    w.get(a + "q_proj.bias", (c.q_size,)),
-                    w.get(a + "k_proj.bias", (c.kv_size,)),
-                    w.get(a + "v_proj.bias", (c.kv_size,)),
-                )
-                if c.qkv_bias
-                else None
-            )
             m = p + "mlp."
             layers.append(
                 LayerWeights(
                     input_norm=to_dev(w.get(p + "input_layernorm.weight", (h,))),
-                    qkv=qkv,
-                    qkv_bias=qkv_bias,
-                    o=to_dev(w.get(a + "o_proj.weight", (h, c.q_size))),
-                    o_bias=to_dev(w.get(a + "o_proj.bias", (h,))) if c.o_bias else None,
+                    qkv=linear(
+                        (
+                            w.get(a + "q_proj.weight", (c.q_size, h)),
+                            w.get(a + "k_proj.weight", (c.kv_size, h)),
+                            w.get(a + "v_proj.weight", (c.kv_size, h)),
+                        ),
+                        (
+                            w.get(a + "q_proj.bias", (c.q_size,)),
+                            w.get(a + "k_proj.bias", (c.kv_size,)),
+                            w.get(a + "v_proj.bias", (c.kv_size,)),
+                        )
+                        if c.qkv_bias
+                        else None,
+                    ),
+                    o=linear(
+                        (w.get(a + "o_proj.weight", (h, c.q_size)),),
+                        (w.get(a + "o_proj.bias", (h,)),) if c.o_bias else None,
+                    ),
                     post_norm=to_dev(w.get(p + "post_attention_layernorm.weight", (h,))),
-                    gate_up=to_dev(
-                        w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))
-                    ),
-                    gate_up_bias=(
-                        to_dev(w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
+                    gate_up=linear(
+                        (w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))),
+                        (w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
                         if c.mlp_bias
-                        else None
+                        else None,
                     ),
-                    down=to_dev(w.get(m + "down_proj.weight", (h, inter))),
-                    down_bias=to_dev(w.get(m + "down_proj.bias", (h,))) if c.mlp_bias else None,
+                    down=linear(
+                        (w.get(m + "down_proj.weight", (h, inter)),),
+                        (w.get(m + "down_proj.bias", (h,)),) if c.mlp_bias else None,
+                    ),
                 )
             )
         final_norm = to_dev(w.get("model.norm.weight", (h,)))
         if c.tie_word_embeddings or not w.has("lm_head.weight"):
             if not c.tie_word_embeddings:
                 raise ModelLoadError("weight 'lm_head.weight' is missing and tie_word_embeddings is false")
-            lm_head = embed
+            lm_head = Linear(embed, None, backend)
         else:
-            lm_head = to_dev(w.get("lm_head.weight", (c.vocab_size, h)))
+            lm_head = linear((w.get("lm_head.weight", (c.vocab_size, h)),), None)
     return config, LlamaModel(config, embed, layers, final_norm, lm_head, max_positions)

@@ -35,7 +35,8 @@ def copy(src: Path, dst: Path) -> Path:
 
 
 def small_engine(model: str, **kw: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device="cpu", cache=CacheConfig(num_blocks=64), **kw))  # type: ignore[arg-type]
+    kw.setdefault("device", "cpu")
+    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=64), **kw))  # type: ignore[arg-type]
 
 
 def test_unsupported_architecture(llama_dir: Path, tmp_path: Path) -> None:
@@ -103,6 +104,11 @@ def test_dtypes(llama_dir: Path) -> None:
     assert resolve_dtype("bf16", CPU) is torch.bfloat16
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int3", CPU)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            resolve_dtype("bfloat16", torch.device("cuda"))
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            small_engine(str(llama_dir), device="cuda")
     eng = small_engine(str(llama_dir), dtype="bfloat16")
     assert eng.runner.kv_cache.dtype is torch.bfloat16
     out = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]

@@ -1,0 +1,236 @@
+"""How close the engine runs to this machine's limits, and how it compares with HF transformers.
+
+On the ``bench`` preset (about 100M parameters, float32):
+
+* decode tokens/s at batch 1, 8, 32 and MBU = bytes a decode step must read (weights + KV) /
+  step time / memory read bandwidth measured in this run;
+* prefill tokens/s at 512 and 2,048 tokens and MFU = prefill FLOP/s / the best large matmul
+  FLOP/s measured in this run (FLOPs count only what a causal prefill needs: the masked half of
+  attention is not counted; ``prefill_mfu_2048_full_attn`` counts it, as PaLM-style MFU does);
+* the same 32 requests (prompts 16-512, outputs 16-256 tokens) through our engine (all at once,
+  continuous batching) and through HF ``generate`` one at a time and in static padded batches
+  of 8.
+
+Run: ``.venv/bin/python benchmarks/engine_roofline.py`` (about 5 minutes; ``--skip-hf`` for
+the first two parts only). The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
+from model_runtime.config import CacheConfig, ModelConfig
+from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from model_runtime.presets import preset_path
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.scheduler.plan import SchedulerConfig
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes a decode step reads from weights: every matrix once (the embedding only one row)."""
+    h = cfg.hidden_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size + 2 * h
+    return (cfg.num_layers * per_layer + cfg.vocab_size * h + h) * dtype_bytes
+
+
+def prefill_flops(cfg: ModelConfig, n: int, causal: bool = True) -> float:
+    h = cfg.hidden_size
+    matmul_params = cfg.num_layers * (
+        h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    )
+    linear = 2 * n * matmul_params + 2 * h * cfg.vocab_size  # logits for the last position only
+    pairs = n * (n + 1) / 2 if causal else n * n  # (query, key) pairs attended
+    attention = cfg.num_layers * 2 * 2 * pairs * cfg.q_size  # QK^T and PV
+    return linear + attention
+
+
+def make_engine(model: str, device: str, dtype: str | None) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache=CacheConfig(block_size=16, num_blocks=6144),
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
+        )
+    )
+
+
+def measure_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """Median time of a decode-only step with ``batch`` running requests."""
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        engine.add_request(
+            f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+        )
+    while engine.scheduler.num_waiting or engine.scheduler.prefill.num_running:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished:
+        engine.step()
+    engine.check_integrity()
+    return statistics.median(times)
+
+
+def measure_prefill(engine: LLMEngine, n: int) -> float:
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(n)
+
+    def once() -> None:
+        engine.kv.pool.reset_prefix_cache()  # every repetition computes the whole prompt
+        engine.add_request(
+            "p", [rng.randrange(3, vocab) for _ in range(n)], SamplingParams(max_tokens=1, temperature=0)
+        )
+        while engine.has_unfinished:
+            engine.step()
+
+    return median_time(once, repeat=3, warmup=1, device=engine.device)
+
+
+def workload(n: int = 32, seed: int = 0, vocab: int = 32000) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 256))
+        for _ in range(n)
+    ]
+
+
+def run_ours(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> float:
+    t0 = time.perf_counter()
+    outs = engine.generate(
+        [p for p, _ in reqs], [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
+    )
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == [o for _, o in reqs]
+    engine.check_integrity()
+    return dt
+
+
+def run_hf(model_dir: Path, reqs: list[tuple[list[int], int]], batch: int) -> float:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    pad = 258
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch):
+            group = reqs[i : i + batch]
+            width = max(len(p) for p, _ in group)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+            new = max(o for _, o in group)  # a static batch runs until its longest request ends
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+            assert out.shape[1] == width + new
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (GPU runs: --skip-hf)")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    engine = make_engine(args.model, args.device, args.dtype)  # applies the engine's process settings
+    device = engine.device
+    cfg = engine.model_config
+    dtype_bytes = engine.runner.kv_cache.element_size()
+    res: dict[str, Any] = {
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "dtype": str(engine.runner.dtype),
+    }
+    print(
+        f"model {args.model} on {device}: {cfg.num_parameters() / 1e6:.1f}M parameters, "
+        f"linear backend {engine.runner.model.lm_head.backend}",
+        flush=True,
+    )
+
+    read_bw = memory_read_bandwidth(device, 512 if device.type == "cpu" else 4096)
+    copy_bw = memory_copy_bandwidth(device, 512 if device.type == "cpu" else 4096)
+    mm = matmul_flops(device, engine.runner.dtype, 2048 if device.type == "cpu" else 8192)
+    best_mm = max(mm.values())
+    res.update(
+        read_bw_gbs=read_bw / 1e9,
+        copy_bw_gbs=copy_bw / 1e9,
+        **{f"matmul_{k}_gflops": v / 1e9 for k, v in mm.items()},
+        matmul_best_gflops=best_mm / 1e9,
+    )
+    print(
+        f"ceilings: read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s, "
+        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in mm.items()),
+        flush=True,
+    )
+
+    kv_token = cfg.kv_bytes_per_token(dtype_bytes)
+    wbytes = weight_bytes(cfg, dtype_bytes)
+    for b in (1, 8, 32):
+        dt = measure_decode(engine, b, args.decode_prompt_len, args.decode_steps)
+        ctx = args.decode_prompt_len + args.decode_steps // 2  # median step's context
+        step_bytes = wbytes + b * ctx * kv_token
+        res[f"decode_step_ms_b{b}"] = dt * 1e3
+        res[f"decode_tok_s_b{b}"] = b / dt
+        res[f"decode_mbu_b{b}"] = step_bytes / dt / read_bw
+        print(
+            f"decode b={b}: {dt * 1e3:.2f} ms/step, {b / dt:.0f} tok/s, MBU {res[f'decode_mbu_b{b}']:.2f}",
+            flush=True,
+        )
+    res["decode_speedup_b32_vs_b1"] = res["decode_tok_s_b32"] / res["decode_tok_s_b1"]
+
+    for n in (512, 2048):
+        dt = measure_prefill(engine, n)
+        res[f"prefill_tok_s_{n}"] = n / dt
+        res[f"prefill_mfu_{n}"] = prefill_flops(cfg, n) / dt / best_mm
+        res[f"prefill_mfu_{n}_full_attn"] = prefill_flops(cfg, n, causal=False) / dt / best_mm
+        print(
+            f"prefill {n}: {dt * 1e3:.0f} ms, {n / dt:.0f} tok/s, MFU {res[f'prefill_mfu_{n}']:.2f}",
+            flush=True,
+        )
+
+    reqs = workload(vocab=cfg.vocab_size)
+    res["workload_output_tokens"] = sum(o for _, o in reqs)
+    res["ours_32req_s"] = run_ours(engine, reqs)
+    print(f"32 requests: ours {res['ours_32req_s']:.1f} s", flush=True)
+    if not args.skip_hf:
+        model_dir = preset_path(args.model) if not Path(args.model).is_dir() else Path(args.model)
+        res["hf_batch8_32req_s"] = run_hf(model_dir, reqs, 8)
+        print(f"32 requests: HF static batches of 8 {res['hf_batch8_32req_s']:.1f} s", flush=True)
+        res["hf_single_32req_s"] = run_hf(model_dir, reqs, 1)
+        print(f"32 requests: HF one at a time {res['hf_single_32req_s']:.1f} s", flush=True)
+        res["vs_hf_speedup"] = min(res["hf_batch8_32req_s"], res["hf_single_32req_s"]) / res["ours_32req_s"]
+    emit(res)
+
+
+if __name__ == "__main__":
+    main()

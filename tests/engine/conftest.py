@@ -1,0 +1,31 @@
+"""Every engine a test creates must end the test with a consistent pool and, when idle, no
+blocks in use: leaks fail the test that caused them."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from model_runtime.engine.llm_engine import LLMEngine
+
+_live: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+_orig_init = LLMEngine.__init__
+
+
+def _tracking_init(self: LLMEngine, *args: object, **kwargs: object) -> None:
+    _orig_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    _live.add(self)
+
+
+LLMEngine.__init__ = _tracking_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _engines_end_clean() -> Iterator[None]:
+    yield
+    for engine in list(_live):
+        engine.kv.check_integrity()
+        if not engine.has_unfinished:
+            assert engine.kv.stats().used == 0, "KV blocks leaked"
