@@ -17,9 +17,10 @@ from model_runtime.scheduler.plan import (
     ScheduledChunk,
     SchedulerConfig,
     StepUpdate,
+    allocate_or_preempt,
     apply_chunk,
     make_chunk,
-    preempt,
+    remove_running,
 )
 
 
@@ -48,12 +49,7 @@ class DecodeScheduler:
         self.running.append(req)
 
     def remove(self, request_id: str) -> Request | None:
-        for i, r in enumerate(self.running):
-            if r.request_id == request_id:
-                del self.running[i]
-                self.kv.free(request_id)
-                return r
-        return None
+        return remove_running(self.kv, self.running, request_id)
 
     def schedule(self, seq_budget: int | None = None) -> tuple[list[ScheduledChunk], list[Request]]:
         """One decode token per running request, oldest first. Returns (chunks, preempted)."""
@@ -64,13 +60,7 @@ class DecodeScheduler:
         idx = 0
         while idx < len(self.running) and len(chunks) < limit:
             req = self.running[idx]
-            while not self.kv.allocate_slots(req, 1):
-                victim = self.running.pop()
-                preempt(self.kv, victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            else:
+            if allocate_or_preempt(self.kv, self.running, req, 1, preempted):
                 chunks.append(make_chunk(self.kv, req, 1))
                 self._scheduled[req.request_id] = req
                 idx += 1

@@ -113,3 +113,27 @@ def preempt(kv: KVCacheManager, req: Request) -> None:
     req.num_computed_tokens = 0
     req.num_preemptions += 1
     req.status = RequestStatus.WAITING
+
+
+def remove_running(kv: KVCacheManager, running: list[Request], request_id: str) -> Request | None:
+    """Take ``request_id`` out of ``running`` and free its blocks; ``None`` if it is not there."""
+    for i, r in enumerate(running):
+        if r.request_id == request_id:
+            del running[i]
+            kv.free(request_id)
+            return r
+    return None
+
+
+def allocate_or_preempt(
+    kv: KVCacheManager, running: list[Request], req: Request, num_tokens: int, preempted: list[Request]
+) -> bool:
+    """Make room for ``num_tokens`` more of ``req`` (a member of ``running``), preempting the
+    newest running requests as needed. False when ``req`` itself had to be preempted."""
+    while not kv.allocate_slots(req, num_tokens):
+        victim = running.pop()
+        preempt(kv, victim)
+        preempted.append(victim)
+        if victim is req:
+            return False
+    return True

@@ -20,9 +20,10 @@ from model_runtime.scheduler.plan import (
     ScheduledChunk,
     SchedulerConfig,
     StepUpdate,
+    allocate_or_preempt,
     apply_chunk,
     make_chunk,
-    preempt,
+    remove_running,
 )
 
 
@@ -67,11 +68,9 @@ class PrefillScheduler:
 
     def remove(self, request_id: str) -> Request | None:
         """Take a request out wherever it is (waiting or part-way); frees its blocks."""
-        for i, r in enumerate(self.running):
-            if r.request_id == request_id:
-                del self.running[i]
-                self.kv.free(request_id)
-                return r
+        found = remove_running(self.kv, self.running, request_id)
+        if found is not None:
+            return found
         for r in self._preempted:
             if r.request_id == request_id:
                 self._preempted.remove(r)
@@ -84,8 +83,8 @@ class PrefillScheduler:
         return None
 
     # -- planning ----------------------------------------------------------------------------
-    def _chunk_len(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed_tokens, budget)
+    def _chunk_len(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         return n
@@ -103,14 +102,8 @@ class PrefillScheduler:
         idx = 0
         while idx < len(self.running) and budget > 0 and seqs > 0:
             req = self.running[idx]
-            n = self._chunk_len(req, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                preempt(self.kv, victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            else:
+            n = self._chunk_len(req.num_uncomputed_tokens, budget)
+            if allocate_or_preempt(self.kv, self.running, req, n, preempted):
                 chunks.append(make_chunk(self.kv, req, n))
                 self._scheduled[req.request_id] = req
                 budget -= n
@@ -128,9 +121,7 @@ class PrefillScheduler:
             req = head
             hits, hit_tokens = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
-            n = min(req.num_tokens - hit_tokens, budget)
-            if self.config.max_prefill_chunk:
-                n = min(n, self.config.max_prefill_chunk)
+            n = self._chunk_len(req.num_tokens - hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self._pop()
