@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +46,18 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def execute(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepResult:
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """Run one step. ``on_layer(i)``: layer ``i``'s KV is written (for layer-wise transfer)."""
         if not chunks:
             return StepResult({}, {})
         batch = build_batch(chunks, self.block_size, self.device, self.config.sliding_window)
         logits = self.model.forward(
-            batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows
+            batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows, on_layer
         )
         if not batch.sample_ids:
             return StepResult({}, {})

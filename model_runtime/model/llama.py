@@ -7,6 +7,7 @@ multiplies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,13 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
         sample_rows: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Logits (float32) of the rows in ``sample_rows``; writes every token's KV to the cache."""
+        """Logits (float32) of the rows in ``sample_rows``; writes every token's KV to the cache.
+
+        ``on_layer(i)`` runs once layer ``i``'s keys and values are in the cache (layer-wise KV
+        streaming starts shipping layer i while layer i+1 computes).
+        """
         cfg = self.config
         eps = cfg.rms_norm_eps
         n_tok = input_ids.shape[0]
@@ -81,5 +87,7 @@ class LlamaModel:
             x = rms_norm(h, w.post_norm, eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
             h = h + w.down(F.silu(gate) * up)
+            if on_layer is not None:
+                on_layer(i)
         h = rms_norm(h[sample_rows], self.final_norm, eps)
         return self.lm_head(h).float()

@@ -1,0 +1,219 @@
+"""One authenticated, framed connection between two transports (socket I/O, no policy).
+
+Set-up (mutual authentication with a shared secret, no secret on the wire)::
+
+    server -> client   challenge {nonce_s}
+    client -> server   hello     {mac = HMAC(secret, "client" + nonce_s), nonce_c, layout, backend, pid}
+    server -> client   welcome   {mac = HMAC(secret, "server" + nonce_c), backend, info}
+                    or refuse    {reason, cause}
+
+After set-up either side may write frames (``send``, serialized by a lock so a frame and its raw
+payload are never interleaved with another) while one reader thread reads them. Every blocking
+call has a timeout; a timeout or a short read breaks the connection, because a byte stream that
+lost its framing cannot be resynchronised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvtransfer import wire
+from kvtransfer.states import FailureCause, TransferError
+
+_IOV_MAX = 512
+
+
+class ConnectionLost(TransferError):
+    def __init__(self, message: str) -> None:
+        super().__init__(FailureCause.PEER_LOST, message)
+
+
+def mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+class Connection:
+    def __init__(self, sock: socket.socket, io_timeout_s: float, peer: str) -> None:
+        sock.settimeout(io_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self.io_timeout_s = io_timeout_s
+        self.send_lock = threading.Lock()
+        self.closed = threading.Event()
+        self.info: dict[str, Any] = {}
+        self.remote_pid = 0
+        self.backend = ""
+
+    # -- writing -----------------------------------------------------------------------------
+    def send(self, frame_type: str, payload: Sequence[Any] = (), **fields: Any) -> None:
+        """Write one frame, then ``payload`` buffers (raw bytes) in the same critical section."""
+        data = wire.encode(frame_type, **fields)
+        with self.send_lock:
+            self._send_locked(data, payload)
+
+    def send_frames(self, frames: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Several frames in one write (no payloads)."""
+        data = b"".join(wire.encode(t, **f) for t, f in frames)
+        with self.send_lock:
+            self._send_locked(data, ())
+
+    def _send_locked(self, header: bytes, payload: Sequence[Any]) -> None:
+        try:
+            self.sock.sendall(header)
+            buffers = [memoryview(b).cast("B") for b in payload]
+            while buffers:
+                chunk = buffers[:_IOV_MAX]
+                sent = self.sock.sendmsg(chunk)
+                # Drop fully-sent buffers, trim a partially-sent one.
+                while sent and buffers:
+                    if sent >= len(buffers[0]):
+                        sent -= len(buffers[0])
+                        buffers.pop(0)
+                    else:
+                        buffers[0] = buffers[0][sent:]
+                        sent = 0
+        except (OSError, ValueError) as e:
+            self.close()
+            raise ConnectionLost(f"send to {self.peer} failed: {e}") from None
+
+    # -- reading -----------------------------------------------------------------------------
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.recv_into([memoryview(buf)])
+        return bytes(buf)
+
+    def read_frame(self, idle: bool = False) -> dict[str, Any]:
+        """The next frame; raises ``ConnectionLost``, ``TransferError`` or ``wire.FrameError``.
+
+        ``idle=True`` waits for the frame's first byte without a time limit (a quiet connection is
+        healthy); the rest of the frame must then arrive within the I/O timeout.
+        """
+        first = b""
+        if idle:
+            self.sock.settimeout(None)
+            try:
+                first = self.sock.recv(1)
+            except OSError as e:
+                self.close()
+                raise ConnectionLost(f"read from {self.peer} failed: {e}") from None
+            finally:
+                if not self.closed.is_set():
+                    self.sock.settimeout(self.io_timeout_s)
+            if not first:
+                self.close()
+                raise ConnectionLost(f"{self.peer} closed the connection")
+        try:
+            (n,) = wire.LENGTH.unpack(first + self._recv_exact(wire.LENGTH.size - len(first)))
+            wire.check_length(n)
+            return wire.decode_body(self._recv_exact(n))
+        except wire.FrameError:
+            self.close()
+            raise
+
+    def recv_into(self, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` completely, in order (scatter read straight into their memory)."""
+        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
+        views = [v for v in views if len(v)]
+        try:
+            while views:
+                got = self.sock.recvmsg_into(views[:_IOV_MAX])[0]
+                if got == 0:
+                    raise ConnectionLost(f"{self.peer} closed the connection")
+                while got and views:
+                    if got >= len(views[0]):
+                        got -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][got:]
+                        got = 0
+        except TimeoutError:
+            self.close()
+            raise TransferError(FailureCause.TIMEOUT, f"read from {self.peer} timed out") from None
+        except OSError as e:
+            self.close()
+            raise ConnectionLost(f"read from {self.peer} failed: {e}") from None
+
+    def drain(self, nbytes: int) -> None:
+        """Read and discard ``nbytes`` (the payload of a frame we ignore)."""
+        scratch = bytearray(min(nbytes, 1 << 20))
+        while nbytes:
+            step = min(nbytes, len(scratch))
+            self.recv_into([memoryview(scratch)[:step]])
+            nbytes -= step
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        with contextlib.suppress(OSError):  # the peer may have closed first
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _expect(conn: Connection, frame: dict[str, Any], *types: str) -> dict[str, Any]:
+    if frame["t"] not in types:
+        raise TransferError(FailureCause.PROTOCOL, f"expected {'/'.join(types)}, got {frame['t']}")
+    return frame
+
+
+def server_handshake(
+    conn: Connection, secret: bytes, layout: dict[str, Any], offers: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Authenticate a client and check its layout and backend (one of ``offers``, each with the
+    info a sender needs for it); returns its hello. Refuses, then raises, otherwise."""
+    nonce = os.urandom(16)
+    conn.send("challenge", nonce=nonce)
+    hello = _expect(conn, conn.read_frame(), "hello")
+    if not hmac.compare_digest(hello["mac"], mac(secret, b"client", nonce)):
+        conn.send("refuse", reason="authentication failed", cause=FailureCause.AUTH.value)
+        raise TransferError(FailureCause.AUTH, f"client {conn.peer} failed authentication")
+    if hello["layout"] != layout:
+        reason = f"layout mismatch: ours {layout}, theirs {hello['layout']}"
+        conn.send("refuse", reason=reason, cause=FailureCause.LAYOUT_MISMATCH.value)
+        raise TransferError(FailureCause.LAYOUT_MISMATCH, reason)
+    backend = hello["backend"]
+    if backend not in offers:
+        reason = f"backend {backend!r} not offered (offers: {sorted(offers)})"
+        conn.send("refuse", reason=reason, cause=FailureCause.REJECTED.value)
+        raise TransferError(FailureCause.REJECTED, reason)
+    conn.remote_pid = hello["pid"]
+    conn.backend = backend
+    conn.send("welcome", mac=mac(secret, b"server", hello["nonce"]), backend=backend, info=offers[backend])
+    return hello
+
+
+def client_handshake(
+    conn: Connection, secret: bytes, layout: dict[str, Any], backend: str, info: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Authenticate to a server and prove it knows the secret too; returns its welcome info."""
+    challenge = _expect(conn, conn.read_frame(), "challenge")
+    nonce = os.urandom(16)
+    conn.send(
+        "hello",
+        mac=mac(secret, b"client", challenge["nonce"]),
+        nonce=nonce,
+        layout=layout,
+        backend=backend,
+        pid=os.getpid(),
+        info=info or {},
+    )
+    reply = _expect(conn, conn.read_frame(), "welcome", "refuse")
+    if reply["t"] == "refuse":
+        try:
+            cause = FailureCause(reply["cause"])
+        except ValueError:
+            cause = FailureCause.PROTOCOL
+        raise TransferError(cause, f"{conn.peer} refused the connection: {reply['reason']}")
+    if not hmac.compare_digest(reply["mac"], mac(secret, b"server", nonce)):
+        raise TransferError(FailureCause.AUTH, f"{conn.peer} failed to prove the shared secret")
+    conn.info = reply["info"]
+    conn.backend = backend
+    return conn.info

@@ -1,0 +1,289 @@
+"""How bytes move once a connection is up: TCP streams, or direct writes into the peer's memory.
+
+* ``tcp``: the sender writes a ``data`` frame and the layer's blocks as one scatter-gather
+  ``sendmsg``; the receiver ``recvmsg_into``s straight into its destination blocks. The receiver
+  decides where bytes land, so a late or rogue sender cannot touch other blocks.
+* ``shm`` (same host, CPU) and ``cuda_ipc`` (same node, GPU): the receiver's KV cache lives in
+  memory the sender can map (a ``/dev/shm`` file, a CUDA IPC handle, both sent over the
+  authenticated channel); the sender copies each layer's blocks into the destination blocks
+  itself and then says so with a ``layer`` frame: one memcpy, no staging. Because the sender
+  writes, the receiver releases an accepted transfer only once the sender has confirmed it
+  stopped (``aborted``) or its connection is gone.
+
+Layout: ``cache[layer, block]`` is one block of one layer, contiguous.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer.channel import Connection
+from kvtransfer.states import FailureCause, TransferError
+
+SHM_DIR = Path("/dev/shm")
+_SHM_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
+
+
+def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as uint8 [layers, blocks, bytes per block]."""
+    return cache.view(cache.shape[0], cache.shape[1], -1).view(torch.uint8)
+
+
+class DataPath(ABC):
+    name: str
+    direct_write: bool
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.num_layers = cache.shape[0]
+        self.block_nbytes = cache[0, 0].numel() * cache.element_size()
+
+    def receiver_info(self) -> dict[str, Any]:
+        return {}
+
+    def hello_info(self) -> dict[str, Any]:
+        """Sender side: what the ``hello`` carries for this path (e.g. an NCCL unique id)."""
+        return {}
+
+    def accept(self, conn: Connection, hello: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Receiver side, after the handshake (e.g. join the NCCL communicator)."""
+
+    def attach(self, conn: Connection) -> None:  # noqa: B027 (optional hook)
+        """Sender side, after the handshake: prepare to write to that peer."""
+
+    def detach(self, conn: Connection) -> None:  # noqa: B027 (optional hook)
+        """Sender side: the connection is gone."""
+
+    @abstractmethod
+    def push_layer(
+        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        """Move one layer's blocks; returns bytes moved. The caller holds the transfer's lock."""
+
+    def push_layers(
+        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        """Move several computed layers (the caller holds the transfer's lock)."""
+        return sum(self.push_layer(conn, transfer_id, layer, src, dst) for layer in layers)
+
+    def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
+        raise TransferError(FailureCause.PROTOCOL, f"{self.name} does not carry data frames")
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the path holds (mappings, files)."""
+
+
+class TcpPath(DataPath):
+    name = "tcp"
+    direct_write = False
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        if cache.device.type != "cpu":
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "the tcp backend needs a CPU KV cache")
+        self._arr = _block_bytes(cache).numpy()  # shares memory with the cache
+
+    def push_layer(
+        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        arr = self._arr[layer]
+        conn.send("data", [arr[b] for b in src], id=transfer_id, layer=layer, first=0, count=len(src))
+        return len(src) * self.block_nbytes
+
+    def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
+        layer, first, count = frame["layer"], frame["first"], frame["count"]
+        if layer >= self.num_layers or first + count > len(dst):
+            raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
+        arr = self._arr[layer]
+        conn.recv_into([memoryview(arr[b]) for b in dst[first : first + count]])
+        return count * self.block_nbytes
+
+
+class _DirectWritePath(DataPath):
+    """Shared logic of the paths whose sender writes into the receiver's cache."""
+
+    direct_write = True
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        self._peers: dict[int, torch.Tensor] = {}
+
+    @abstractmethod
+    def _map_peer(self, info: dict[str, Any]) -> torch.Tensor: ...
+
+    def attach(self, conn: Connection) -> None:
+        peer = self._map_peer(conn.info)
+        if peer.shape != self.cache.shape or peer.dtype != self.cache.dtype:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"peer cache {tuple(peer.shape)} {peer.dtype}")
+        self._peers[id(conn)] = peer.view(peer.shape[0], peer.shape[1], -1)
+
+    def detach(self, conn: Connection) -> None:
+        self._peers.pop(id(conn), None)
+
+    def _copy(self, conn: Connection, layer: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        peer = self._peers[id(conn)][layer]
+        local = self.cache[layer].view(self.cache.shape[1], -1)
+        runs = coalesce(src, dst)
+        if len(runs) * 4 <= len(src):  # mostly consecutive blocks: one copy per run
+            for s, d, n in runs:
+                peer[d : d + n].copy_(local[s : s + n])
+        else:  # scattered: a gather into a cache-sized buffer, then one scatter
+            idx_src = torch.as_tensor(src, device=local.device)
+            idx_dst = torch.as_tensor(dst, device=local.device)
+            peer.index_put_((idx_dst,), local.index_select(0, idx_src))
+
+    def push_layer(
+        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        return self.push_layers(conn, transfer_id, range(layer, layer + 1), src, dst)
+
+    def push_layers(
+        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        for layer in layers:
+            self._copy(conn, layer, src, dst)
+        self._written(conn)
+        conn.send_frames([("layer", {"id": transfer_id, "layer": layer}) for layer in layers])
+        return len(layers) * len(src) * self.block_nbytes
+
+    def _written(self, conn: Connection) -> None:
+        """Make the copies visible to the peer before announcing them (a device sync on GPUs)."""
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs where both block lists advance by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def _map_shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Map a cache file shared and pre-faulted (MAP_POPULATE): transfers never page-fault."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise TransferError(
+                FailureCause.LAYOUT_MISMATCH, f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}"
+            )
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=dtype, count=numel)  # keeps ``mm`` alive
+
+
+def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
+    """A zeroed CPU tensor backed by a fresh ``/dev/shm`` file (mode 0600) that peers can map."""
+    path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+    numel = 1
+    for s in shape:
+        numel *= s
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
+    finally:
+        os.close(fd)
+    return _map_shared(str(path), numel, dtype).view(*shape), path
+
+
+def remove_stale_shm_files() -> int:
+    """Delete cache files left by processes that died without cleaning up; returns how many."""
+    removed = 0
+    for f in SHM_DIR.glob("pdserve-kv-*"):
+        m = _SHM_NAME.match(f.name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            f.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:
+            pass
+    return removed
+
+
+class ShmPath(_DirectWritePath):
+    name = "shm"
+
+    def __init__(self, cache: torch.Tensor, shm_path: Path | None) -> None:
+        super().__init__(cache)
+        if cache.device.type != "cpu":
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "the shm backend needs a CPU KV cache")
+        self.shm_path = shm_path
+
+    def receiver_info(self) -> dict[str, Any]:
+        if self.shm_path is None:
+            return {}
+        return {"shm_path": str(self.shm_path), "numel": self.cache.numel()}
+
+    def _map_peer(self, info: dict[str, Any]) -> torch.Tensor:
+        path, numel = info.get("shm_path"), info.get("numel")
+        if not isinstance(path, str) or not isinstance(numel, int) or not _SHM_NAME.match(Path(path).name):
+            raise TransferError(FailureCause.PROTOCOL, "peer offers no shared-memory KV cache")
+        if Path(path).parent != SHM_DIR or numel != self.cache.numel():
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"peer cache file {path} has {numel} elements")
+        try:
+            peer = _map_shared(path, numel, self.cache.dtype)
+        except OSError as e:
+            raise TransferError(FailureCause.UNREACHABLE, f"cannot map {path}: {e}") from None
+        return peer.view(self.cache.shape)
+
+    def close(self) -> None:
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+            self.shm_path = None
+
+
+class CudaIpcPath(_DirectWritePath):
+    """Same-node GPU transfer through a CUDA IPC handle of the receiver's cache storage."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        if not cache.is_cuda:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "the cuda_ipc backend needs a CUDA KV cache")
+        self._stream = torch.cuda.Stream(device=cache.device)
+
+    def receiver_info(self) -> dict[str, Any]:
+        storage = self.cache.untyped_storage()
+        handle = storage._share_cuda_()  # (device, handle, size, offset, refcount handle/offset, event...)
+        return {
+            "ipc": [h if isinstance(h, (bytes, int, bool)) else bytes(h) for h in handle],
+            "offset": self.cache.storage_offset(),
+        }
+
+    def _map_peer(self, info: dict[str, Any]) -> torch.Tensor:
+        ipc = info.get("ipc")
+        if not isinstance(ipc, list) or not all(isinstance(h, (bytes, int, bool)) for h in ipc):
+            raise TransferError(FailureCause.PROTOCOL, "peer offers no CUDA IPC handle")
+        with torch.cuda.device(self.cache.device):
+            storage = torch.UntypedStorage._new_shared_cuda(*ipc)
+        peer = torch.empty(0, dtype=self.cache.dtype, device=self.cache.device)
+        peer.set_(storage, int(info.get("offset", 0)), self.cache.shape, self.cache.stride())
+        return peer
+
+    def push_layers(
+        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+    ) -> int:
+        self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self._stream):
+            return super().push_layers(conn, transfer_id, layers, src, dst)
+
+    def _written(self, conn: Connection) -> None:
+        self._stream.synchronize()  # the bytes are in the peer's memory before we say so

@@ -1,0 +1,380 @@
+"""NCCL from Python through ctypes, and the ``nccl`` data path between GPUs.
+
+The library is the ``libnccl.so.2`` inside the installed ``nvidia-nccl-cu12`` wheel
+(``PDSERVE_NCCL_LIB`` overrides the path). Without a GPU, loading, ``ncclGetVersion`` and
+``ncclGetUniqueId`` work and communicator creation fails with a CUDA error, which is as far as
+CPU tests go; ``benchmarks/gpu_kvtransfer.py`` covers real transfers.
+
+Communicators: one lazily created 2-rank communicator per (local device, peer) pair, the unique
+id carried in the authenticated ``hello``; non-blocking init polled with
+``ncclCommGetAsyncError`` under a deadline and aborted (never destroyed from a destructor) on
+error or timeout; at most ``max_comms`` live at once (each costs tens of MB of GPU memory), the
+least recently used aborted first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtransfer.states import FailureCause, TransferError
+
+NCCL_UNIQUE_ID_BYTES = 128
+RESULTS = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    2: "ncclSystemError",
+    3: "ncclInternalError",
+    4: "ncclInvalidArgument",
+    5: "ncclInvalidUsage",
+    6: "ncclRemoteError",
+    7: "ncclInProgress",
+}
+NCCL_IN_PROGRESS = 7
+NCCL_UINT8 = 1
+_CONFIG_MAGIC = 0xCAFEBEEF
+_UNDEF_INT = -(2**31)
+
+
+class NcclError(TransferError):
+    def __init__(self, code: int, call: str, detail: str = "") -> None:
+        name = RESULTS.get(code, f"ncclResult {code}")
+        cause = FailureCause.PEER_LOST if code == 6 else FailureCause.PROTOCOL
+        super().__init__(cause, f"{call} failed: {name}{': ' + detail if detail else ''}")
+        self.code = code
+        self.name = name
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
+
+
+class NcclConfig(ctypes.Structure):
+    """The leading fields of ``ncclConfig_t``; ``size`` tells NCCL how many we pass."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+    ]
+
+
+def find_library() -> Path:
+    """``PDSERVE_NCCL_LIB``, else ``nvidia/nccl/lib/libnccl.so.2`` from the installed wheel."""
+    override = os.environ.get("PDSERVE_NCCL_LIB")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"PDSERVE_NCCL_LIB={override} does not exist")
+        return path
+    spec = importlib.util.find_spec("nvidia.nccl")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
+    seen: set[str] = set()
+    for loc in spec.submodule_search_locations:  # namespace packages may list a path twice
+        real = os.path.realpath(loc)
+        if real in seen:
+            continue
+        seen.add(real)
+        candidate = Path(real) / "lib" / "libnccl.so.2"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"libnccl.so.2 not found under {sorted(seen)}")
+
+
+def decode_version(code: int) -> tuple[int, int, int]:
+    if code >= 10000:  # NCCL >= 2.9: major * 10000 + minor * 100 + patch
+        return code // 10000, (code // 100) % 100, code % 100
+    return code // 1000, (code // 100) % 10, code % 100
+
+
+class NcclLibrary:
+    """Typed wrappers; every call checks its ``ncclResult_t``."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or find_library()
+        self.lib = ctypes.CDLL(str(self.path))
+        L = self.lib
+        vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        for name, args in {
+            "ncclGetVersion": [ctypes.POINTER(i32)],
+            "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
+            "ncclCommInitRankConfig": [ctypes.POINTER(vp), i32, UniqueId, i32, ctypes.POINTER(NcclConfig)],
+            "ncclCommGetAsyncError": [vp, ctypes.POINTER(i32)],
+            "ncclCommAbort": [vp],
+            "ncclCommDestroy": [vp],
+            "ncclGroupStart": [],
+            "ncclGroupEnd": [],
+            "ncclSend": [vp, sz, i32, i32, vp, vp],
+            "ncclRecv": [vp, sz, i32, i32, vp, vp],
+        }.items():
+            fn = getattr(L, name)
+            fn.argtypes = args
+            fn.restype = i32
+        L.ncclGetErrorString.argtypes = [i32]
+        L.ncclGetErrorString.restype = ctypes.c_char_p
+        self.version = self.get_version()
+
+    def check(self, code: int, call: str) -> int:
+        if code not in (0, NCCL_IN_PROGRESS):
+            detail = self.lib.ncclGetErrorString(code)
+            raise NcclError(code, call, detail.decode() if detail else "")
+        return code
+
+    def get_version(self) -> int:
+        v = ctypes.c_int()
+        self.check(self.lib.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
+        return v.value
+
+    def unique_id(self) -> bytes:
+        uid = UniqueId()
+        self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return bytes(bytearray(uid.internal))
+
+    def init_rank(self, nranks: int, uid: bytes, rank: int, blocking: bool = False) -> int:
+        """Start creating a communicator; returns its handle (poll ``async_error`` until 0)."""
+        if len(uid) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        u = UniqueId()
+        ctypes.memmove(u.internal, uid, NCCL_UNIQUE_ID_BYTES)
+        cfg = NcclConfig(
+            size=ctypes.sizeof(NcclConfig),
+            magic=_CONFIG_MAGIC,
+            version=self.version,
+            blocking=1 if blocking else 0,
+            cgaClusterSize=_UNDEF_INT,
+            minCTAs=_UNDEF_INT,
+            maxCTAs=_UNDEF_INT,
+            netName=None,
+            splitShare=_UNDEF_INT,
+        )
+        comm = ctypes.c_void_p()
+        self.check(
+            self.lib.ncclCommInitRankConfig(ctypes.byref(comm), nranks, u, rank, ctypes.byref(cfg)),
+            "ncclCommInitRankConfig",
+        )
+        return comm.value or 0
+
+    def async_error(self, comm: int) -> int:
+        r = ctypes.c_int()
+        self.check(
+            self.lib.ncclCommGetAsyncError(ctypes.c_void_p(comm), ctypes.byref(r)), "ncclCommGetAsyncError"
+        )
+        return r.value
+
+    def abort(self, comm: int) -> None:
+        self.lib.ncclCommAbort(ctypes.c_void_p(comm))
+
+    def group(self, calls: Callable[[], None]) -> None:
+        self.check(self.lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            calls()
+        finally:
+            self.check(self.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
+        self.check(
+            self.lib.ncclSend(
+                ctypes.c_void_p(ptr), nbytes, NCCL_UINT8, peer, ctypes.c_void_p(comm), ctypes.c_void_p(stream)
+            ),
+            "ncclSend",
+        )
+
+    def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
+        self.check(
+            self.lib.ncclRecv(
+                ctypes.c_void_p(ptr), nbytes, NCCL_UINT8, peer, ctypes.c_void_p(comm), ctypes.c_void_p(stream)
+            ),
+            "ncclRecv",
+        )
+
+
+def wait_ready(lib: NcclLibrary, comm: int, deadline: float, poll_s: float = 0.001) -> None:
+    """Poll a non-blocking communicator until it is ready; abort it on error or deadline."""
+    while True:
+        try:
+            state = lib.async_error(comm)
+        except NcclError:
+            lib.abort(comm)
+            raise
+        if state == 0:
+            return
+        if state != NCCL_IN_PROGRESS:
+            lib.abort(comm)
+            lib.check(state, "ncclCommInitRankConfig (async)")
+        if time.monotonic() > deadline:
+            lib.abort(comm)
+            raise TransferError(FailureCause.TIMEOUT, "NCCL communicator not ready before the deadline")
+        time.sleep(poll_s)
+
+
+@dataclass
+class _Comm:
+    handle: int
+    rank: int
+
+
+class CommCache:
+    """Live communicators by (device, peer), capped; the least recently used is aborted first.
+
+    Pure bookkeeping around ``create``/``destroy`` callables, so the policy is tested without a
+    GPU. ``destroy`` must abort, never ``ncclCommDestroy`` (which can hang on a dead peer).
+    """
+
+    def __init__(
+        self, max_comms: int, create: Callable[[str, int, bytes], int], destroy: Callable[[int], None]
+    ) -> None:
+        if max_comms < 1:
+            raise ValueError("max_comms must be >= 1")
+        self.max_comms = max_comms
+        self._create = create
+        self._destroy = destroy
+        self._comms: OrderedDict[tuple[int, str], _Comm] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, device: int, peer: str, rank: int, uid: bytes) -> int:
+        key = (device, peer)
+        with self._lock:
+            c = self._comms.get(key)
+            if c is not None:
+                self._comms.move_to_end(key)
+                return c.handle
+            while len(self._comms) >= self.max_comms:
+                _, old = self._comms.popitem(last=False)
+                self._destroy(old.handle)
+            handle = self._create(peer, rank, uid)
+            self._comms[key] = _Comm(handle, rank)
+            return handle
+
+    def drop(self, device: int, peer: str) -> None:
+        with self._lock:
+            c = self._comms.pop((device, peer), None)
+        if c is not None:
+            self._destroy(c.handle)
+
+    def __len__(self) -> int:
+        return len(self._comms)
+
+    def close(self) -> None:
+        with self._lock:
+            comms, self._comms = list(self._comms.values()), OrderedDict()
+        for c in comms:
+            self._destroy(c.handle)
+
+
+def block_pointers(cache: Any, layer: int, blocks: Sequence[int]) -> list[int]:
+    """Device addresses of ``cache[layer, b]`` (contiguous runs of ``block_nbytes``)."""
+    base = cache[layer].data_ptr()
+    stride = cache[layer].stride(0) * cache.element_size()
+    return [base + b * stride for b in blocks]
+
+
+def _stream_wait(lib: NcclLibrary, comm: int, event: Any, deadline: float) -> None:
+    """Wait for ``event`` while watching the communicator; abort it on error or deadline."""
+    while not event.query():
+        err = lib.async_error(comm)
+        if err not in (0, NCCL_IN_PROGRESS):
+            lib.abort(comm)
+            lib.check(err, "NCCL transfer")
+        if time.monotonic() > deadline:
+            lib.abort(comm)
+            raise TransferError(FailureCause.TIMEOUT, "NCCL transfer did not finish before the deadline")
+        time.sleep(0.0002)
+
+
+def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
+    """An ``NcclPath`` for a CUDA cache (imported lazily: CPU-only processes never need it)."""
+    import torch
+
+    from kvtransfer.channel import Connection
+    from kvtransfer.datapath import DataPath
+
+    class NcclPath(DataPath):
+        """Sender is rank 0 and mints the unique id; the receiver is rank 1. The ``data`` frame
+        announces a layer's blocks; the bytes then move as grouped ncclSend/ncclRecv."""
+
+        name = "nccl"
+        direct_write = False
+
+        def __init__(self) -> None:
+            super().__init__(cache)
+            self.lib = NcclLibrary()
+            self.device = cache.device
+            self.stream = torch.cuda.Stream(device=self.device)
+            self.comms = CommCache(max_comms, self._create, self.lib.abort)
+            self._pending_uid: dict[int, bytes] = {}
+
+        def _create(self, peer: str, rank: int, uid: bytes) -> int:
+            with torch.cuda.device(self.device):
+                comm = self.lib.init_rank(2, uid, rank, blocking=False)
+                wait_ready(self.lib, comm, time.monotonic() + io_timeout_s)
+            return comm
+
+        def hello_info(self) -> dict[str, Any]:
+            uid = self.lib.unique_id()
+            self._pending_uid[threading.get_ident()] = uid
+            return {"nccl_uid": uid}
+
+        def accept(self, conn: Connection, hello: dict[str, Any]) -> None:
+            uid = hello.get("info", {}).get("nccl_uid")
+            if not isinstance(uid, bytes) or len(uid) != NCCL_UNIQUE_ID_BYTES:
+                raise TransferError(FailureCause.PROTOCOL, "nccl peer sent no unique id")
+            conn.nccl_comm = self.comms.get(self.device.index or 0, conn.peer, 1, uid)  # type: ignore[attr-defined]
+
+        def attach(self, conn: Connection) -> None:
+            uid = self._pending_uid.pop(threading.get_ident())
+            conn.nccl_comm = self.comms.get(self.device.index or 0, conn.peer, 0, uid)  # type: ignore[attr-defined]
+
+        def detach(self, conn: Connection) -> None:
+            self.comms.drop(self.device.index or 0, conn.peer)
+
+        def _run(
+            self, conn: Connection, op: Callable[[int, int, int, int, int], None], ptrs: list[int], peer: int
+        ) -> None:
+            comm: int = conn.nccl_comm  # type: ignore[attr-defined]
+            stream = self.stream.cuda_stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+            def calls() -> None:
+                for p in ptrs:
+                    op(p, self.block_nbytes, peer, comm, stream)
+
+            self.lib.group(calls)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            _stream_wait(self.lib, comm, event, time.monotonic() + io_timeout_s)
+
+        def push_layer(
+            self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+        ) -> int:
+            conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src))
+            self._run(conn, self.lib.send, block_pointers(self.cache, layer, src), peer=1)
+            return len(src) * self.block_nbytes
+
+        def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
+            layer, first, count = frame["layer"], frame["first"], frame["count"]
+            if layer >= self.num_layers or first + count > len(dst):
+                raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
+            self._run(
+                conn, self.lib.recv, block_pointers(self.cache, layer, dst[first : first + count]), peer=0
+            )
+            return count * self.block_nbytes
+
+        def close(self) -> None:
+            self.comms.close()
+
+    return NcclPath()

@@ -1,0 +1,349 @@
+"""The receiving (decode) side: reserved destinations, a listener, one reader per connection.
+
+The owner (the decode worker) reserves blocks, then calls ``expect(id, blocks, lease)``. A sender
+connects, authenticates, and sends ``begin`` naming exactly those blocks; the receiver answers
+``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write) frames until
+``done``. A transfer is DONE only when every layer arrived in full. Any doubt fails it: a missing
+layer at ``done``, a lost connection, an expired lease, a cancel. For direct-write paths an
+accepted transfer is failed only once the sender has confirmed it stopped writing (``aborted``)
+or its connection is gone, so released blocks are never written afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer import wire
+from kvtransfer.channel import Connection, server_handshake
+from kvtransfer.datapath import DataPath
+from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Incoming:
+    transfer_id: str
+    dst_blocks: tuple[int, ...]
+    num_layers: int
+    deadline: float
+    state: TransferState = TransferState.BOOTSTRAPPING
+    conn: Connection | None = None
+    direct_write: bool = False
+    layers: set[int] = field(default_factory=set)
+    received: dict[int, int] = field(default_factory=dict)  # layer -> blocks received (tcp)
+    started: float = 0.0
+    nbytes: int = 0
+    stopping: FailureCause | None = None  # asked the sender to stop; waiting for "aborted"
+
+
+class Receiver:
+    def __init__(
+        self,
+        paths: dict[str, DataPath],
+        layout: dict[str, Any],
+        secret: bytes,
+        io_timeout_s: float,
+        completions: CompletionQueue,
+        stats: TransferStats,
+    ) -> None:
+        self.paths = paths
+        self.layout = layout
+        self.secret = secret
+        self.io_timeout_s = io_timeout_s
+        self.completions = completions
+        self.stats = stats
+        self.num_layers = next(iter(paths.values())).num_layers
+        self.num_blocks = next(iter(paths.values())).cache.shape[1]
+        self._lock = threading.Condition()
+        self._transfers: dict[str, Incoming] = {}
+        self._conns: set[Connection] = set()
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+        self.address = ""
+        self._threads: list[threading.Thread] = []
+
+    def _spawn(self, target: Any, *args: Any, name: str) -> None:
+        th = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(th)
+        th.start()
+
+    # -- owner API ---------------------------------------------------------------------------
+    def listen(self, host: str, port: int) -> str:
+        if self._listener is not None:
+            return self.address
+        sock = socket.create_server((host, port), backlog=64)
+        self._listener = sock
+        h, p = sock.getsockname()[:2]
+        self.address = f"{h}:{p}"
+        self._spawn(self._accept_loop, name=f"kv-accept-{p}")
+        return self.address
+
+    def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float) -> None:
+        if not dst_blocks:
+            raise ValueError("a transfer needs at least one destination block")
+        if any(not 0 <= b < self.num_blocks for b in dst_blocks):
+            raise ValueError(f"destination blocks outside 0..{self.num_blocks - 1}")
+        with self._lock:
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already known")
+            self._transfers[transfer_id] = Incoming(
+                transfer_id, tuple(dst_blocks), self.num_layers, time.monotonic() + lease_s
+            )
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                self._stop(t, FailureCause.CANCELLED)
+
+    def state(self, transfer_id: str) -> TransferState | None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            return t.state if t else None
+
+    def layers_done(self, transfer_id: str) -> int:
+        """How many leading layers are complete (decode may start on layer i once i < this)."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                return 0
+            n = 0
+            while n in t.layers:
+                n += 1
+            return n
+
+    def wait(self, transfer_id: str, timeout_s: float, layers: int | None = None) -> TransferState | None:
+        """Block until the transfer is terminal (or ``layers`` leading layers are in)."""
+        deadline = time.monotonic() + timeout_s
+
+        def ready() -> bool:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.state.terminal:
+                return True
+            return layers is not None and all(i in t.layers for i in range(layers))
+
+        with self._lock:
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(min(left, 0.05))
+                self._reap_locked(time.monotonic())
+            t = self._transfers.get(transfer_id)
+            return t.state if t else None
+
+    def forget(self, transfer_id: str) -> None:
+        """Drop a terminal transfer's record (its completion was already reported)."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.state.terminal:
+                del self._transfers[transfer_id]
+
+    def reap(self) -> None:
+        with self._lock:
+            self._reap_locked(time.monotonic())
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._conns):
+            conn.close()
+        for th in list(self._threads):
+            if th is not threading.current_thread():
+                th.join(timeout=2.0)
+
+    # -- state transitions (hold the lock) ---------------------------------------------------
+    def _finish(self, t: Incoming, state: TransferState, cause: FailureCause | None = None) -> None:
+        if t.state.terminal:
+            return
+        t.state = state
+        if state is TransferState.DONE:
+            self.stats.transfers_received += 1
+            self.stats.bytes_received += t.nbytes
+            self.stats.receive_seconds += time.monotonic() - t.started
+            self.completions.received(t.transfer_id)
+        else:
+            assert cause is not None
+            self.stats.failures[cause.value] += 1
+            self.completions.failed(t.transfer_id, cause)
+        self._lock.notify_all()
+
+    def _stop(self, t: Incoming, cause: FailureCause) -> None:
+        """Fail ``t`` now if no sender can still write into its blocks, else ask it to stop."""
+        if t.state.terminal or t.stopping is not None:
+            return
+        if (
+            t.state is TransferState.BOOTSTRAPPING
+            or not t.direct_write
+            or t.conn is None
+            or t.conn.closed.is_set()
+        ):
+            self._finish(t, TransferState.FAILED, cause)
+            return
+        t.stopping = cause
+        conn = t.conn
+        self._spawn(self._send_abort, conn, t.transfer_id, cause, name="kv-abort")
+
+    def _send_abort(self, conn: Connection, transfer_id: str, cause: FailureCause) -> None:
+        try:
+            conn.send("abort", id=transfer_id, reason=cause.value)
+        except TransferError:
+            self._on_conn_lost(conn)
+
+    def _reap_locked(self, now: float) -> None:
+        for t in self._transfers.values():
+            if not t.state.terminal and now > t.deadline:
+                self._stop(t, FailureCause.TIMEOUT)
+
+    # -- connections -------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        self._listener.settimeout(0.1)  # closing a socket does not wake a blocked accept()
+        while not self._closed.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            conn = Connection(sock, self.io_timeout_s, f"{addr[0]}:{addr[1]}")
+            self._spawn(self._serve, conn, name=f"kv-recv-{addr[1]}")
+
+    def _serve(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            offers = {name: p.receiver_info() for name, p in self.paths.items()}
+            hello = server_handshake(conn, self.secret, self.layout, offers)
+            path = self.paths[conn.backend]
+            path.accept(conn, hello)
+            while True:
+                frame = conn.read_frame(idle=True)
+                self._dispatch(conn, path, frame)
+        except (TransferError, wire.FrameError) as e:
+            if not self._closed.is_set():
+                log.info("kv connection from %s ended: %s", conn.peer, e)
+        finally:
+            conn.close()
+            self._on_conn_lost(conn)
+
+    def _on_conn_lost(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            for t in self._transfers.values():
+                if t.conn is conn and not t.state.terminal:
+                    self._finish(t, TransferState.FAILED, t.stopping or FailureCause.PEER_LOST)
+
+    def _ignore(self, conn: Connection, frame: dict[str, Any], path: DataPath) -> None:
+        self.stats.ignored_frames += 1
+        if frame["t"] == "data":
+            if frame["count"] > self.num_blocks:
+                raise TransferError(FailureCause.PROTOCOL, f"data frame claims {frame['count']} blocks")
+            conn.drain(frame["count"] * path.block_nbytes)
+
+    def _dispatch(self, conn: Connection, path: DataPath, frame: dict[str, Any]) -> None:
+        kind = frame["t"]
+        handler: Callable[[Connection, DataPath, dict[str, Any]], None] | None = {
+            "begin": self._on_begin,
+            "data": self._on_data,
+            "layer": self._on_layer,
+            "done": self._on_done,
+            "abort": self._on_abort,
+            "aborted": self._on_aborted,
+        }.get(kind)
+        if handler is None:
+            raise TransferError(FailureCause.PROTOCOL, f"unexpected {kind} frame from a sender")
+        handler(conn, path, frame)
+
+    def _active(self, conn: Connection, transfer_id: str) -> Incoming | None:
+        t = self._transfers.get(transfer_id)
+        if t is None or t.state is not TransferState.TRANSFERRING or t.conn is not conn or t.stopping:
+            return None
+        return t
+
+    def _on_begin(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        with self._lock:
+            t = self._transfers.get(f["id"])
+            reason = None
+            if t is None or t.state is not TransferState.BOOTSTRAPPING:
+                reason = "unknown or finished transfer"
+            elif tuple(f["dst_blocks"]) != t.dst_blocks:
+                reason = "destination blocks differ from the reservation"
+            elif f["num_layers"] != t.num_layers:
+                reason = f"{f['num_layers']} layers, expected {t.num_layers}"
+            if reason is not None:
+                if t is not None and not t.state.terminal:
+                    self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
+                self.stats.ignored_frames += 1
+            else:
+                assert t is not None
+                t.state = TransferState.TRANSFERRING
+                t.conn = conn
+                t.direct_write = path.direct_write
+                t.started = time.monotonic()
+        if reason is not None:
+            conn.send("reject", id=f["id"], reason=reason, cause=FailureCause.REJECTED.value)
+        else:
+            conn.send("ready", id=f["id"])
+
+    def _on_data(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        with self._lock:
+            t = self._active(conn, f["id"])
+        if t is None:
+            self._ignore(conn, f, path)
+            return
+        # Only this connection's reader writes these blocks, so no lock while receiving.
+        n = path.receive_data(conn, f, t.dst_blocks)
+        with self._lock:
+            t.nbytes += n
+            got = t.received.get(f["layer"], 0) + f["count"]
+            t.received[f["layer"]] = got
+            if got >= len(t.dst_blocks):
+                t.layers.add(f["layer"])
+                self._lock.notify_all()
+
+    def _on_layer(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        if f["layer"] >= self.num_layers:
+            raise TransferError(FailureCause.PROTOCOL, f"layer {f['layer']} out of range")
+        with self._lock:
+            t = self._active(conn, f["id"])
+            if t is None:
+                self.stats.ignored_frames += 1
+                return
+            t.layers.add(f["layer"])
+            t.nbytes += len(t.dst_blocks) * path.block_nbytes
+            self._lock.notify_all()
+
+    def _on_done(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        with self._lock:
+            t = self._active(conn, f["id"])
+            if t is None:
+                self.stats.ignored_frames += 1
+                return
+            if len(t.layers) == t.num_layers:
+                self._finish(t, TransferState.DONE)
+            else:
+                self._finish(t, TransferState.FAILED, FailureCause.PROTOCOL)
+
+    def _on_abort(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        # The sender gave up; it sends this only after it stopped writing.
+        with self._lock:
+            t = self._transfers.get(f["id"])
+            if t is not None and t.conn is conn:
+                self._finish(t, TransferState.FAILED, t.stopping or FailureCause.CANCELLED)
+
+    def _on_aborted(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        with self._lock:
+            t = self._transfers.get(f["id"])
+            if t is not None and t.conn is conn and t.stopping is not None:
+                self._finish(t, TransferState.FAILED, t.stopping)

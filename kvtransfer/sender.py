@@ -1,0 +1,318 @@
+"""The sending (prefill) side: one connection, pusher thread and reader thread per peer.
+
+``send`` only queues work, so the prefill worker never blocks on the network. The pusher
+connects (lazily, once per peer), sends ``begin``, waits for ``ready``, then pushes each layer as
+soon as it is computed (``layer_ready``) or all at once, and ends with ``done``. Events of
+different transfers to one peer interleave in arrival order. The reader thread takes the peer's
+answers (``ready``, ``reject``, ``abort``). A transfer's lock is held while one of its layers is
+written, so an abort or a failure never races a write: once a transfer is FAILED or DONE the
+transport no longer touches its source blocks (and, for direct-write paths, the peer's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer import wire
+from kvtransfer.channel import Connection, client_handshake
+from kvtransfer.datapath import DataPath
+from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Outgoing:
+    transfer_id: str
+    peer: str
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    layerwise: bool
+    deadline: float
+    state: TransferState = TransferState.BOOTSTRAPPING
+    layers_ready: int = 0
+    layers_sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    answer: threading.Event = field(default_factory=threading.Event)
+    rejected: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+
+
+class _Peer:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.conn: Connection | None = None
+        self.events: queue.Queue[tuple[str, Outgoing | None]] = queue.Queue()
+        self.transfers: dict[str, Outgoing] = {}
+
+
+class Sender:
+    def __init__(
+        self,
+        path: DataPath,
+        backend: str,
+        layout: dict[str, Any],
+        secret: bytes,
+        io_timeout_s: float,
+        connect_timeout_s: float,
+        completions: CompletionQueue,
+        stats: TransferStats,
+    ) -> None:
+        self.path = path
+        self.backend = backend
+        self.layout = layout
+        self.secret = secret
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.completions = completions
+        self.stats = stats
+        self.num_layers = path.num_layers
+        self._lock = threading.Lock()
+        self._transfers: dict[str, Outgoing] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+
+    def _spawn(self, target: Any, *args: Any, name: str) -> None:
+        th = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(th)
+        th.start()
+
+    # -- owner API ---------------------------------------------------------------------------
+    def send(
+        self,
+        transfer_id: str,
+        peer: str,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        layerwise: bool,
+        timeout_s: float,
+    ) -> None:
+        if len(src_blocks) != len(dst_blocks) or not src_blocks:
+            raise ValueError("source and destination block lists must be non-empty and equally long")
+        t = Outgoing(
+            transfer_id,
+            peer,
+            tuple(src_blocks),
+            tuple(dst_blocks),
+            layerwise,
+            time.monotonic() + timeout_s,
+            layers_ready=0 if layerwise else self.num_layers,
+        )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transport is closed")
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already known")
+            self._transfers[transfer_id] = t
+            p = self._peers.get(peer)
+            if p is None:
+                p = self._peers[peer] = _Peer(peer)
+                self._spawn(self._pusher, p, name=f"kv-push-{peer}")
+            p.transfers[transfer_id] = t
+        p.events.put(("begin", t))
+
+    def layer_ready(self, transfer_id: str, layer: int) -> None:
+        """Layers ``0..layer`` of the transfer's source blocks are computed and may be sent."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            p = self._peers.get(t.peer) if t else None
+        if t is None or p is None or layer < t.layers_ready:
+            return
+        t.layers_ready = min(layer + 1, self.num_layers)
+        p.events.put(("progress", t))
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            p = self._peers.get(t.peer) if t else None
+        if t is not None and p is not None:
+            self._fail(p, t, FailureCause.CANCELLED, notify_peer=True)
+
+    def state(self, transfer_id: str) -> TransferState | None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            return t.state if t else None
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.state.terminal:
+                del self._transfers[transfer_id]
+                p = self._peers.get(t.peer)
+                if p is not None:
+                    p.transfers.pop(transfer_id, None)
+
+    def reap(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [
+                (self._peers[t.peer], t)
+                for t in self._transfers.values()
+                if not t.state.terminal and now > t.deadline
+            ]
+        for p, t in expired:
+            self._fail(p, t, FailureCause.TIMEOUT, notify_peer=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+        for p in peers:
+            p.events.put(("stop", None))
+            for t in list(p.transfers.values()):
+                self._fail(p, t, FailureCause.CANCELLED, notify_peer=False)
+            if p.conn is not None:
+                p.conn.close()
+        # Join so no thread touches the cache (or the peer's mapping) after close returns.
+        for th in self._threads:
+            if th is not threading.current_thread():
+                th.join(timeout=2.0)
+
+    # -- transitions -------------------------------------------------------------------------
+    def _finish(self, t: Outgoing, state: TransferState, cause: FailureCause | None = None) -> bool:
+        """Caller holds ``t.lock``. True if this call moved ``t`` to a terminal state."""
+        if t.state.terminal:
+            return False
+        t.state = state
+        t.answer.set()
+        if state is TransferState.DONE:
+            self.stats.transfers_sent += 1
+            self.stats.bytes_sent += t.nbytes
+            self.stats.send_seconds += time.monotonic() - t.started
+            self.completions.sent(t.transfer_id)
+        else:
+            assert cause is not None
+            self.stats.failures[cause.value] += 1
+            self.completions.failed(t.transfer_id, cause)
+        return True
+
+    def _fail(self, p: _Peer, t: Outgoing, cause: FailureCause, notify_peer: bool) -> None:
+        with t.lock:  # waits for a layer write in progress to finish
+            begun = t.state is TransferState.TRANSFERRING
+            if not self._finish(t, TransferState.FAILED, cause):
+                return
+        conn = p.conn
+        if notify_peer and begun and conn is not None and not conn.closed.is_set():
+            with contextlib.suppress(TransferError):  # the reader notices a dead connection
+                conn.send("abort", id=t.transfer_id, reason=cause.value)
+
+    def _fail_peer(self, p: _Peer, cause: FailureCause, current: Outgoing | None = None) -> None:
+        """The connection broke: fail everything in flight to that peer, then close it."""
+        for t in list(p.transfers.values()):
+            with t.lock:
+                self._finish(t, TransferState.FAILED, cause if t is current else FailureCause.PEER_LOST)
+        if p.conn is not None:
+            self.path.detach(p.conn)
+            p.conn.close()
+            p.conn = None
+
+    # -- threads -----------------------------------------------------------------------------
+    def _connect(self, p: _Peer) -> Connection:
+        host, _, port = p.address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        except (OSError, ValueError) as e:
+            raise TransferError(FailureCause.UNREACHABLE, f"cannot connect to {p.address}: {e}") from None
+        conn = Connection(sock, self.io_timeout_s, p.address)
+        try:
+            client_handshake(conn, self.secret, self.layout, self.backend, self.path.hello_info())
+            self.path.attach(conn)
+        except (TransferError, wire.FrameError):
+            conn.close()
+            raise
+        self._spawn(self._reader, p, conn, name=f"kv-ans-{p.address}")
+        return conn
+
+    def _pusher(self, p: _Peer) -> None:
+        while True:
+            kind, t = p.events.get()
+            if kind == "stop":
+                return
+            assert t is not None
+            if t.state.terminal:
+                continue
+            try:
+                if time.monotonic() > t.deadline:
+                    raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
+                if p.conn is None or p.conn.closed.is_set():
+                    p.conn = self._connect(p)
+                if kind == "begin":
+                    self._begin(p.conn, t)
+                self._push_ready_layers(p.conn, t)
+            except TransferError as e:
+                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
+                if e.cause in (FailureCause.PEER_LOST, FailureCause.TIMEOUT) and p.conn is not None:
+                    self._fail_peer(p, e.cause, current=t)
+                else:
+                    self._fail(p, t, e.cause, notify_peer=True)
+            except Exception:  # a bug must fail the transfer, not kill the pusher silently
+                log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
+                self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
+
+    def _begin(self, conn: Connection, t: Outgoing) -> None:
+        conn.send(
+            "begin",
+            id=t.transfer_id,
+            dst_blocks=list(t.dst_blocks),
+            num_layers=self.num_layers,
+            layerwise=t.layerwise,
+        )
+        if not t.answer.wait(max(0.0, min(t.deadline - time.monotonic(), self.io_timeout_s))):
+            raise TransferError(FailureCause.TIMEOUT, "no answer to begin")
+        with t.lock:
+            if t.rejected is not None:
+                self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
+            elif t.state is TransferState.BOOTSTRAPPING:
+                t.state = TransferState.TRANSFERRING
+
+    def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
+        with t.lock:
+            if t.state is not TransferState.TRANSFERRING or t.layers_sent >= t.layers_ready:
+                return
+            layers = range(t.layers_sent, t.layers_ready)
+            t.nbytes += self.path.push_layers(conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks)
+            t.layers_sent = layers.stop
+            if t.layers_sent == self.num_layers:
+                conn.send("done", id=t.transfer_id)
+                self._finish(t, TransferState.DONE)
+
+    def _reader(self, p: _Peer, conn: Connection) -> None:
+        try:
+            while True:
+                f = conn.read_frame(idle=True)
+                with self._lock:
+                    t = p.transfers.get(f.get("id", ""))
+                if f["t"] not in ("ready", "reject", "abort"):
+                    raise TransferError(FailureCause.PROTOCOL, f"unexpected {f['t']} frame from a receiver")
+                if f["t"] == "abort":
+                    # Stop writing it (if we still are), then confirm: the receiver frees its
+                    # blocks on our word, so "aborted" goes out only after the lock is ours.
+                    if t is not None:
+                        with t.lock:
+                            self._finish(t, TransferState.FAILED, FailureCause.CANCELLED)
+                    conn.send("aborted", id=f["id"])
+                    continue
+                if t is None:
+                    self.stats.ignored_frames += 1
+                    continue
+                if f["t"] == "reject":
+                    t.rejected = f["reason"]
+                    t.answer.set()
+                else:
+                    t.answer.set()
+        except (TransferError, wire.FrameError) as e:
+            if not conn.closed.is_set():
+                log.info("kv connection to %s ended: %s", p.address, e)
+        finally:
+            if p.conn is conn:
+                self._fail_peer(p, FailureCause.PEER_LOST)

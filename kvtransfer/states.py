@@ -1,0 +1,103 @@
+"""Transfer states, failure causes, completion sets and counters (pure Python).
+
+A transfer is identified by a router-minted, globally unique id. Each side keeps its own
+record::
+
+    receiver (decode):  expect() -> BOOTSTRAPPING --begin--> TRANSFERRING --all layers--> DONE
+    sender (prefill):   send()   -> BOOTSTRAPPING --connected--> TRANSFERRING --pushed--> DONE
+    either side:        any non-terminal state --error | peer lost | deadline | cancel--> FAILED
+
+DONE and FAILED are terminal: frames arriving for a terminal (or unknown) transfer are drained
+and ignored. Contract on blocks: the transport never frees blocks. The receiver's owner frees
+the destination blocks on FAILED (on DONE they hold the request's KV); the sender's owner frees
+the source blocks on DONE or FAILED — after either, the transport no longer reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+class FailureCause(enum.Enum):
+    TIMEOUT = "timeout"  # a deadline or lease expired
+    PEER_LOST = "peer_lost"  # connection closed or reset, process died
+    PROTOCOL = "protocol"  # malformed, oversized or unexpected frame
+    AUTH = "auth"  # wrong shared secret
+    LAYOUT_MISMATCH = "layout_mismatch"  # the two caches disagree on shape or dtype
+    CANCELLED = "cancelled"  # the owner aborted it
+    UNREACHABLE = "unreachable"  # could not connect
+    REJECTED = "rejected"  # the receiver refused the transfer (unknown id, wrong size)
+
+
+class TransferError(Exception):
+    """A transfer-level failure with its cause."""
+
+    def __init__(self, cause: FailureCause, message: str) -> None:
+        super().__init__(f"{cause.value}: {message}")
+        self.cause = cause
+        self.message = message
+
+
+@dataclass
+class Completions:
+    """What finished since the last poll. Ids appear exactly once over a transport's life."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_receiving: set[str] = field(default_factory=set)
+    failed: dict[str, FailureCause] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_receiving or self.failed)
+
+
+@dataclass
+class TransferStats:
+    """Counters for metrics: bytes, seconds, outcomes; failures by cause."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_sent: int = 0
+    transfers_received: int = 0
+    send_seconds: float = 0.0
+    receive_seconds: float = 0.0
+    failures: Counter[str] = field(default_factory=Counter)
+    ignored_frames: int = 0
+
+
+class CompletionQueue:
+    """Thread-safe accumulation of completions; ``drain`` hands them to the poller."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = Completions()
+
+    def sent(self, transfer_id: str) -> None:
+        with self._lock:
+            self._pending.finished_sending.add(transfer_id)
+
+    def received(self, transfer_id: str) -> None:
+        with self._lock:
+            self._pending.finished_receiving.add(transfer_id)
+
+    def failed(self, transfer_id: str, cause: FailureCause) -> None:
+        with self._lock:
+            self._pending.failed[transfer_id] = cause
+
+    def drain(self) -> Completions:
+        with self._lock:
+            out, self._pending = self._pending, Completions()
+        return out

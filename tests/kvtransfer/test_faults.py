@@ -1,0 +1,288 @@
+"""Faults: each ends with both pools consistent and empty, and the survivor serving the next
+transfer byte-exactly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import random
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import wire
+from kvtransfer.states import FailureCause, TransferError, TransferState
+from kvtransfer.transport import KVTransport
+from model_runtime.kv_cache.block_pool import BlockPool
+from tests.kvtransfer import peers
+from tests.kvtransfer.helpers import SHAPE, pick, raw_client, same_bytes, transport
+
+CTX = mp.get_context("spawn")
+
+
+def outcome(t: KVTransport, tid: str, timeout: float = 10.0) -> object:
+    """Poll until ``tid`` completes; "sent", "received" or its failure cause."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = t.poll()
+        if tid in c.failed:
+            return c.failed[tid]
+        if tid in c.finished_sending:
+            return "sent"
+        if tid in c.finished_receiving:
+            return "received"
+        time.sleep(0.01)
+    raise AssertionError(f"{tid} never completed")
+
+
+def serves_next(receiver: KVTransport, pool: BlockPool, backend: str = "tcp", tid: str = "next") -> None:
+    """A fresh sender's transfer into ``receiver`` completes byte-exactly; blocks come back."""
+    rng = random.Random(tid)
+    sender = transport(backend, seed=11)
+    try:
+        dst = pick(pool, 3, rng)
+        receiver.expect(tid, dst)
+        sender.send(tid, receiver.address, [7, 8, 9], dst)
+        assert outcome(receiver, tid) == "received"
+        assert same_bytes(sender.cache, [7, 8, 9], receiver.cache, dst)
+        pool.free(dst)
+    finally:
+        sender.close()
+
+
+def assert_empty(*pools: BlockPool) -> None:
+    for p in pools:
+        assert p.check_integrity({}).used == 0
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_sender_killed_mid_transfer(backend: str) -> None:
+    receiver = transport(backend)
+    pool = BlockPool(SHAPE[1])
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 6, random.Random(1))
+        receiver.expect("k", dst, lease_s=60)
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(
+            target=peers.sender_process, args=(child, backend, addr, "k", list(range(6)), dst, 2)
+        )
+        proc.start()
+        assert parent.poll(60) and parent.recv() == "sent"
+        assert receiver.layers_received("k") >= 1 and receiver.state("k") is TransferState.TRANSFERRING
+        proc.kill()
+        proc.join()
+        assert outcome(receiver, "k") is FailureCause.PEER_LOST
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool, backend)
+        assert_empty(pool)
+    finally:
+        receiver.close()
+
+
+def test_receiver_killed_mid_transfer(backend: str) -> None:
+    sender = transport(backend, seed=3)
+    pool = BlockPool(SHAPE[1])
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=peers.receiver_process, args=(child, backend))
+    proc.start()
+    try:
+        assert parent.poll(60)
+        addr, offers = parent.recv()
+        parent.send(("expect", "r", [1, 2, 3, 4]))
+        assert parent.recv() == "ok"
+        src = pick(pool, 4, random.Random(2))
+        sender.send("r", addr, src, [1, 2, 3, 4], layerwise=True, peer_offers=offers)
+        sender.layer_ready("r", 0)
+        deadline = time.monotonic() + 10
+        while sender.stats.bytes_sent == 0 and time.monotonic() < deadline:
+            if sender._senders[backend]._transfers["r"].layers_sent:
+                break
+            time.sleep(0.01)
+        proc.kill()
+        proc.join()
+        sender.layer_ready("r", SHAPE[0] - 1)  # the next writes find the peer gone
+        assert outcome(sender, "r") in (FailureCause.PEER_LOST, FailureCause.TIMEOUT)
+        pool.free(src)
+        assert_empty(pool)
+        # The sender still serves: a new receiver gets a new transfer.
+        rx = transport(backend)
+        try:
+            rx.listen()
+            rx.expect("r2", [0, 5])
+            sender.send("r2", rx.address, [10, 11], [0, 5], peer_offers=rx.offers)
+            assert outcome(rx, "r2") == "received" and outcome(sender, "r2") == "sent"
+            assert same_bytes(sender.cache, [10, 11], rx.cache, [0, 5])
+        finally:
+            rx.close()
+    finally:
+        sender.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_sender_stall_beyond_its_deadline(backend: str) -> None:
+    """Layers never become ready: the sender gives up, tells the receiver, both free."""
+    sender, receiver = transport(backend, seed=4), transport(backend)
+    spool, rpool = BlockPool(SHAPE[1]), BlockPool(SHAPE[1])
+    try:
+        receiver.listen()
+        src, dst = pick(spool, 2, random.Random(3)), pick(rpool, 2, random.Random(4))
+        receiver.expect("s", dst, lease_s=60)
+        sender.send("s", receiver.address, src, dst, layerwise=True, timeout_s=0.5)
+        sender.layer_ready("s", 0)
+        assert outcome(sender, "s") is FailureCause.TIMEOUT
+        spool.free(src)
+        assert outcome(receiver, "s") is FailureCause.CANCELLED
+        rpool.free(dst)
+        assert_empty(spool, rpool)
+        serves_next(receiver, rpool, backend)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_receiver_lease_expires_while_sender_stalls(backend: str) -> None:
+    """The receiver's lease runs out mid-transfer: a direct-write sender is told to stop first."""
+    sender, receiver = transport(backend, seed=5), transport(backend)
+    spool, rpool = BlockPool(SHAPE[1]), BlockPool(SHAPE[1])
+    try:
+        receiver.listen()
+        src, dst = pick(spool, 3, random.Random(5)), pick(rpool, 3, random.Random(6))
+        receiver.expect("l", dst, lease_s=0.5)
+        sender.send("l", receiver.address, src, dst, layerwise=True, timeout_s=60)
+        sender.layer_ready("l", 0)
+        assert outcome(receiver, "l") is FailureCause.TIMEOUT
+        rpool.free(dst)
+        if backend == "shm":  # the sender confirmed it stopped before the receiver let go
+            assert outcome(sender, "l") is FailureCause.CANCELLED
+        else:
+            sender.cancel("l")
+            assert outcome(sender, "l") is FailureCause.CANCELLED
+        spool.free(src)
+        assert_empty(spool, rpool)
+        serves_next(receiver, rpool, backend)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_raw_stall_after_begin_times_out_on_the_receiver() -> None:
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 2, random.Random(7))
+        receiver.expect("st", dst, lease_s=0.3)
+        conn = raw_client(addr)
+        conn.send("begin", id="st", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+        assert outcome(receiver, "st") is FailureCause.TIMEOUT
+        pool.free(dst)
+        # Late frames for the expired transfer are drained and ignored, the connection lives on.
+        payload = [torch.zeros(SHAPE[2:]).numpy() for _ in dst]
+        conn.send("data", payload, id="st", layer=0, first=0, count=2)
+        conn.send("done", id="st")
+        time.sleep(0.2)
+        assert receiver.stats.ignored_frames >= 2
+        conn.close()
+        assert_empty(pool)
+        serves_next(receiver, pool)
+    finally:
+        receiver.close()
+
+
+def _marker_pickle(path: Path) -> bytes:
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, (f"touch {path}",))
+
+    return pickle.dumps(Evil())
+
+
+def _bad_inputs(tmp: Path) -> dict[str, bytes]:
+    wrong_types = msgpack.packb({"v": 1, "t": "data", "id": "b", "layer": "0", "first": 0, "count": 1})
+    return {
+        "truncated": wire.LENGTH.pack(100) + b"\x81\xa1v\x01" + b"x" * 6,
+        "wrong_types": wire.LENGTH.pack(len(wrong_types)) + wrong_types,
+        "oversize_length": b"\xff\xff\xff\xff" + b"\x00" * 16,
+        "deep_nesting": wire.LENGTH.pack(2001) + b"\x91" * 2000 + b"\xc0",
+        "pickle": (lambda p: wire.LENGTH.pack(len(p)) + p)(_marker_pickle(tmp / "unpickled")),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated", "wrong_types", "oversize_length", "deep_nesting", "pickle"])
+def test_malformed_frames_drop_the_connection_and_fail_its_transfer(case: str, tmp_path: Path) -> None:
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 2, random.Random(8))
+        receiver.expect("b", dst, lease_s=60)
+        conn = raw_client(addr)
+        conn.send("begin", id="b", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+        assert conn.read_frame()["t"] == "ready"
+        data = _bad_inputs(tmp_path)[case]
+        conn.sock.sendall(data)
+        if case == "truncated":
+            conn.sock.shutdown(1)  # the rest never comes
+        assert outcome(receiver, "b") is FailureCause.PEER_LOST
+        assert not (tmp_path / "unpickled").exists()
+        conn.close()
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool)
+    finally:
+        receiver.close()
+
+
+def test_wrong_secret_and_layout_mismatch_are_refused() -> None:
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    impostor = KVTransport(torch.randn(SHAPE), b"not-the-right-secret!!", receiver.config)
+    other_shape = (SHAPE[0], SHAPE[1], 2, SHAPE[3], SHAPE[4], SHAPE[5] * 2)
+    mismatched = transport("tcp", seed=1, shape=other_shape)
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 2, random.Random(9))
+        receiver.expect("w", dst, lease_s=60)
+        impostor.send("w", addr, [0, 1], dst)
+        assert outcome(impostor, "w") is FailureCause.AUTH
+        mismatched.send("w", addr, [0, 1], dst)
+        assert outcome(mismatched, "w") is FailureCause.LAYOUT_MISMATCH
+        assert receiver.state("w") is TransferState.BOOTSTRAPPING  # untouched by either
+        with pytest.raises(TransferError, match="refused"):
+            raw_client(addr, secret=b"wrong-secret-wrong-secret")
+    finally:
+        impostor.close()
+        mismatched.close()
+    try:
+        receiver.cancel("w")
+        assert outcome(receiver, "w") is FailureCause.CANCELLED
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool)
+    finally:
+        receiver.close()
+
+
+def test_begin_for_other_blocks_is_rejected() -> None:
+    sender, receiver = transport("shm", seed=6), transport("shm")
+    try:
+        receiver.listen()
+        receiver.expect("x", [1, 2])
+        sender.send("x", receiver.address, [3, 4], [2, 1])  # not the reserved order: refused
+        assert outcome(sender, "x") is FailureCause.REJECTED
+        assert outcome(receiver, "x") is FailureCause.REJECTED
+        assert not torch.equal(receiver.cache[:, 2], sender.cache[:, 3])  # nothing was written
+    finally:
+        sender.close()
+        receiver.close()
