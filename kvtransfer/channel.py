@@ -21,13 +21,47 @@ import hmac
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer import wire
 from kvtransfer.states import FailureCause, TransferError
 
 _IOV_MAX = 512
+
+
+@dataclass(frozen=True)
+class Peering:
+    """What both ends of every connection must agree on, and how long to wait for each other."""
+
+    layout: dict[str, Any]
+    secret: bytes
+    io_timeout_s: float
+    connect_timeout_s: float
+
+
+class ThreadGroup:
+    """Background threads of one endpoint, joined on close so that none touches the KV cache
+    (or a peer's mapping) after the owner closed the transport."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        th = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(th)
+        th.start()
+
+    def join(self, timeout_s: float = 2.0) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for th in threads:
+            if th is not threading.current_thread():
+                th.join(timeout=timeout_s)
 
 
 class ConnectionLost(TransferError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.channel import Connection, server_handshake
+from kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
 from kvtransfer.datapath import DataPath
 from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
 
@@ -45,18 +45,10 @@ class Incoming:
 
 class Receiver:
     def __init__(
-        self,
-        paths: dict[str, DataPath],
-        layout: dict[str, Any],
-        secret: bytes,
-        io_timeout_s: float,
-        completions: CompletionQueue,
-        stats: TransferStats,
+        self, paths: dict[str, DataPath], peering: Peering, completions: CompletionQueue, stats: TransferStats
     ) -> None:
         self.paths = paths
-        self.layout = layout
-        self.secret = secret
-        self.io_timeout_s = io_timeout_s
+        self.peering = peering
         self.completions = completions
         self.stats = stats
         self.num_layers = next(iter(paths.values())).num_layers
@@ -67,13 +59,7 @@ class Receiver:
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
         self.address = ""
-        self._threads: list[threading.Thread] = []
-
-    def _spawn(self, target: Any, *args: Any, name: str) -> None:
-        th = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(th)
-        th.start()
+        self._threads = ThreadGroup()
 
     # -- owner API ---------------------------------------------------------------------------
     def listen(self, host: str, port: int) -> str:
@@ -83,7 +69,7 @@ class Receiver:
         self._listener = sock
         h, p = sock.getsockname()[:2]
         self.address = f"{h}:{p}"
-        self._spawn(self._accept_loop, name=f"kv-accept-{p}")
+        self._threads.spawn(self._accept_loop, name=f"kv-accept-{p}")
         return self.address
 
     def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float) -> None:
@@ -157,9 +143,7 @@ class Receiver:
             self._listener.close()
         for conn in list(self._conns):
             conn.close()
-        for th in list(self._threads):
-            if th is not threading.current_thread():
-                th.join(timeout=2.0)
+        self._threads.join()
 
     # -- state transitions (hold the lock) ---------------------------------------------------
     def _finish(self, t: Incoming, state: TransferState, cause: FailureCause | None = None) -> None:
@@ -191,7 +175,7 @@ class Receiver:
             return
         t.stopping = cause
         conn = t.conn
-        self._spawn(self._send_abort, conn, t.transfer_id, cause, name="kv-abort")
+        self._threads.spawn(self._send_abort, conn, t.transfer_id, cause, name="kv-abort")
 
     def _send_abort(self, conn: Connection, transfer_id: str, cause: FailureCause) -> None:
         try:
@@ -216,15 +200,15 @@ class Receiver:
             except OSError:
                 return
             sock.settimeout(None)
-            conn = Connection(sock, self.io_timeout_s, f"{addr[0]}:{addr[1]}")
-            self._spawn(self._serve, conn, name=f"kv-recv-{addr[1]}")
+            conn = Connection(sock, self.peering.io_timeout_s, f"{addr[0]}:{addr[1]}")
+            self._threads.spawn(self._serve, conn, name=f"kv-recv-{addr[1]}")
 
     def _serve(self, conn: Connection) -> None:
         with self._lock:
             self._conns.add(conn)
         try:
             offers = {name: p.receiver_info() for name, p in self.paths.items()}
-            hello = server_handshake(conn, self.secret, self.layout, offers)
+            hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers)
             path = self.paths[conn.backend]
             path.accept(conn, hello)
             while True:

@@ -19,10 +19,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.channel import Connection, client_handshake
+from kvtransfer.channel import Connection, Peering, ThreadGroup, client_handshake
 from kvtransfer.datapath import DataPath
 from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
 
@@ -60,19 +59,13 @@ class Sender:
         self,
         path: DataPath,
         backend: str,
-        layout: dict[str, Any],
-        secret: bytes,
-        io_timeout_s: float,
-        connect_timeout_s: float,
+        peering: Peering,
         completions: CompletionQueue,
         stats: TransferStats,
     ) -> None:
         self.path = path
         self.backend = backend
-        self.layout = layout
-        self.secret = secret
-        self.io_timeout_s = io_timeout_s
-        self.connect_timeout_s = connect_timeout_s
+        self.peering = peering
         self.completions = completions
         self.stats = stats
         self.num_layers = path.num_layers
@@ -80,12 +73,7 @@ class Sender:
         self._transfers: dict[str, Outgoing] = {}
         self._peers: dict[str, _Peer] = {}
         self._closed = False
-        self._threads: list[threading.Thread] = []
-
-    def _spawn(self, target: Any, *args: Any, name: str) -> None:
-        th = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(th)
-        th.start()
+        self._threads = ThreadGroup()
 
     # -- owner API ---------------------------------------------------------------------------
     def send(
@@ -117,7 +105,7 @@ class Sender:
             p = self._peers.get(peer)
             if p is None:
                 p = self._peers[peer] = _Peer(peer)
-                self._spawn(self._pusher, p, name=f"kv-push-{peer}")
+                self._threads.spawn(self._pusher, p, name=f"kv-push-{peer}")
             p.transfers[transfer_id] = t
         p.events.put(("begin", t))
 
@@ -173,10 +161,7 @@ class Sender:
                 self._fail(p, t, FailureCause.CANCELLED, notify_peer=False)
             if p.conn is not None:
                 p.conn.close()
-        # Join so no thread touches the cache (or the peer's mapping) after close returns.
-        for th in self._threads:
-            if th is not threading.current_thread():
-                th.join(timeout=2.0)
+        self._threads.join()
 
     # -- transitions -------------------------------------------------------------------------
     def _finish(self, t: Outgoing, state: TransferState, cause: FailureCause | None = None) -> bool:
@@ -220,17 +205,19 @@ class Sender:
     def _connect(self, p: _Peer) -> Connection:
         host, _, port = p.address.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+            sock = socket.create_connection((host, int(port)), timeout=self.peering.connect_timeout_s)
         except (OSError, ValueError) as e:
             raise TransferError(FailureCause.UNREACHABLE, f"cannot connect to {p.address}: {e}") from None
-        conn = Connection(sock, self.io_timeout_s, p.address)
+        conn = Connection(sock, self.peering.io_timeout_s, p.address)
         try:
-            client_handshake(conn, self.secret, self.layout, self.backend, self.path.hello_info())
+            client_handshake(
+                conn, self.peering.secret, self.peering.layout, self.backend, self.path.hello_info()
+            )
             self.path.attach(conn)
         except (TransferError, wire.FrameError):
             conn.close()
             raise
-        self._spawn(self._reader, p, conn, name=f"kv-ans-{p.address}")
+        self._threads.spawn(self._reader, p, conn, name=f"kv-ans-{p.address}")
         return conn
 
     def _pusher(self, p: _Peer) -> None:
@@ -267,7 +254,7 @@ class Sender:
             num_layers=self.num_layers,
             layerwise=t.layerwise,
         )
-        if not t.answer.wait(max(0.0, min(t.deadline - time.monotonic(), self.io_timeout_s))):
+        if not t.answer.wait(max(0.0, min(t.deadline - time.monotonic(), self.peering.io_timeout_s))):
             raise TransferError(FailureCause.TIMEOUT, "no answer to begin")
         with t.lock:
             if t.rejected is not None:

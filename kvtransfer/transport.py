@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.channel import Peering
 from kvtransfer.datapath import CudaIpcPath, DataPath, ShmPath, TcpPath
 from kvtransfer.nccl import make_nccl_path
 from kvtransfer.receiver import Receiver
@@ -124,11 +125,9 @@ class KVTransport:
         receiver_paths = dict(self._paths)
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache
-        self._receiver = Receiver(
-            receiver_paths, self.layout, secret, config.io_timeout_s, self._completions, self.stats
-        )
+        self._peering = Peering(self.layout, secret, config.io_timeout_s, config.connect_timeout_s)
+        self._receiver = Receiver(receiver_paths, self._peering, self._completions, self.stats)
         self._senders: dict[str, Sender] = {}
-        self._secret = secret
         self._lock = threading.Lock()
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
@@ -178,16 +177,7 @@ class KVTransport:
         with self._lock:
             s = self._senders.get(backend)
             if s is None:
-                s = Sender(
-                    self._paths[backend],
-                    backend,
-                    self.layout,
-                    self._secret,
-                    self.config.io_timeout_s,
-                    self.config.connect_timeout_s,
-                    self._completions,
-                    self.stats,
-                )
+                s = Sender(self._paths[backend], backend, self._peering, self._completions, self.stats)
                 self._senders[backend] = s
             return s
 
