@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,7 @@ from kvtransfer import wire
 from kvtransfer.states import FailureCause, TransferError
 
 _IOV_MAX = 512
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,13 @@ class ThreadGroup:
         self._lock = threading.Lock()
 
     def spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
-        th = threading.Thread(target=target, args=args, name=name, daemon=True)
+        def run() -> None:
+            try:
+                target(*args)
+            except Exception:  # a background failure is logged, never lost or re-raised into nowhere
+                log.exception("kv transfer thread %s failed", name)
+
+        th = threading.Thread(target=run, name=name, daemon=True)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(th)

@@ -233,9 +233,12 @@ class KVTransport:
 
     def _reap_loop(self) -> None:
         while not self._reaper_stop.wait(0.05):
-            self._receiver.reap()
-            for s in list(self._senders.values()):
-                s.reap()
+            try:
+                self._receiver.reap()
+                for s in list(self._senders.values()):
+                    s.reap()
+            except Exception:  # keep enforcing deadlines whatever one pass hit
+                log.exception("kv transfer reaper pass failed")
 
     def close(self) -> None:
         self._reaper_stop.set()
