@@ -22,7 +22,14 @@ from typing import Any
 from kvtransfer import wire
 from kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
 from kvtransfer.datapath import DataPath
-from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
+from kvtransfer.states import (
+    CompletionQueue,
+    FailureCause,
+    TransferError,
+    TransferState,
+    TransferStats,
+    TransferTable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,7 @@ class Incoming:
     stopping: FailureCause | None = None  # asked the sender to stop; waiting for "aborted"
 
 
-class Receiver:
+class Receiver(TransferTable[Incoming]):
     def __init__(
         self, paths: dict[str, DataPath], peering: Peering, completions: CompletionQueue, stats: TransferStats
     ) -> None:
@@ -53,8 +60,8 @@ class Receiver:
         self.stats = stats
         self.num_layers = next(iter(paths.values())).num_layers
         self.num_blocks = next(iter(paths.values())).cache.shape[1]
-        self._lock = threading.Condition()
-        self._transfers: dict[str, Incoming] = {}
+        self._lock: threading.Condition = threading.Condition()
+        super().__init__(self._lock)
         self._conns: set[Connection] = set()
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
@@ -90,11 +97,6 @@ class Receiver:
             if t is not None:
                 self._stop(t, FailureCause.CANCELLED)
 
-    def state(self, transfer_id: str) -> TransferState | None:
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            return t.state if t else None
-
     def layers_done(self, transfer_id: str) -> int:
         """How many leading layers are complete (decode may start on layer i once i < this)."""
         with self._lock:
@@ -129,9 +131,7 @@ class Receiver:
     def forget(self, transfer_id: str) -> None:
         """Drop a terminal transfer's record (its completion was already reported)."""
         with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is not None and t.state.terminal:
-                del self._transfers[transfer_id]
+            self._pop_terminal(transfer_id)
 
     def reap(self) -> None:
         with self._lock:

@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from kvtransfer import wire
 from kvtransfer.channel import Connection, Peering, ThreadGroup, client_handshake
 from kvtransfer.datapath import DataPath
-from kvtransfer.states import CompletionQueue, FailureCause, TransferError, TransferState, TransferStats
+from kvtransfer.states import (
+    CompletionQueue,
+    FailureCause,
+    TransferError,
+    TransferState,
+    TransferStats,
+    TransferTable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,7 @@ class _Peer:
         self.transfers: dict[str, Outgoing] = {}
 
 
-class Sender:
+class Sender(TransferTable[Outgoing]):
     def __init__(
         self,
         path: DataPath,
@@ -69,8 +76,8 @@ class Sender:
         self.completions = completions
         self.stats = stats
         self.num_layers = path.num_layers
-        self._lock = threading.Lock()
-        self._transfers: dict[str, Outgoing] = {}
+        self._lock: threading.Lock = threading.Lock()
+        super().__init__(self._lock)
         self._peers: dict[str, _Peer] = {}
         self._closed = False
         self._threads = ThreadGroup()
@@ -126,19 +133,12 @@ class Sender:
         if t is not None and p is not None:
             self._fail(p, t, FailureCause.CANCELLED, notify_peer=True)
 
-    def state(self, transfer_id: str) -> TransferState | None:
-        with self._lock:
-            t = self._transfers.get(transfer_id)
-            return t.state if t else None
-
     def forget(self, transfer_id: str) -> None:
         with self._lock:
-            t = self._transfers.get(transfer_id)
-            if t is not None and t.state.terminal:
-                del self._transfers[transfer_id]
-                p = self._peers.get(t.peer)
-                if p is not None:
-                    p.transfers.pop(transfer_id, None)
+            t = self._pop_terminal(transfer_id)
+            p = self._peers.get(t.peer) if t else None
+            if p is not None:
+                p.transfers.pop(transfer_id, None)
 
     def reap(self) -> None:
         now = time.monotonic()

@@ -19,6 +19,7 @@ import enum
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 
 class TransferState(enum.Enum):
@@ -101,3 +102,31 @@ class CompletionQueue:
         with self._lock:
             out, self._pending = self._pending, Completions()
         return out
+
+
+class _HasState(Protocol):
+    state: TransferState
+
+
+T = TypeVar("T", bound=_HasState)
+
+
+class TransferTable(Generic[T]):
+    """Transfer records by id under one lock (a ``Condition`` on the receiver, to wait on)."""
+
+    def __init__(self, lock: threading.Condition | threading.Lock) -> None:
+        self._lock = lock
+        self._transfers: dict[str, T] = {}
+
+    def state(self, transfer_id: str) -> TransferState | None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            return t.state if t else None
+
+    def _pop_terminal(self, transfer_id: str) -> T | None:
+        """Remove a finished record (caller holds the lock); ``None`` if absent or still live."""
+        t = self._transfers.get(transfer_id)
+        if t is None or not t.state.terminal:
+            return None
+        del self._transfers[transfer_id]
+        return t
