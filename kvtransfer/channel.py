@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -72,7 +73,13 @@ class ThreadGroup:
                 th.join(timeout=timeout_s)
 
 
-class ConnectionLost(TransferError):
+class ConnectionBroken(TransferError):
+    """The connection itself failed (lost, or an I/O timeout mid-frame): its byte stream is no
+    longer usable, so everything in flight on it fails. Other ``TransferError``s concern one
+    transfer only."""
+
+
+class ConnectionLost(ConnectionBroken):
     def __init__(self, message: str) -> None:
         super().__init__(FailureCause.PEER_LOST, message)
 
@@ -122,6 +129,9 @@ class Connection:
                     else:
                         buffers[0] = buffers[0][sent:]
                         sent = 0
+        except TimeoutError:
+            self.close()
+            raise ConnectionBroken(FailureCause.TIMEOUT, f"send to {self.peer} timed out") from None
         except (OSError, ValueError) as e:
             self.close()
             raise ConnectionLost(f"send to {self.peer} failed: {e}") from None
@@ -138,22 +148,21 @@ class Connection:
         ``idle=True`` waits for the frame's first byte without a time limit (a quiet connection is
         healthy); the rest of the frame must then arrive within the I/O timeout.
         """
-        first = b""
         if idle:
-            self.sock.settimeout(None)
-            try:
-                first = self.sock.recv(1)
-            except OSError as e:
-                self.close()
-                raise ConnectionLost(f"read from {self.peer} failed: {e}") from None
-            finally:
-                if not self.closed.is_set():
-                    self.sock.settimeout(self.io_timeout_s)
-            if not first:
-                self.close()
-                raise ConnectionLost(f"{self.peer} closed the connection")
+            # Wait with select: the socket's own timeout must keep bounding the writers'
+            # sends on this same socket, so it is never changed.
+            while not self.closed.is_set():
+                try:
+                    readable, _, _ = select.select([self.sock], [], [], 0.5)
+                except (OSError, ValueError) as e:
+                    self.close()
+                    raise ConnectionLost(f"{self.peer}: {e}") from None
+                if readable:
+                    break
+            if self.closed.is_set():
+                raise ConnectionLost(f"connection to {self.peer} closed")
         try:
-            (n,) = wire.LENGTH.unpack(first + self._recv_exact(wire.LENGTH.size - len(first)))
+            (n,) = wire.LENGTH.unpack(self._recv_exact(wire.LENGTH.size))
             wire.check_length(n)
             return wire.decode_body(self._recv_exact(n))
         except wire.FrameError:
@@ -178,7 +187,7 @@ class Connection:
                         got = 0
         except TimeoutError:
             self.close()
-            raise TransferError(FailureCause.TIMEOUT, f"read from {self.peer} timed out") from None
+            raise ConnectionBroken(FailureCause.TIMEOUT, f"read from {self.peer} timed out") from None
         except OSError as e:
             self.close()
             raise ConnectionLost(f"read from {self.peer} failed: {e}") from None

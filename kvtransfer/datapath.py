@@ -78,6 +78,10 @@ class DataPath(ABC):
     def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
         raise TransferError(FailureCause.PROTOCOL, f"{self.name} does not carry data frames")
 
+    def discard_data(self, conn: Connection, frame: dict[str, Any]) -> None:
+        """Consume the payload of a ``data`` frame nobody wants, keeping the stream in step."""
+        raise TransferError(FailureCause.PROTOCOL, f"{self.name} does not carry data frames")
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the path holds (mappings, files)."""
 
@@ -107,6 +111,9 @@ class TcpPath(DataPath):
         conn.recv_into([memoryview(arr[b]) for b in dst[first : first + count]])
         return count * self.block_nbytes
 
+    def discard_data(self, conn: Connection, frame: dict[str, Any]) -> None:
+        conn.drain(frame["count"] * self.block_nbytes)
+
 
 class _DirectWritePath(DataPath):
     """Shared logic of the paths whose sender writes into the receiver's cache."""
@@ -128,6 +135,9 @@ class _DirectWritePath(DataPath):
 
     def detach(self, conn: Connection) -> None:
         self._peers.pop(id(conn), None)
+
+    def close(self) -> None:
+        self._peers.clear()  # drop mappings of peers' caches
 
     def _copy(self, conn: Connection, layer: int, src: Sequence[int], dst: Sequence[int]) -> None:
         peer = self._peers[id(conn)][layer]
@@ -194,27 +204,14 @@ def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[
         numel *= s
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
-    finally:
-        os.close(fd)
-    return _map_shared(str(path), numel, dtype).view(*shape), path
-
-
-def remove_stale_shm_files() -> int:
-    """Delete cache files left by processes that died without cleaning up; returns how many."""
-    removed = 0
-    for f in SHM_DIR.glob("pdserve-kv-*"):
-        m = _SHM_NAME.match(f.name)
-        if not m:
-            continue
         try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            f.unlink(missing_ok=True)
-            removed += 1
-        except PermissionError:
-            pass
-    return removed
+            os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
+        finally:
+            os.close(fd)
+        return _map_shared(str(path), numel, dtype).view(*shape), path
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 class ShmPath(_DirectWritePath):
@@ -244,6 +241,7 @@ class ShmPath(_DirectWritePath):
         return peer.view(self.cache.shape)
 
     def close(self) -> None:
+        super().close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
             self.shm_path = None

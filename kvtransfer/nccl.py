@@ -5,11 +5,12 @@ The library is the ``libnccl.so.2`` inside the installed ``nvidia-nccl-cu12`` wh
 ``ncclGetUniqueId`` work and communicator creation fails with a CUDA error, which is as far as
 CPU tests go; ``benchmarks/gpu_kvtransfer.py`` covers real transfers.
 
-Communicators: one lazily created 2-rank communicator per (local device, peer) pair, the unique
-id carried in the authenticated ``hello``; non-blocking init polled with
-``ncclCommGetAsyncError`` under a deadline and aborted (never destroyed from a destructor) on
-error or timeout; at most ``max_comms`` live at once (each costs tens of MB of GPU memory), the
-least recently used aborted first.
+Communicators: one 2-rank communicator per live connection between a prefill GPU and a decode
+GPU, created lazily when the first transfer connects, the unique id carried in the
+authenticated ``hello``; non-blocking init polled with ``ncclCommGetAsyncError`` under a
+deadline and aborted (never destroyed from a destructor) on error, timeout or disconnect; at
+most ``max_comms`` live at once (each costs tens of MB of GPU memory), further connections
+refused rather than aborting one in use.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import importlib.util
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -222,58 +221,60 @@ def wait_ready(lib: NcclLibrary, comm: int, deadline: float, poll_s: float = 0.0
         time.sleep(poll_s)
 
 
-@dataclass
-class _Comm:
-    handle: int
-    rank: int
+class CommRegistry:
+    """One communicator per live connection, at most ``max_comms`` at once.
 
-
-class CommCache:
-    """Live communicators by (device, peer), capped; the least recently used is aborted first.
-
-    Pure bookkeeping around ``create``/``destroy`` callables, so the policy is tested without a
-    GPU. ``destroy`` must abort, never ``ncclCommDestroy`` (which can hang on a dead peer).
+    A communicator is created when its connection is set up (``open``) and aborted when the
+    connection goes (``close``) — never ``ncclCommDestroy``, which can hang on a dead peer. At
+    the cap, new connections are refused rather than aborting a communicator still in use.
+    Pure bookkeeping around the ``create``/``destroy`` callables, so it is tested without a GPU.
     """
 
     def __init__(
-        self, max_comms: int, create: Callable[[str, int, bytes], int], destroy: Callable[[int], None]
+        self, max_comms: int, create: Callable[[int, bytes], int], destroy: Callable[[int], None]
     ) -> None:
         if max_comms < 1:
             raise ValueError("max_comms must be >= 1")
         self.max_comms = max_comms
         self._create = create
         self._destroy = destroy
-        self._comms: OrderedDict[tuple[int, str], _Comm] = OrderedDict()
+        self._comms: dict[object, int] = {}
         self._lock = threading.Lock()
 
-    def get(self, device: int, peer: str, rank: int, uid: bytes) -> int:
-        key = (device, peer)
+    def open(self, key: object, rank: int, uid: bytes) -> int:
         with self._lock:
-            c = self._comms.get(key)
-            if c is not None:
-                self._comms.move_to_end(key)
-                return c.handle
-            while len(self._comms) >= self.max_comms:
-                _, old = self._comms.popitem(last=False)
-                self._destroy(old.handle)
-            handle = self._create(peer, rank, uid)
-            self._comms[key] = _Comm(handle, rank)
-            return handle
+            if key in self._comms:
+                return self._comms[key]
+            if len(self._comms) >= self.max_comms:
+                raise TransferError(
+                    FailureCause.REJECTED, f"{self.max_comms} NCCL communicators already live"
+                )
+            self._comms[key] = 0  # reserve the slot while the (slow) creation runs
+        try:
+            handle = self._create(rank, uid)
+        except BaseException:
+            with self._lock:
+                self._comms.pop(key, None)
+            raise
+        with self._lock:
+            self._comms[key] = handle
+        return handle
 
-    def drop(self, device: int, peer: str) -> None:
+    def close(self, key: object) -> None:
         with self._lock:
-            c = self._comms.pop((device, peer), None)
-        if c is not None:
-            self._destroy(c.handle)
+            handle = self._comms.pop(key, None)
+        if handle:
+            self._destroy(handle)
 
     def __len__(self) -> int:
         return len(self._comms)
 
-    def close(self) -> None:
+    def close_all(self) -> None:
         with self._lock:
-            comms, self._comms = list(self._comms.values()), OrderedDict()
-        for c in comms:
-            self._destroy(c.handle)
+            handles, self._comms = list(self._comms.values()), {}
+        for h in handles:
+            if h:
+                self._destroy(h)
 
 
 def block_pointers(cache: Any, layer: int, blocks: Sequence[int]) -> list[int]:
@@ -315,10 +316,11 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             self.lib = NcclLibrary()
             self.device = cache.device
             self.stream = torch.cuda.Stream(device=self.device)
-            self.comms = CommCache(max_comms, self._create, self.lib.abort)
+            self.comms = CommRegistry(max_comms, self._create, self.lib.abort)
             self._pending_uid: dict[int, bytes] = {}
+            self._scratch: Any = None
 
-        def _create(self, peer: str, rank: int, uid: bytes) -> int:
+        def _create(self, rank: int, uid: bytes) -> int:
             with torch.cuda.device(self.device):
                 comm = self.lib.init_rank(2, uid, rank, blocking=False)
                 wait_ready(self.lib, comm, time.monotonic() + io_timeout_s)
@@ -333,14 +335,14 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             uid = hello.get("info", {}).get("nccl_uid")
             if not isinstance(uid, bytes) or len(uid) != NCCL_UNIQUE_ID_BYTES:
                 raise TransferError(FailureCause.PROTOCOL, "nccl peer sent no unique id")
-            conn.nccl_comm = self.comms.get(self.device.index or 0, conn.peer, 1, uid)  # type: ignore[attr-defined]
+            conn.nccl_comm = self.comms.open(id(conn), 1, uid)  # type: ignore[attr-defined]
 
         def attach(self, conn: Connection) -> None:
             uid = self._pending_uid.pop(threading.get_ident())
-            conn.nccl_comm = self.comms.get(self.device.index or 0, conn.peer, 0, uid)  # type: ignore[attr-defined]
+            conn.nccl_comm = self.comms.open(id(conn), 0, uid)  # type: ignore[attr-defined]
 
         def detach(self, conn: Connection) -> None:
-            self.comms.drop(self.device.index or 0, conn.peer)
+            self.comms.close(id(conn))
 
         def _run(
             self, conn: Connection, op: Callable[[int, int, int, int, int], None], ptrs: list[int], peer: int
@@ -375,6 +377,6 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             return count * self.block_nbytes
 
         def close(self) -> None:
-            self.comms.close()
+            self.comms.close_all()
 
     return NcclPath()

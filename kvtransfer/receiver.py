@@ -33,6 +33,8 @@ from kvtransfer.states import (
 
 log = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
+
 
 @dataclass
 class Incoming:
@@ -47,7 +49,8 @@ class Incoming:
     received: dict[int, int] = field(default_factory=dict)  # layer -> blocks received (tcp)
     started: float = 0.0
     nbytes: int = 0
-    stopping: FailureCause | None = None  # asked the sender to stop; waiting for "aborted"
+    stopping: FailureCause | None = None  # to fail once no writer can touch the blocks any more
+    receiving: bool = False  # this receiver's reader is writing into the blocks right now
 
 
 class Receiver(TransferTable[Incoming]):
@@ -162,20 +165,21 @@ class Receiver(TransferTable[Incoming]):
         self._lock.notify_all()
 
     def _stop(self, t: Incoming, cause: FailureCause) -> None:
-        """Fail ``t`` now if no sender can still write into its blocks, else ask it to stop."""
+        """Fail ``t`` as soon as nothing can write into its blocks any more.
+
+        Not begun, or its connection gone: fail now. Our own reader mid-payload (tcp, nccl):
+        fail when that read returns. A direct-write sender: ask it to stop and fail on its
+        ``aborted`` (or when its connection ends). Begun senders are told to stop either way.
+        """
         if t.state.terminal or t.stopping is not None:
             return
-        if (
-            t.state is TransferState.BOOTSTRAPPING
-            or not t.direct_write
-            or t.conn is None
-            or t.conn.closed.is_set()
-        ):
-            self._finish(t, TransferState.FAILED, cause)
+        live = t.state is TransferState.TRANSFERRING and t.conn is not None and not t.conn.closed.is_set()
+        if live and t.conn is not None:
+            self._threads.spawn(self._send_abort, t.conn, t.transfer_id, cause, name="kv-abort")
+        if live and (t.direct_write or t.receiving):
+            t.stopping = cause
             return
-        t.stopping = cause
-        conn = t.conn
-        self._threads.spawn(self._send_abort, conn, t.transfer_id, cause, name="kv-abort")
+        self._finish(t, TransferState.FAILED, cause)
 
     def _send_abort(self, conn: Connection, transfer_id: str, cause: FailureCause) -> None:
         try:
@@ -199,13 +203,21 @@ class Receiver(TransferTable[Incoming]):
                 continue
             except OSError:
                 return
-            sock.settimeout(None)
-            conn = Connection(sock, self.peering.io_timeout_s, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+            if full:
+                sock.close()
+                continue
+            try:
+                conn = Connection(sock, self.peering.io_timeout_s, f"{addr[0]}:{addr[1]}")
+            except OSError:  # the peer reset it already
+                sock.close()
+                continue
+            with self._lock:
+                self._conns.add(conn)
             self._threads.spawn(self._serve, conn, name=f"kv-recv-{addr[1]}")
 
     def _serve(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.add(conn)
         try:
             offers = {name: p.receiver_info() for name, p in self.paths.items()}
             hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers)
@@ -222,6 +234,9 @@ class Receiver(TransferTable[Incoming]):
             self._on_conn_lost(conn)
 
     def _on_conn_lost(self, conn: Connection) -> None:
+        path = self.paths.get(conn.backend)
+        if path is not None:
+            path.detach(conn)
         with self._lock:
             self._conns.discard(conn)
             for t in self._transfers.values():
@@ -233,7 +248,7 @@ class Receiver(TransferTable[Incoming]):
         if frame["t"] == "data":
             if frame["count"] > self.num_blocks:
                 raise TransferError(FailureCause.PROTOCOL, f"data frame claims {frame['count']} blocks")
-            conn.drain(frame["count"] * path.block_nbytes)
+            path.discard_data(conn, frame)
 
     def _dispatch(self, conn: Connection, path: DataPath, frame: dict[str, Any]) -> None:
         kind = frame["t"]
@@ -266,7 +281,8 @@ class Receiver(TransferTable[Incoming]):
             elif f["num_layers"] != t.num_layers:
                 reason = f"{f['num_layers']} layers, expected {t.num_layers}"
             if reason is not None:
-                if t is not None and not t.state.terminal:
+                # A begun transfer is left alone: another begin must not fail it under its sender.
+                if t is not None and t.state is TransferState.BOOTSTRAPPING:
                     self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
                 self.stats.ignored_frames += 1
             else:
@@ -281,14 +297,29 @@ class Receiver(TransferTable[Incoming]):
             conn.send("ready", id=f["id"])
 
     def _on_data(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        if path.direct_write:
+            raise TransferError(FailureCause.PROTOCOL, f"data frame on a {path.name} connection")
         with self._lock:
             t = self._active(conn, f["id"])
+            if t is not None:
+                if f["layer"] >= t.num_layers or f["first"] != t.received.get(f["layer"], 0):
+                    raise TransferError(FailureCause.PROTOCOL, f"data frame out of order: {f}")
+                t.receiving = True
         if t is None:
             self._ignore(conn, f, path)
             return
-        # Only this connection's reader writes these blocks, so no lock while receiving.
-        n = path.receive_data(conn, f, t.dst_blocks)
+        # Only this connection's reader writes these blocks; the flag keeps a concurrent
+        # lease expiry or cancel from releasing them until the read returns.
+        try:
+            n = path.receive_data(conn, f, t.dst_blocks)
+        finally:
+            with self._lock:
+                t.receiving = False
+                if t.stopping is not None:
+                    self._finish(t, TransferState.FAILED, t.stopping)
         with self._lock:
+            if t.state.terminal:
+                return
             t.nbytes += n
             got = t.received.get(f["layer"], 0) + f["count"]
             t.received[f["layer"]] = got
@@ -297,6 +328,8 @@ class Receiver(TransferTable[Incoming]):
                 self._lock.notify_all()
 
     def _on_layer(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        if not path.direct_write:
+            raise TransferError(FailureCause.PROTOCOL, f"layer frame on a {path.name} connection")
         if f["layer"] >= self.num_layers:
             raise TransferError(FailureCause.PROTOCOL, f"layer {f['layer']} out of range")
         with self._lock:

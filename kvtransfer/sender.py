@@ -21,7 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtransfer import wire
-from kvtransfer.channel import Connection, Peering, ThreadGroup, client_handshake
+from kvtransfer.channel import (
+    Connection,
+    ConnectionBroken,
+    ConnectionLost,
+    Peering,
+    ThreadGroup,
+    client_handshake,
+)
 from kvtransfer.datapath import DataPath
 from kvtransfer.states import (
     CompletionQueue,
@@ -49,6 +56,7 @@ class Outgoing:
     lock: threading.Lock = field(default_factory=threading.Lock)
     answer: threading.Event = field(default_factory=threading.Event)
     rejected: str | None = None
+    conn: Connection | None = None  # the connection its begin went out on; all its bytes use it
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
 
@@ -56,7 +64,8 @@ class Outgoing:
 class _Peer:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.conn: Connection | None = None
+        self.conn: Connection | None = None  # set by the pusher; cleared under conn_lock
+        self.conn_lock = threading.Lock()
         self.events: queue.Queue[tuple[str, Outgoing | None]] = queue.Queue()
         self.transfers: dict[str, Outgoing] = {}
 
@@ -121,9 +130,12 @@ class Sender(TransferTable[Outgoing]):
         with self._lock:
             t = self._transfers.get(transfer_id)
             p = self._peers.get(t.peer) if t else None
-        if t is None or p is None or layer < t.layers_ready:
+        if t is None or p is None:
             return
-        t.layers_ready = min(layer + 1, self.num_layers)
+        with self._lock:  # not t.lock: a push in progress must not stall the model's thread
+            if layer < t.layers_ready:
+                return
+            t.layers_ready = min(layer + 1, self.num_layers)
         p.events.put(("progress", t))
 
     def cancel(self, transfer_id: str) -> None:
@@ -159,8 +171,10 @@ class Sender(TransferTable[Outgoing]):
             p.events.put(("stop", None))
             for t in list(p.transfers.values()):
                 self._fail(p, t, FailureCause.CANCELLED, notify_peer=False)
-            if p.conn is not None:
-                p.conn.close()
+            with p.conn_lock:
+                conn, p.conn = p.conn, None
+            if conn is not None:
+                conn.close()
         self._threads.join()
 
     # -- transitions -------------------------------------------------------------------------
@@ -186,20 +200,24 @@ class Sender(TransferTable[Outgoing]):
             begun = t.state is TransferState.TRANSFERRING
             if not self._finish(t, TransferState.FAILED, cause):
                 return
-        conn = p.conn
+        conn = t.conn
         if notify_peer and begun and conn is not None and not conn.closed.is_set():
             with contextlib.suppress(TransferError):  # the reader notices a dead connection
                 conn.send("abort", id=t.transfer_id, reason=cause.value)
 
-    def _fail_peer(self, p: _Peer, cause: FailureCause, current: Outgoing | None = None) -> None:
-        """The connection broke: fail everything in flight to that peer, then close it."""
+    def _fail_peer(
+        self, p: _Peer, conn: Connection, cause: FailureCause, current: Outgoing | None = None
+    ) -> None:
+        """``conn`` broke: fail what is in flight on it, close it, and forget it if still current."""
+        with p.conn_lock:
+            if p.conn is conn:
+                p.conn = None
         for t in list(p.transfers.values()):
-            with t.lock:
-                self._finish(t, TransferState.FAILED, cause if t is current else FailureCause.PEER_LOST)
-        if p.conn is not None:
-            self.path.detach(p.conn)
-            p.conn.close()
-            p.conn = None
+            if t.conn is conn or t is current:
+                with t.lock:
+                    self._finish(t, TransferState.FAILED, cause if t is current else FailureCause.PEER_LOST)
+        self.path.detach(conn)
+        conn.close()
 
     # -- threads -----------------------------------------------------------------------------
     def _connect(self, p: _Peer) -> Connection:
@@ -208,7 +226,11 @@ class Sender(TransferTable[Outgoing]):
             sock = socket.create_connection((host, int(port)), timeout=self.peering.connect_timeout_s)
         except (OSError, ValueError) as e:
             raise TransferError(FailureCause.UNREACHABLE, f"cannot connect to {p.address}: {e}") from None
-        conn = Connection(sock, self.peering.io_timeout_s, p.address)
+        try:
+            conn = Connection(sock, self.peering.io_timeout_s, p.address)
+        except OSError as e:
+            sock.close()
+            raise TransferError(FailureCause.UNREACHABLE, f"{p.address}: {e}") from None
         try:
             client_handshake(
                 conn, self.peering.secret, self.peering.layout, self.backend, self.path.hello_info()
@@ -217,6 +239,9 @@ class Sender(TransferTable[Outgoing]):
         except (TransferError, wire.FrameError):
             conn.close()
             raise
+        except Exception as e:  # e.g. a peer mapping that cannot be opened
+            conn.close()
+            raise TransferError(FailureCause.UNREACHABLE, f"cannot attach to {p.address}: {e}") from None
         self._threads.spawn(self._reader, p, conn, name=f"kv-ans-{p.address}")
         return conn
 
@@ -228,20 +253,31 @@ class Sender(TransferTable[Outgoing]):
             assert t is not None
             if t.state.terminal:
                 continue
+            conn: Connection | None = None
             try:
                 if time.monotonic() > t.deadline:
                     raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
-                if p.conn is None or p.conn.closed.is_set():
-                    p.conn = self._connect(p)
                 if kind == "begin":
-                    self._begin(p.conn, t)
-                self._push_ready_layers(p.conn, t)
-            except TransferError as e:
-                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
-                if e.cause in (FailureCause.PEER_LOST, FailureCause.TIMEOUT) and p.conn is not None:
-                    self._fail_peer(p, e.cause, current=t)
+                    with p.conn_lock:
+                        conn = p.conn if p.conn is not None and not p.conn.closed.is_set() else None
+                    if conn is None:
+                        conn = self._connect(p)
+                        with p.conn_lock:
+                            p.conn = conn
+                    t.conn = conn
+                    self._begin(conn, t)
+                conn = t.conn
+                if conn is not None:
+                    self._push_ready_layers(conn, t)
+            except ConnectionBroken as e:  # the stream is unusable: everything on it fails
+                log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
+                if conn is not None:
+                    self._fail_peer(p, conn, e.cause, current=t)
                 else:
-                    self._fail(p, t, e.cause, notify_peer=True)
+                    self._fail(p, t, e.cause, notify_peer=False)
+            except TransferError as e:  # this transfer only
+                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
+                self._fail(p, t, e.cause, notify_peer=True)
             except Exception:  # a bug must fail the transfer, not kill the pusher silently
                 log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
                 self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
@@ -266,6 +302,8 @@ class Sender(TransferTable[Outgoing]):
         with t.lock:
             if t.state is not TransferState.TRANSFERRING or t.layers_sent >= t.layers_ready:
                 return
+            if conn.closed.is_set():
+                raise ConnectionLost(f"connection to {conn.peer} is closed")
             layers = range(t.layers_sent, t.layers_ready)
             t.nbytes += self.path.push_layers(conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks)
             t.layers_sent = layers.stop
@@ -301,5 +339,4 @@ class Sender(TransferTable[Outgoing]):
             if not conn.closed.is_set():
                 log.info("kv connection to %s ended: %s", p.address, e)
         finally:
-            if p.conn is conn:
-                self._fail_peer(p, FailureCause.PEER_LOST)
+            self._fail_peer(p, conn, FailureCause.PEER_LOST)

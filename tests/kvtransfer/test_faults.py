@@ -3,6 +3,7 @@ transfer byte-exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -285,4 +286,78 @@ def test_begin_for_other_blocks_is_rejected() -> None:
         assert not torch.equal(receiver.cache[:, 2], sender.cache[:, 3])  # nothing was written
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_lease_expiry_waits_for_the_receivers_own_read_to_end() -> None:
+    """Blocks being filled by our reader are not released under it: the failure is reported
+    only once that read has returned (here: timed out)."""
+    receiver = transport("tcp", io_timeout_s=1.0)
+    pool = BlockPool(SHAPE[1])
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 2, random.Random(10))
+        receiver.expect("half", dst, lease_s=0.3)
+        conn = raw_client(addr)
+        conn.send("begin", id="half", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+        assert conn.read_frame()["t"] == "ready"
+        block = torch.zeros(SHAPE[2:]).numpy()
+        conn.send("data", [block], id="half", layer=0, first=0, count=2)  # one of two blocks
+        time.sleep(0.6)  # lease expired, but the reader is still inside the payload
+        assert not receiver.poll() and receiver.state("half") is TransferState.TRANSFERRING
+        assert outcome(receiver, "half") is FailureCause.TIMEOUT
+        conn.close()
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool)
+    finally:
+        receiver.close()
+
+
+def test_a_second_begin_does_not_fail_a_live_transfer() -> None:
+    sender, receiver = transport("shm", seed=8), transport("shm")
+    try:
+        addr = receiver.listen()
+        receiver.expect("dup", [4, 5])
+        sender.send("dup", addr, [1, 2], [4, 5], layerwise=True)
+        sender.layer_ready("dup", 0)
+        assert receiver.wait("dup", 5, layers=1) is TransferState.TRANSFERRING
+        intruder = raw_client(addr, backend="shm")
+        intruder.send("begin", id="dup", dst_blocks=[4, 5], num_layers=SHAPE[0], layerwise=False)
+        assert intruder.read_frame()["t"] == "reject"
+        intruder.close()
+        sender.layer_ready("dup", SHAPE[0] - 1)
+        assert outcome(receiver, "dup") == "received"
+        assert same_bytes(sender.cache, [1, 2], receiver.cache, [4, 5])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("frame", ["out_of_order", "layer_on_tcp"])
+def test_frames_that_would_fake_completeness_drop_the_connection(frame: str) -> None:
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    try:
+        addr = receiver.listen()
+        dst = pick(pool, 2, random.Random(11))
+        receiver.expect("fake", dst, lease_s=60)
+        conn = raw_client(addr)
+        conn.send("begin", id="fake", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+        assert conn.read_frame()["t"] == "ready"
+        block = torch.zeros(SHAPE[2:]).numpy()
+        with contextlib.suppress(TransferError):  # the receiver hangs up part-way
+            if frame == "out_of_order":
+                conn.send("data", [block], id="fake", layer=0, first=0, count=1)
+                conn.send("data", [block], id="fake", layer=0, first=0, count=1)  # the same block again
+            else:
+                for layer in range(SHAPE[0]):
+                    conn.send("layer", id="fake", layer=layer)
+                conn.send("done", id="fake")
+        assert outcome(receiver, "fake") is FailureCause.PEER_LOST
+        conn.close()
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool)
+    finally:
         receiver.close()

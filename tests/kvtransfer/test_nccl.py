@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from kvtransfer.nccl import CommCache, NcclError, NcclLibrary, decode_version, find_library
+from kvtransfer.nccl import CommRegistry, NcclError, NcclLibrary, decode_version, find_library
+from kvtransfer.states import FailureCause, TransferError
 
 pytest.importorskip("nvidia.nccl", reason="nvidia-nccl-cu12 is installed on Linux x86_64 only")
 
@@ -76,25 +77,34 @@ def test_communicator_creation_fails_cleanly_without_a_gpu() -> None:
     )
 
 
-def test_comm_cache_is_lazy_capped_and_aborts_lru() -> None:
-    created: list[tuple[str, int]] = []
+def test_comm_registry_caps_live_communicators_and_aborts_on_close() -> None:
+    created: list[int] = []
     aborted: list[int] = []
     handles = iter(range(100, 200))
 
-    def create(peer: str, rank: int, uid: bytes) -> int:
-        created.append((peer, rank))
+    def create(rank: int, uid: bytes) -> int:
+        created.append(rank)
         return next(handles)
 
-    cache = CommCache(2, create, aborted.append)
-    a = cache.get(0, "p1", 0, b"u")
-    assert cache.get(0, "p1", 0, b"u") == a and len(created) == 1  # reused
-    b = cache.get(0, "p2", 0, b"u")
-    cache.get(0, "p1", 0, b"u")  # p1 is now the most recent
-    cache.get(0, "p3", 1, b"u")  # over the cap: p2 (least recent) is aborted
-    assert aborted == [b] and len(cache) == 2
-    cache.drop(0, "p1")
-    assert aborted == [b, a]
-    cache.close()
-    assert len(aborted) == 3 and len(cache) == 0
+    reg = CommRegistry(2, create, aborted.append)
+    a = reg.open("conn-a", 0, b"u")
+    assert reg.open("conn-a", 0, b"u") == a and created == [0]  # one per connection
+    b = reg.open("conn-b", 1, b"u")
+    with pytest.raises(TransferError, match="already live"):
+        reg.open("conn-c", 0, b"u")  # at the cap: refuse, never abort one in use
+    assert aborted == []
+    reg.close("conn-a")
+    assert aborted == [a] and len(reg) == 1
+    reg.open("conn-c", 0, b"u")
+    reg.close_all()
+    assert sorted(aborted) == sorted([a, b, 102]) and len(reg) == 0
+
+    def failing(rank: int, uid: bytes) -> int:
+        raise TransferError(FailureCause.TIMEOUT, "init timed out")
+
+    reg2 = CommRegistry(1, failing, aborted.append)
+    with pytest.raises(TransferError):
+        reg2.open("x", 0, b"u")
+    assert len(reg2) == 0  # the reserved slot is given back
     with pytest.raises(ValueError):
-        CommCache(0, create, aborted.append)
+        CommRegistry(0, create, aborted.append)
