@@ -108,12 +108,6 @@ class Connection:
         with self.send_lock:
             self._send_locked(data, payload)
 
-    def send_frames(self, frames: Sequence[tuple[str, dict[str, Any]]]) -> None:
-        """Several frames in one write (no payloads)."""
-        data = b"".join(wire.encode(t, **f) for t, f in frames)
-        with self.send_lock:
-            self._send_locked(data, ())
-
     def _send_locked(self, header: bytes, payload: Sequence[Any]) -> None:
         try:
             self.sock.sendall(header)

@@ -122,7 +122,10 @@ class _DirectWritePath(DataPath):
 
     def __init__(self, cache: torch.Tensor) -> None:
         super().__init__(cache)
+        self._local = cache.view(cache.shape[0], cache.shape[1], -1)  # [layers, blocks, bytes]
+        self._local_blocks = self._local.unbind(1)  # every layer of one block, per block
         self._peers: dict[int, torch.Tensor] = {}
+        self._peer_blocks: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @abstractmethod
     def _map_peer(self, info: dict[str, Any]) -> torch.Tensor: ...
@@ -131,25 +134,33 @@ class _DirectWritePath(DataPath):
         peer = self._map_peer(conn.info)
         if peer.shape != self.cache.shape or peer.dtype != self.cache.dtype:
             raise TransferError(FailureCause.LAYOUT_MISMATCH, f"peer cache {tuple(peer.shape)} {peer.dtype}")
-        self._peers[id(conn)] = peer.view(peer.shape[0], peer.shape[1], -1)
+        flat = peer.view(peer.shape[0], peer.shape[1], -1)  # [layers, blocks, bytes]
+        self._peers[id(conn)] = flat
+        self._peer_blocks[id(conn)] = flat.unbind(1)
 
     def detach(self, conn: Connection) -> None:
         self._peers.pop(id(conn), None)
+        self._peer_blocks.pop(id(conn), None)
 
     def close(self) -> None:
         self._peers.clear()  # drop mappings of peers' caches
+        self._peer_blocks.clear()
 
-    def _copy(self, conn: Connection, layer: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        peer = self._peers[id(conn)][layer]
-        local = self.cache[layer].view(self.cache.shape[1], -1)
+    def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy blocks ``src`` of ``layers`` into the peer's ``dst``, all layers per operation."""
         runs = coalesce(src, dst)
-        if len(runs) * 4 <= len(src):  # mostly consecutive blocks: one copy per run
+        if len(runs) * 4 <= len(src) or len(runs) <= 2:  # mostly consecutive: a slice per run
+            peer = self._peers[id(conn)][layers.start : layers.stop]
+            local = self._local[layers.start : layers.stop]
             for s, d, n in runs:
-                peer[d : d + n].copy_(local[s : s + n])
-        else:  # scattered: a gather into a cache-sized buffer, then one scatter
-            idx_src = torch.as_tensor(src, device=local.device)
-            idx_dst = torch.as_tensor(dst, device=local.device)
-            peer.index_put_((idx_dst,), local.index_select(0, idx_src))
+                peer[:, d : d + n].copy_(local[:, s : s + n])
+        elif len(layers) == self.num_layers:  # scattered, whole: one strided copy per block
+            pb, lb = self._peer_blocks[id(conn)], self._local_blocks
+            torch._foreach_copy_([pb[d] for d in dst], [lb[s] for s in src])
+        else:  # scattered, some layers
+            peer = self._peers[id(conn)][layers.start : layers.stop]
+            local = self._local[layers.start : layers.stop]
+            torch._foreach_copy_([peer[:, d] for d in dst], [local[:, s] for s in src])
 
     def push_layer(
         self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
@@ -159,10 +170,9 @@ class _DirectWritePath(DataPath):
     def push_layers(
         self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
     ) -> int:
-        for layer in layers:
-            self._copy(conn, layer, src, dst)
+        self._copy(conn, layers, src, dst)
         self._written(conn)
-        conn.send_frames([("layer", {"id": transfer_id, "layer": layer}) for layer in layers])
+        conn.send("layer", id=transfer_id, layer=layers.start, count=len(layers))
         return len(layers) * len(src) * self.block_nbytes
 
     def _written(self, conn: Connection) -> None:

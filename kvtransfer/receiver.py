@@ -330,15 +330,16 @@ class Receiver(TransferTable[Incoming]):
     def _on_layer(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
         if not path.direct_write:
             raise TransferError(FailureCause.PROTOCOL, f"layer frame on a {path.name} connection")
-        if f["layer"] >= self.num_layers:
-            raise TransferError(FailureCause.PROTOCOL, f"layer {f['layer']} out of range")
+        first, count = f["layer"], f["count"]
+        if count == 0 or first + count > self.num_layers:
+            raise TransferError(FailureCause.PROTOCOL, f"layers {first}..{first + count} out of range")
         with self._lock:
             t = self._active(conn, f["id"])
             if t is None:
                 self.stats.ignored_frames += 1
                 return
-            t.layers.add(f["layer"])
-            t.nbytes += len(t.dst_blocks) * path.block_nbytes
+            t.layers.update(range(first, first + count))
+            t.nbytes += count * len(t.dst_blocks) * path.block_nbytes
             self._lock.notify_all()
 
     def _on_done(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:

@@ -45,7 +45,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     # sender -> receiver
     "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool},
     "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT},  # + raw payload (tcp)
-    "layer": {"id": _ID, "layer": _UINT},  # a layer was written into the peer's memory
+    "layer": {"id": _ID, "layer": _UINT, "count": _UINT},  # layers [layer, layer+count) written
     "done": {"id": _ID},
     "aborted": {"id": _ID},  # the sender stopped writing this transfer (answers "abort")
     # receiver -> sender

@@ -352,7 +352,7 @@ def test_frames_that_would_fake_completeness_drop_the_connection(frame: str) -> 
                 conn.send("data", [block], id="fake", layer=0, first=0, count=1)  # the same block again
             else:
                 for layer in range(SHAPE[0]):
-                    conn.send("layer", id="fake", layer=layer)
+                    conn.send("layer", id="fake", layer=layer, count=1)
                 conn.send("done", id="fake")
         assert outcome(receiver, "fake") is FailureCause.PEER_LOST
         conn.close()
