@@ -3,7 +3,8 @@
 For the KV of a 2,048-token request of the ``bench`` preset (12 layers x 128 blocks x 32 KiB =
 48 MiB) and larger ones, moved between random block permutations:
 
-* ``shm``: bytes/s as a ratio of a plain memcpy of the same bytes measured in this run;
+* ``shm``: bytes/s as a ratio of a plain memcpy of the same bytes measured in this run (each
+  transfer configuration runs in a fresh process, as a worker allocates its cache once);
 * ``tcp`` (loopback): bytes/s as a ratio of a raw socket ``sendall``/``recv_into`` stream of the
   same bytes measured in this run;
 * ``layerwise_prefill_overhead``: (prefill of 2,048 tokens on the ``bench`` engine + the time
@@ -14,6 +15,7 @@ Run: ``.venv/bin/python benchmarks/kvtransfer_bandwidth.py`` (about a minute). L
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import random
 import socket
@@ -108,11 +110,31 @@ def transfer_bw(backend: str, num_blocks: int, scattered: bool = True) -> float:
             receiver.forget(tid)
 
         dt = median_time(once, repeat=7, warmup=2)
-        assert torch.equal(src_cache[:, 0], src_cache[:, 0])
     finally:
         sender.close()
         receiver.close()
     return LAYERS * num_blocks * 2 * BLOCK * HEADS * DIM * 4 / dt
+
+
+def _transfer_bw_child(pipe: Any, backend: str, num_blocks: int, scattered: bool) -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    pipe.send(transfer_bw(backend, num_blocks, scattered))
+
+
+def transfer_bw_fresh(backend: str, num_blocks: int, scattered: bool = True) -> float:
+    """``transfer_bw`` in a fresh process, as a worker allocates its cache once at start-up:
+    repeatedly allocating and freeing 100+ MB caches in one process was measured to slow later
+    scattered copies by up to 2.5x, which says nothing about a serving worker."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_transfer_bw_child, args=(child, backend, num_blocks, scattered))
+    proc.start()
+    try:
+        if not parent.poll(300):
+            raise TimeoutError(f"{backend} transfer benchmark did not finish")
+        return float(parent.recv())
+    finally:
+        proc.join(timeout=30)
 
 
 def layerwise_overhead(tokens: int = 2048) -> dict[str, float]:
@@ -176,10 +198,10 @@ def main() -> None:
         nbytes = LAYERS * blocks * 2 * BLOCK * HEADS * DIM * 4
         mc, sk = memcpy_bw(nbytes), socket_bw(nbytes)
         mc_shared = memcpy_bw(nbytes, into_shared=True)
-        shm, tcp = transfer_bw("shm", blocks), transfer_bw("tcp", blocks)
+        shm, tcp = transfer_bw_fresh("shm", blocks), transfer_bw_fresh("tcp", blocks)
         shm_c, tcp_c = (
-            transfer_bw("shm", blocks, scattered=False),
-            transfer_bw("tcp", blocks, scattered=False),
+            transfer_bw_fresh("shm", blocks, scattered=False),
+            transfer_bw_fresh("tcp", blocks, scattered=False),
         )
         res[f"memcpy_shared_gbs_{tokens}"] = mc_shared / 1e9
         res[f"shm_shared_ceiling_ratio_{tokens}"] = shm / mc_shared
