@@ -9,6 +9,7 @@ import os
 import pickle
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from kvtransfer import wire
+from kvtransfer.channel import Connection
 from kvtransfer.states import FailureCause, TransferError, TransferState
 from kvtransfer.transport import KVTransport
 from model_runtime.kv_cache.block_pool import BlockPool
@@ -53,6 +55,30 @@ def serves_next(receiver: KVTransport, pool: BlockPool, backend: str = "tcp", ti
         pool.free(dst)
     finally:
         sender.close()
+
+
+@contextlib.contextmanager
+def pair(backend: str, seed: int) -> Iterator[tuple[KVTransport, KVTransport, BlockPool, BlockPool]]:
+    """A listening receiver, a sender, and a block pool for each; closed afterwards."""
+    sender, receiver = transport(backend, seed=seed), transport(backend)
+    try:
+        receiver.listen()
+        yield sender, receiver, BlockPool(SHAPE[1]), BlockPool(SHAPE[1])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def begun_raw(
+    receiver: KVTransport, pool: BlockPool, tid: str, lease_s: float
+) -> tuple[Connection, list[int]]:
+    """A raw, authenticated connection on which ``tid`` has been begun and accepted."""
+    dst = pick(pool, 2, random.Random(tid))
+    receiver.expect(tid, dst, lease_s=lease_s)
+    conn = raw_client(receiver.address)
+    conn.send("begin", id=tid, dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+    assert conn.read_frame()["t"] == "ready"
+    return conn, dst
 
 
 def assert_empty(*pools: BlockPool) -> None:
@@ -133,10 +159,7 @@ def test_receiver_killed_mid_transfer(backend: str) -> None:
 
 def test_sender_stall_beyond_its_deadline(backend: str) -> None:
     """Layers never become ready: the sender gives up, tells the receiver, both free."""
-    sender, receiver = transport(backend, seed=4), transport(backend)
-    spool, rpool = BlockPool(SHAPE[1]), BlockPool(SHAPE[1])
-    try:
-        receiver.listen()
+    with pair(backend, 4) as (sender, receiver, spool, rpool):
         src, dst = pick(spool, 2, random.Random(3)), pick(rpool, 2, random.Random(4))
         receiver.expect("s", dst, lease_s=60)
         sender.send("s", receiver.address, src, dst, layerwise=True, timeout_s=0.5)
@@ -147,17 +170,11 @@ def test_sender_stall_beyond_its_deadline(backend: str) -> None:
         rpool.free(dst)
         assert_empty(spool, rpool)
         serves_next(receiver, rpool, backend)
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_receiver_lease_expires_while_sender_stalls(backend: str) -> None:
     """The receiver's lease runs out mid-transfer: a direct-write sender is told to stop first."""
-    sender, receiver = transport(backend, seed=5), transport(backend)
-    spool, rpool = BlockPool(SHAPE[1]), BlockPool(SHAPE[1])
-    try:
-        receiver.listen()
+    with pair(backend, 5) as (sender, receiver, spool, rpool):
         src, dst = pick(spool, 3, random.Random(5)), pick(rpool, 3, random.Random(6))
         receiver.expect("l", dst, lease_s=0.5)
         sender.send("l", receiver.address, src, dst, layerwise=True, timeout_s=60)
@@ -172,20 +189,14 @@ def test_receiver_lease_expires_while_sender_stalls(backend: str) -> None:
         spool.free(src)
         assert_empty(spool, rpool)
         serves_next(receiver, rpool, backend)
-    finally:
-        sender.close()
-        receiver.close()
 
 
 def test_raw_stall_after_begin_times_out_on_the_receiver() -> None:
     receiver = transport("tcp")
     pool = BlockPool(SHAPE[1])
     try:
-        addr = receiver.listen()
-        dst = pick(pool, 2, random.Random(7))
-        receiver.expect("st", dst, lease_s=0.3)
-        conn = raw_client(addr)
-        conn.send("begin", id="st", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
+        receiver.listen()
+        conn, dst = begun_raw(receiver, pool, "st", lease_s=0.3)
         assert outcome(receiver, "st") is FailureCause.TIMEOUT
         pool.free(dst)
         # Late frames for the expired transfer are drained and ignored, the connection lives on.
@@ -225,12 +236,8 @@ def test_malformed_frames_drop_the_connection_and_fail_its_transfer(case: str, t
     receiver = transport("tcp")
     pool = BlockPool(SHAPE[1])
     try:
-        addr = receiver.listen()
-        dst = pick(pool, 2, random.Random(8))
-        receiver.expect("b", dst, lease_s=60)
-        conn = raw_client(addr)
-        conn.send("begin", id="b", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
-        assert conn.read_frame()["t"] == "ready"
+        receiver.listen()
+        conn, dst = begun_raw(receiver, pool, "b", lease_s=60)
         data = _bad_inputs(tmp_path)[case]
         conn.sock.sendall(data)
         if case == "truncated":
@@ -295,12 +302,8 @@ def test_lease_expiry_waits_for_the_receivers_own_read_to_end() -> None:
     receiver = transport("tcp", io_timeout_s=1.0)
     pool = BlockPool(SHAPE[1])
     try:
-        addr = receiver.listen()
-        dst = pick(pool, 2, random.Random(10))
-        receiver.expect("half", dst, lease_s=0.3)
-        conn = raw_client(addr)
-        conn.send("begin", id="half", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
-        assert conn.read_frame()["t"] == "ready"
+        receiver.listen()
+        conn, dst = begun_raw(receiver, pool, "half", lease_s=0.3)
         block = torch.zeros(SHAPE[2:]).numpy()
         conn.send("data", [block], id="half", layer=0, first=0, count=2)  # one of two blocks
         time.sleep(0.6)  # lease expired, but the reader is still inside the payload
@@ -339,12 +342,8 @@ def test_frames_that_would_fake_completeness_drop_the_connection(frame: str) -> 
     receiver = transport("tcp")
     pool = BlockPool(SHAPE[1])
     try:
-        addr = receiver.listen()
-        dst = pick(pool, 2, random.Random(11))
-        receiver.expect("fake", dst, lease_s=60)
-        conn = raw_client(addr)
-        conn.send("begin", id="fake", dst_blocks=dst, num_layers=SHAPE[0], layerwise=False)
-        assert conn.read_frame()["t"] == "ready"
+        receiver.listen()
+        conn, dst = begun_raw(receiver, pool, "fake", lease_s=60)
         block = torch.zeros(SHAPE[2:]).numpy()
         with contextlib.suppress(TransferError):  # the receiver hangs up part-way
             if frame == "out_of_order":
