@@ -31,6 +31,7 @@ from kvtransfer import wire
 from kvtransfer.states import FailureCause, TransferError
 
 _IOV_MAX = 512
+HANDSHAKE_MAX_BYTES = 16 << 10
 log = logging.getLogger(__name__)
 
 
@@ -136,7 +137,7 @@ class Connection:
         self.recv_into([memoryview(buf)])
         return bytes(buf)
 
-    def read_frame(self, idle: bool = False) -> dict[str, Any]:
+    def read_frame(self, idle: bool = False, max_bytes: int = wire.MAX_FRAME_BYTES) -> dict[str, Any]:
         """The next frame; raises ``ConnectionLost``, ``TransferError`` or ``wire.FrameError``.
 
         ``idle=True`` waits for the frame's first byte without a time limit (a quiet connection is
@@ -157,7 +158,7 @@ class Connection:
                 raise ConnectionLost(f"connection to {self.peer} closed")
         try:
             (n,) = wire.LENGTH.unpack(self._recv_exact(wire.LENGTH.size))
-            wire.check_length(n)
+            wire.check_length(n, max_bytes)
             return wire.decode_body(self._recv_exact(n))
         except wire.FrameError:
             self.close()
@@ -216,7 +217,8 @@ def server_handshake(
     info a sender needs for it); returns its hello. Refuses, then raises, otherwise."""
     nonce = os.urandom(16)
     conn.send("challenge", nonce=nonce)
-    hello = _expect(conn, conn.read_frame(), "hello")
+    # Unauthenticated bytes: a small cap before anything is decoded.
+    hello = _expect(conn, conn.read_frame(max_bytes=HANDSHAKE_MAX_BYTES), "hello")
     if not hmac.compare_digest(hello["mac"], mac(secret, b"client", nonce)):
         conn.send("refuse", reason="authentication failed", cause=FailureCause.AUTH.value)
         raise TransferError(FailureCause.AUTH, f"client {conn.peer} failed authentication")

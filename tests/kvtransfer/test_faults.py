@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import pickle
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -358,5 +359,23 @@ def test_frames_that_would_fake_completeness_drop_the_connection(frame: str) -> 
         pool.free(dst)
         assert_empty(pool)
         serves_next(receiver, pool)
+    finally:
+        receiver.close()
+
+
+def test_oversized_hello_is_dropped_before_decoding() -> None:
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    try:
+        host, _, port = receiver.listen().rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=2)
+        (n,) = wire.LENGTH.unpack(sock.recv(4))
+        sock.recv(n)  # the challenge
+        sock.sendall(wire.LENGTH.pack(100_000) + b"\x80" * 1000)
+        sock.settimeout(2)
+        assert sock.recv(1) == b""  # closed without reading the rest
+        sock.close()
+        serves_next(receiver, pool)
+        assert_empty(pool)
     finally:
         receiver.close()
