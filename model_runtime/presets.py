@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from model_runtime.errors import ModelLoadError
 from model_runtime.tokenizer import BOS, EOS, byte_level_tokenizer
 
 PRESET_VERSION = 1
@@ -144,4 +145,7 @@ def resolve_model(model: str) -> Path:
     """A preset name or a path to a Hugging Face directory."""
     if model in PRESETS:
         return preset_path(model)
-    return Path(model).expanduser()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"{model}: no such model directory (and not a preset: {', '.join(PRESETS)})")
+    return path

@@ -60,6 +60,8 @@ def test_missing_and_corrupt_weights(llama_dir: Path, tmp_path: Path) -> None:
         load_model(tmp_path, CPU, torch.float32, 128)
     with pytest.raises(ModelLoadError, match="not a directory"):
         load_model(tmp_path / "nope", CPU, torch.float32, 128)
+    with pytest.raises(ModelLoadError, match="no such model directory"):
+        small_engine(str(tmp_path / "nope"))
 
 
 def test_shape_mismatch(llama_dir: Path, tmp_path: Path) -> None:
