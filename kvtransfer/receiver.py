@@ -34,6 +34,7 @@ from kvtransfer.states import (
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
+STUCK_WARN_S = 30.0
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Incoming:
     nbytes: int = 0
     stopping: FailureCause | None = None  # to fail once no writer can touch the blocks any more
     receiving: bool = False  # this receiver's reader is writing into the blocks right now
+    stuck_warned: bool = False
 
 
 class Receiver(TransferTable[Incoming]):
@@ -189,8 +191,18 @@ class Receiver(TransferTable[Incoming]):
 
     def _reap_locked(self, now: float) -> None:
         for t in self._transfers.values():
-            if not t.state.terminal and now > t.deadline:
-                self._stop(t, FailureCause.TIMEOUT)
+            if t.state.terminal or now <= t.deadline:
+                continue
+            self._stop(t, FailureCause.TIMEOUT)
+            if t.stopping is not None and not t.stuck_warned and now > t.deadline + STUCK_WARN_S:
+                # A connected sender that never confirms it stopped may still write into these
+                # blocks, so they stay reserved; only its disconnect (or death) releases them.
+                t.stuck_warned = True
+                log.warning(
+                    "kv transfer %s: sender %s has not stopped; blocks stay reserved",
+                    t.transfer_id,
+                    t.conn.peer if t.conn else "?",
+                )
 
     # -- connections -------------------------------------------------------------------------
     def _accept_loop(self) -> None:

@@ -41,6 +41,8 @@ from kvtransfer.states import (
 
 log = logging.getLogger(__name__)
 
+PEER_IDLE_S = 60.0  # a peer with nothing in flight this long loses its thread and connection
+
 
 @dataclass(eq=False)
 class Outgoing:
@@ -245,9 +247,28 @@ class Sender(TransferTable[Outgoing]):
         self._threads.spawn(self._reader, p, conn, name=f"kv-ans-{p.address}")
         return conn
 
+    def _retire_if_idle(self, p: _Peer) -> bool:
+        """Drop a peer with nothing in flight (its thread, connection and mapping go)."""
+        with self._lock:
+            if any(not t.state.terminal for t in p.transfers.values()) or not p.events.empty():
+                return False
+            if self._peers.get(p.address) is p:
+                del self._peers[p.address]
+        with p.conn_lock:
+            conn, p.conn = p.conn, None
+        if conn is not None:
+            self.path.detach(conn)
+            conn.close()
+        return True
+
     def _pusher(self, p: _Peer) -> None:
         while True:
-            kind, t = p.events.get()
+            try:
+                kind, t = p.events.get(timeout=PEER_IDLE_S)
+            except queue.Empty:
+                if self._retire_if_idle(p):
+                    return
+                continue
             if kind == "stop":
                 return
             assert t is not None

@@ -138,3 +138,27 @@ def test_many_threads_sending_at_once() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_idle_peers_are_retired_and_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtransfer import sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "PEER_IDLE_S", 0.2)
+    sender, receiver = transport("tcp", seed=9), transport("tcp")
+    try:
+        addr = receiver.listen()
+        receiver.expect("i1", [1])
+        sender.send("i1", addr, [2], [1])
+        assert receiver.wait("i1", 5) is TransferState.DONE
+        s = sender._senders["tcp"]
+        deadline = time.monotonic() + 5
+        while s._peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not s._peers  # thread and connection gone
+        receiver.expect("i2", [3])
+        sender.send("i2", addr, [4], [3])
+        assert receiver.wait("i2", 5) is TransferState.DONE
+        assert same_bytes(sender.cache, [2, 4], receiver.cache, [1, 3])
+    finally:
+        sender.close()
+        receiver.close()
