@@ -300,14 +300,14 @@ def test_begin_for_other_blocks_is_rejected() -> None:
 def test_lease_expiry_waits_for_the_receivers_own_read_to_end() -> None:
     """Blocks being filled by our reader are not released under it: the failure is reported
     only once that read has returned (here: timed out)."""
-    receiver = transport("tcp", io_timeout_s=1.0)
+    receiver = transport("tcp", io_timeout_s=3.0)
     pool = BlockPool(SHAPE[1])
     try:
         receiver.listen()
         conn, dst = begun_raw(receiver, pool, "half", lease_s=0.3)
         block = torch.zeros(SHAPE[2:]).numpy()
         conn.send("data", [block], id="half", layer=0, first=0, count=2)  # one of two blocks
-        time.sleep(0.6)  # lease expired, but the reader is still inside the payload
+        time.sleep(0.8)  # lease expired, but the reader is still inside the payload
         assert not receiver.poll() and receiver.state("half") is TransferState.TRANSFERRING
         assert outcome(receiver, "half") is FailureCause.TIMEOUT
         conn.close()
