@@ -85,6 +85,20 @@ class ConnectionLost(ConnectionBroken):
         super().__init__(FailureCause.PEER_LOST, message)
 
 
+def _advance(views: list[memoryview], start: int, nbytes: int) -> int:
+    """Account for ``nbytes`` moved from ``views[start:]``: skip the buffers now complete, trim a
+    partial one in place; returns the index of the first unfinished buffer."""
+    while nbytes:
+        n = len(views[start])
+        if nbytes >= n:
+            nbytes -= n
+            start += 1
+        else:
+            views[start] = views[start][nbytes:]
+            nbytes = 0
+    return start
+
+
 def mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + nonce, hashlib.sha256).digest()
 
@@ -112,18 +126,10 @@ class Connection:
     def _send_locked(self, header: bytes, payload: Sequence[Any]) -> None:
         try:
             self.sock.sendall(header)
-            buffers = [memoryview(b).cast("B") for b in payload]
-            while buffers:
-                chunk = buffers[:_IOV_MAX]
-                sent = self.sock.sendmsg(chunk)
-                # Drop fully-sent buffers, trim a partially-sent one.
-                while sent and buffers:
-                    if sent >= len(buffers[0]):
-                        sent -= len(buffers[0])
-                        buffers.pop(0)
-                    else:
-                        buffers[0] = buffers[0][sent:]
-                        sent = 0
+            buffers = [v for v in (memoryview(b).cast("B") for b in payload) if len(v)]
+            start = 0
+            while start < len(buffers):
+                start = _advance(buffers, start, self.sock.sendmsg(buffers[start : start + _IOV_MAX]))
         except TimeoutError:
             self.close()
             raise ConnectionBroken(FailureCause.TIMEOUT, f"send to {self.peer} timed out") from None
@@ -168,18 +174,13 @@ class Connection:
         """Fill ``buffers`` completely, in order (scatter read straight into their memory)."""
         views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
         views = [v for v in views if len(v)]
+        start = 0
         try:
-            while views:
-                got = self.sock.recvmsg_into(views[:_IOV_MAX])[0]
+            while start < len(views):
+                got = self.sock.recvmsg_into(views[start : start + _IOV_MAX])[0]
                 if got == 0:
                     raise ConnectionLost(f"{self.peer} closed the connection")
-                while got and views:
-                    if got >= len(views[0]):
-                        got -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][got:]
-                        got = 0
+                start = _advance(views, start, got)
         except TimeoutError:
             self.close()
             raise ConnectionBroken(FailureCause.TIMEOUT, f"read from {self.peer} timed out") from None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from kvtransfer.nccl import make_nccl_path
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
+from model_runtime.kv_cache.tensors import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,8 @@ class TransportConfig:
 
 
 def layout_of(cache: torch.Tensor) -> dict[str, Any]:
-    """The fingerprint both ends must share: [layers, blocks, 2, block_size, kv_heads, head_dim], dtype."""
-    if cache.dim() != 6 or cache.shape[2] != 2:
-        raise ValueError(
-            f"expected a KV cache [layers, blocks, 2, block, heads, dim], got {tuple(cache.shape)}"
-        )
-    layers, _, _, block, heads, dim = cache.shape
-    return {
-        "layers": layers,
-        "block_size": block,
-        "kv_heads": heads,
-        "head_dim": dim,
-        "dtype": str(cache.dtype),
-    }
+    """The fingerprint both ends must share, as plain values for the handshake."""
+    return dataclasses.asdict(KVLayout.of_cache(cache))
 
 
 def _is_local(address: str) -> bool:
@@ -254,10 +243,3 @@ class KVTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def stats_dict(stats: TransferStats) -> dict[str, Any]:
-    d = dataclasses.asdict(stats)
-    d["failures"] = dict(stats.failures)
-    d["pid"] = os.getpid()
-    return d

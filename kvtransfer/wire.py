@@ -10,7 +10,6 @@ schema per frame type (unknown fields and wrong types are errors). A raw payload
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -149,8 +148,3 @@ def validate(msg: Any) -> None:
                 continue
             raise FrameError(f"{ftype}: missing field {name!r}")
         _check_value(name, spec, msg[name])
-
-
-def layout_fields(layout: Mapping[str, Any]) -> dict[str, Any]:
-    """The layout fingerprint as plain msgpack-able values."""
-    return {k: layout[k] for k in sorted(layout)}

@@ -75,12 +75,6 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
-
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas.

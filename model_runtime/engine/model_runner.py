@@ -9,7 +9,7 @@ import torch
 
 from model_runtime.config import ModelConfig
 from model_runtime.engine.batch import build_batch
-from model_runtime.kv_cache.tensors import KVLayout, allocate_kv_cache
+from model_runtime.kv_cache.tensors import allocate_kv_cache
 from model_runtime.model.llama import LlamaModel
 from model_runtime.request import Request
 from model_runtime.sampling.sampler import Sampler, SampleRow, TokenLogprobs
@@ -30,7 +30,6 @@ class ModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
-        self.layout = KVLayout.of(config, block_size, self.dtype)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 

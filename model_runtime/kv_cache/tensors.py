@@ -24,12 +24,14 @@ class KVLayout:
     dtype: str
 
     @staticmethod
-    def of(config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-        return KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim, str(dtype))
-
-    @property
-    def block_elems_per_layer(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+    def of_cache(cache: torch.Tensor) -> KVLayout:
+        """The layout of a cache allocated by ``allocate_kv_cache``."""
+        if cache.dim() != 6 or cache.shape[2] != 2:
+            raise ValueError(
+                f"expected a KV cache [layers, blocks, 2, block, heads, dim], got {tuple(cache.shape)}"
+            )
+        layers, _, _, block, heads, dim = cache.shape
+        return KVLayout(layers, block, heads, dim, str(cache.dtype))
 
 
 def allocate_kv_cache(
@@ -38,8 +40,3 @@ def allocate_kv_cache(
     shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
     # Zero-filled so that padded reads of never-written slots are finite (they are masked anyway).
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def block_bytes(cache: torch.Tensor, layer: int, block: int) -> torch.Tensor:
-    """One block of one layer as a flat contiguous view."""
-    return cache[layer, block].view(-1)

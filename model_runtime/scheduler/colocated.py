@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import FinishReason, Request, RequestStatus
+from model_runtime.request import FinishReason, Request
 from model_runtime.scheduler.decode import DecodeScheduler
 from model_runtime.scheduler.plan import SchedulePlan, SchedulerConfig, StepUpdate
 from model_runtime.scheduler.prefill import PrefillScheduler
@@ -71,15 +71,3 @@ class ColocatedScheduler:
         if req is not None and not req.is_finished:
             req.finish(reason)
         return req
-
-    def is_idle(self) -> bool:
-        return not self.has_work and self.kv.num_requests == 0
-
-    def requests(self) -> list[Request]:
-        return [*self.decode.running, *self.prefill.running, *self.prefill.waiting_requests()]
-
-    def status_of(self, request_id: str) -> RequestStatus | None:
-        for r in self.requests():
-            if r.request_id == request_id:
-                return r.status
-        return None

@@ -55,9 +55,6 @@ class PrefillScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def waiting_requests(self) -> list[Request]:
-        return [*self._preempted, *(r for _, _, r in sorted(self._heap, key=lambda e: e[:2]))]
-
     def _peek(self) -> Request | None:
         if self._preempted:
             return self._preempted[0]

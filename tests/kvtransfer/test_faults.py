@@ -82,6 +82,15 @@ def begun_raw(
     return conn, dst
 
 
+def recovers(receiver: KVTransport, pool: BlockPool, conn: Connection, dst: list[int]) -> None:
+    """After a fault on ``conn``: free the failed transfer's blocks, then the receiver must be
+    consistent, empty, and serve the next transfer."""
+    conn.close()
+    pool.free(dst)
+    assert_empty(pool)
+    serves_next(receiver, pool)
+
+
 def assert_empty(*pools: BlockPool) -> None:
     for p in pools:
         assert p.check_integrity({}).used == 0
@@ -245,10 +254,7 @@ def test_malformed_frames_drop_the_connection_and_fail_its_transfer(case: str, t
             conn.sock.shutdown(1)  # the rest never comes
         assert outcome(receiver, "b") is FailureCause.PEER_LOST
         assert not (tmp_path / "unpickled").exists()
-        conn.close()
-        pool.free(dst)
-        assert_empty(pool)
-        serves_next(receiver, pool)
+        recovers(receiver, pool, conn, dst)
     finally:
         receiver.close()
 
@@ -310,10 +316,7 @@ def test_lease_expiry_waits_for_the_receivers_own_read_to_end() -> None:
         time.sleep(0.8)  # lease expired, but the reader is still inside the payload
         assert not receiver.poll() and receiver.state("half") is TransferState.TRANSFERRING
         assert outcome(receiver, "half") is FailureCause.TIMEOUT
-        conn.close()
-        pool.free(dst)
-        assert_empty(pool)
-        serves_next(receiver, pool)
+        recovers(receiver, pool, conn, dst)
     finally:
         receiver.close()
 
@@ -355,10 +358,7 @@ def test_frames_that_would_fake_completeness_drop_the_connection(frame: str) -> 
                     conn.send("layer", id="fake", layer=layer, count=1)
                 conn.send("done", id="fake")
         assert outcome(receiver, "fake") is FailureCause.PEER_LOST
-        conn.close()
-        pool.free(dst)
-        assert_empty(pool)
-        serves_next(receiver, pool)
+        recovers(receiver, pool, conn, dst)
     finally:
         receiver.close()
 
