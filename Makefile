@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -c "import torch"
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	$(BIN)/python -c "import model_runtime, ray, grpc, transformers"
+	$(BIN)/python -c "import model_runtime, router, deploy, ray, grpc, transformers"
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
 serve: setup
-	$(BIN)/pdserve generate --model tiny
+	$(BIN)/pdserve serve --model tiny --prefill 1 --decode 1
 
 test: setup
 	$(BIN)/python -m pytest -q

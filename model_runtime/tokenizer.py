@@ -75,6 +75,16 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def token_str(self, token_id: int) -> str:
+        """One token as text for logprobs; a token that is part of a multi-byte character (it
+        decodes to U+FFFD alone) is shown in its vocabulary spelling, so distinct ids stay
+        distinct."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self._tok.id_to_token(token_id)
+            return raw if raw is not None else f"token_id:{token_id}"
+        return text
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas.

@@ -81,6 +81,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.serve import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -96,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="run the cluster: router (gRPC + OpenAI HTTP) and worker pools")
+    _engine_args(s)
+    from pdserve.serve import add_serve_args
+
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

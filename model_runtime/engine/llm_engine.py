@@ -12,79 +12,36 @@ The engine is single-threaded: callers serialize ``add_request``/``abort``/``ste
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from model_runtime.config import CacheConfig, ModelConfig
-from model_runtime.engine.model_runner import ModelRunner
 from model_runtime.engine.output import OutputTracker, RequestOutput
+from model_runtime.engine.runtime import EngineConfig, build_runtime
 from model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
-from model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from model_runtime.model.loader import load_model, resolve_dtype
-from model_runtime.platform import tune_malloc
-from model_runtime.presets import resolve_model
 from model_runtime.request import FinishReason, Request
-from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT, SamplingParams
+from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler.colocated import ColocatedScheduler
-from model_runtime.scheduler.plan import SchedulerConfig
-from model_runtime.tokenizer import TextTokenizer
+from model_runtime.validation import validate_request
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "tiny"  # preset name or Hugging Face directory
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str | None = None  # None/auto: float32 on CPU, bfloat16 on CUDA
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=512))
-    max_logprobs: int = MAX_LOGPROBS_DEFAULT
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+__all__ = ["EngineConfig", "LLMEngine"]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.device = config.torch_device()
-        if self.device.type == "cpu":
-            tune_malloc()
-        dtype = resolve_dtype(config.dtype, self.device)
-        model_dir: Path = resolve_model(config.model)
-        probe = ModelConfig.from_file(model_dir / "config.json")
-        self.max_model_len = min(
-            config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings
-        )
-        t0 = time.perf_counter()
-        self.model_config, model = load_model(model_dir, self.device, dtype, self.max_model_len)
-        self.tokenizer = TextTokenizer.load(model_dir)
-        self.block_size = config.cache.block_size
-        num_blocks = config.cache.resolve_num_blocks(self.model_config, torch.finfo(dtype).bits // 8)
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        rt = self.runtime = build_runtime(config)
+        self.device = rt.device
+        self.max_model_len = rt.max_model_len
+        self.model_config = rt.model_config
+        self.tokenizer = rt.tokenizer
+        self.block_size = rt.block_size
+        self.kv = rt.kv
+        self.runner = rt.runner
+        self.limits = rt.limits()
         self.scheduler = ColocatedScheduler(self.kv, config.scheduler)
-        self.runner = ModelRunner(self.model_config, model, num_blocks, self.block_size)
-        self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.eos_ids = rt.eos_ids
         self._requests: dict[str, Request] = {}
         self._trackers: dict[str, OutputTracker] = {}
-        log.info(
-            "loaded %s (%s, %s) in %.2fs: %d KV blocks of %d tokens",
-            model_dir,
-            self.model_config.architecture,
-            dtype,
-            time.perf_counter() - t0,
-            num_blocks,
-            self.block_size,
-        )
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -98,33 +55,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` for anything this engine cannot serve."""
-        vocab = self.model_config.vocab_size
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        for t in prompt_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab, self.config.max_logprobs)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop", "stop strings need a tokenizer; use stop_token_ids")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{n} tokens do not fit the context of {self.max_model_len} (one is needed to generate)",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({n}) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context of {self.max_model_len}",
-            )
-        if blocks_needed(n + params.max_tokens, self.block_size) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
-                f"({self.kv.num_blocks * self.block_size} tokens)",
-            )
+        validate_request(prompt_ids, params, self.limits)
 
     def add_request(
         self,

@@ -23,13 +23,22 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        kv_cache: torch.Tensor | None = None,
+    ) -> None:
         self.config = config
         self.model = model
         self.block_size = block_size
         self.device = model.device
         self.dtype = model.dtype
-        self.kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
+        if kv_cache is None:
+            kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
+        self.kv_cache = kv_cache
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -39,6 +48,11 @@ class ModelRunner:
         g = self._generators.get(req.request_id)
         if g is None:
             g = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            # A request that arrives with tokens already sampled elsewhere (its prefill ran on
+            # another worker) skips the draws those tokens used: the stream of samples is then
+            # the one a single engine would have drawn.
+            for _ in req.output_token_ids:
+                torch.empty(self.config.vocab_size, device=self.device).exponential_(generator=g)
             self._generators[req.request_id] = g
         return g
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from model_runtime.request import FinishReason, Request
 from model_runtime.sampling.sampler import TokenLogprobs
-from model_runtime.sampling.stop import StopStringMatcher
-from model_runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
+from model_runtime.text_stream import TextStream
+from model_runtime.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class OutputTracker:
 
     def __init__(self, req: Request, tokenizer: TextTokenizer | None) -> None:
         self.req = req
-        self.detok = IncrementalDetokenizer(tokenizer, list(req.prompt_token_ids)) if tokenizer else None
-        self.stop = StopStringMatcher(req.params.stop, req.params.include_stop_str_in_output)
-        self.text = "" if tokenizer else None
+        self.stream = TextStream(
+            tokenizer, req.prompt_token_ids, req.params.stop, req.params.include_stop_str_in_output
+        )
         self.logprobs: list[TokenLogprobs] | None = [] if req.params.logprobs is not None else None
         self.seen = 0  # output tokens already reported
 
@@ -56,20 +56,10 @@ class OutputTracker:
         req = self.req
         new_ids = req.output_token_ids[self.seen :]
         self.seen = len(req.output_token_ids)
-        new_text = ""
-        hit_stop = False
-        if self.detok is not None:
-            for t in new_ids:
-                if self.stop.matched is not None:
-                    break
-                new_text += self.stop.feed(self.detok.add(t))
-            hit_stop = self.stop.matched is not None
-            if req.is_finished and not hit_stop:
-                new_text += self.stop.feed(self.detok.flush())
-                hit_stop = self.stop.matched is not None
-            if req.is_finished or hit_stop:
-                new_text += self.stop.flush()
-            self.text = (self.text or "") + new_text
+        new_text, _ = self.stream.add(new_ids)
+        if req.is_finished or self.stream.matched is not None:
+            new_text += self.stream.finish()
+        hit_stop = self.stream.matched is not None
         new_lp: list[TokenLogprobs] = []
         if self.logprobs is not None and logprobs is not None:
             new_lp = [logprobs]
@@ -82,7 +72,7 @@ class OutputTracker:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids),
-            text=self.text,
+            text=self.stream.text,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=req.is_finished,
@@ -95,4 +85,4 @@ class OutputTracker:
         )
 
     def finish_on_stop_string(self) -> None:
-        self.req.finish(FinishReason.STOP_STRING, stop_reason=self.stop.matched)
+        self.req.finish(FinishReason.STOP_STRING, stop_reason=self.stream.matched)

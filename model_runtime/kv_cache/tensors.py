@@ -34,9 +34,13 @@ class KVLayout:
         return KVLayout(layers, block, heads, dim, str(cache.dtype))
 
 
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+
+
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+    shape = kv_cache_shape(config, num_blocks, block_size)
     # Zero-filled so that padded reads of never-written slots are finite (they are masked anyway).
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,234 @@
+"""The decode role: continuous batching over requests whose KV a prefill worker pushed here.
+
+It is a colocated engine (``ColocatedScheduler``) that can also admit requests whose prompt KV
+arrives over the transport, so the same class serves three paths: remote prefill (the
+disaggregated path), local prefill (``--colocated`` deployments and short prompts), and
+recompute of requests preempted when the pool runs dry.
+
+A remotely prefilled request on this worker::
+
+    reserve() -> RESERVED (blocks allocated, transport expects the transfer)
+      RESERVED --transfer DONE + start(first token)--> DECODING (in the continuous batch)
+      RESERVED --transfer FAILED--> blocks freed; on start(first token): recomputed locally
+                                    (prompt + first token prefilled here), then DECODING
+      RESERVED --abort--> transfer cancelled; blocks freed once the transport reports it failed
+                          (a direct-write sender may still be writing until then)
+    DECODING --finished | abort--> blocks freed
+
+Single-threaded: one caller serializes every method.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvtransfer.transport import KVTransport
+from model_runtime.engine.runtime import Runtime
+from model_runtime.kv_cache.manager import blocks_needed
+from model_runtime.request import FinishReason, Request
+from model_runtime.sampling.sampler import TokenLogprobs
+from model_runtime.scheduler.colocated import ColocatedScheduler
+from model_runtime.scheduler.plan import SchedulerConfig
+from model_runtime.validation import validate_request
+from model_runtime.worker.deltas import delta_for
+from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    transfer_id: str
+    received: bool = False
+    failed: bool = False
+    first: tuple[int, int] | None = None  # the first token, prompt tokens prefill found cached
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        rt: Runtime,
+        transport: KVTransport | None,
+        config: SchedulerConfig,
+        worker_id: str,
+        role: WorkerRole = WorkerRole.DECODE,
+    ) -> None:
+        self.rt = rt
+        self.transport = transport
+        self.worker_id = worker_id
+        self.role = role
+        self.kv = rt.kv
+        self.scheduler = ColocatedScheduler(rt.kv, config)
+        self.limits = rt.limits()
+        self._requests: dict[str, Request] = {}
+        self._emitted: dict[str, int] = {}
+        self._reserved: dict[str, Reservation] = {}
+        self._by_transfer: dict[str, str] = {}
+        self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
+        self.transfers_failed = 0
+        self.recomputed = 0
+
+    # -- commands ----------------------------------------------------------------------------
+    def _new_request(self, work: WorkItem) -> Request:
+        if work.request_id in self._requests:
+            raise ValueError(f"request {work.request_id!r} is already on this worker")
+        validate_request(work.prompt_token_ids, work.params, self.limits)
+        return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
+
+    def add_local(self, work: WorkItem) -> None:
+        """Prefill and decode here (colocated path)."""
+        req = self._new_request(work)
+        self._requests[req.request_id] = req
+        self._emitted[req.request_id] = 0
+        self.scheduler.add_request(req)
+
+    def reserve(self, work: WorkItem, transfer_id: str) -> KVTarget | None:
+        """Reserve blocks for the prompt's KV; ``None`` when the pool cannot take it now (the
+        caller retries). Keeps one free block per running request so they can keep growing."""
+        if self.transport is None:
+            raise RuntimeError("this worker has no KV transport (colocated)")
+        req = self._new_request(work)
+        n = req.num_prompt_tokens
+        headroom = self.kv.num_free_blocks - blocks_needed(n, self.rt.block_size)
+        if headroom < self.scheduler.num_running or not self.kv.allocate_slots(req, n):
+            return None
+        blocks = tuple(self.kv.block_table(req.request_id))
+        self.transport.expect(transfer_id, blocks)
+        self._requests[req.request_id] = req
+        self._reserved[req.request_id] = Reservation(transfer_id)
+        self._by_transfer[transfer_id] = req.request_id
+        return KVTarget(transfer_id, self.transport.address, tuple(self.transport.offers), blocks)
+
+    def start(self, request_id: str, first_token: int, cached: int) -> bool:
+        """The prefill worker sampled ``first_token``; decode starts once the KV is in."""
+        res = self._reserved.get(request_id)
+        if res is None:
+            return False
+        res.first = (first_token, cached)
+        self._maybe_begin(request_id, res)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._emitted.pop(request_id, None)
+        res = self._reserved.pop(request_id, None)
+        if res is not None:
+            self._by_transfer.pop(res.transfer_id, None)
+            if res.received:
+                self.kv.free(request_id)
+            elif not res.failed and self.transport is not None:
+                self._cancelling[res.transfer_id] = request_id
+                self.transport.cancel(res.transfer_id)
+        else:
+            self.scheduler.finish(request_id, FinishReason.ABORT)
+        self.rt.runner.release(request_id)
+        return True
+
+    # -- transfers ---------------------------------------------------------------------------
+    def _poll_transfers(self) -> None:
+        if self.transport is None:
+            return
+        done = self.transport.poll()
+        for tid in done.finished_receiving:
+            self.transport.forget(tid)
+            rid = self._by_transfer.get(tid)
+            if rid is None:
+                if tid in self._cancelling:  # finished just before the cancel landed
+                    self.kv.free(self._cancelling.pop(tid))
+                continue
+            res = self._reserved[rid]
+            res.received = True
+            self._maybe_begin(rid, res)
+        for tid, cause in done.failed.items():
+            self.transport.forget(tid)
+            if tid in self._cancelling:
+                self.kv.free(self._cancelling.pop(tid))
+                continue
+            rid = self._by_transfer.get(tid)
+            if rid is None:
+                continue
+            self.transfers_failed += 1
+            log.warning("%s: KV transfer failed (%s); it will be recomputed here", rid, cause.value)
+            self.kv.free(rid)
+            res = self._reserved[rid]
+            res.failed = True
+            self._maybe_begin(rid, res)
+
+    def _maybe_begin(self, rid: str, res: Reservation) -> None:
+        if res.first is None or not (res.received or res.failed):
+            return
+        del self._reserved[rid]
+        self._by_transfer.pop(res.transfer_id, None)
+        req = self._requests[rid]
+        token, cached = res.first
+        req.append_token(token)
+        req.num_cached_tokens = cached
+        self._emitted[rid] = 1
+        if res.received:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv.cache_computed_blocks(req)
+            self.scheduler.decode.add(req)
+        else:
+            self.recomputed += 1
+            self.scheduler.prefill.add_preempted(req)
+
+    # -- stepping ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def has_pending_io(self) -> bool:
+        return bool(self._reserved or self._cancelling)
+
+    @property
+    def idle(self) -> bool:
+        return not self._requests and not self._cancelling
+
+    def step(self) -> list[TokenDelta]:
+        self._poll_transfers()
+        if not self.scheduler.has_work:
+            return []
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.rt.runner.execute(plan.chunks, self._requests)
+        update = self.scheduler.update(plan, result.sampled)
+        deltas: list[TokenDelta] = []
+        for rid in result.sampled:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            lp = result.logprobs.get(rid)
+            deltas.append(self._delta(req, [lp] if lp is not None else []))
+        for req in update.finished:
+            self._requests.pop(req.request_id, None)
+            self._emitted.pop(req.request_id, None)
+            self.rt.runner.release(req.request_id)
+        return deltas
+
+    def _delta(self, req: Request, logprobs: list[TokenLogprobs]) -> TokenDelta:
+        since = self._emitted[req.request_id]
+        self._emitted[req.request_id] = len(req.output_token_ids)
+        return delta_for(req, since, logprobs)
+
+    def load(self, address: str = "") -> WorkerLoad:
+        s = self.kv.stats()
+        return WorkerLoad(
+            self.worker_id,
+            self.role,
+            address,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting + len(self._reserved),
+            kv_total=s.total,
+            kv_free=s.free + s.cached,
+            kv_cached=s.cached,
+        )
+
+    def check_integrity(self) -> None:
+        stats = self.kv.check_integrity()
+        if not self._requests and not self._cancelling and stats.used:
+            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")

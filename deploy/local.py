@@ -1,0 +1,17 @@
+"""All workers in this process (threads, no Ray): tests and quick experiments."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from deploy.pools import PoolSpec, host_class
+from router.workers import LocalCaller, WorkerHandle
+
+
+def launch_local(spec: PoolSpec) -> list[WorkerHandle]:
+    pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
+    handles = []
+    for ws in spec.worker_specs():
+        host = host_class(ws.role)(ws)
+        handles.append(WorkerHandle(host.info(), LocalCaller(host, pool)))
+    return handles

@@ -1,0 +1,190 @@
+"""Everything one worker process needs to run steps: model, KV pool, runner, tokenizer.
+
+``build_runtime`` is shared by the colocated engine and both worker roles, so every role loads
+a model, sizes its pool and validates requests the same way. ``compute="zero"`` swaps the
+model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from model_runtime.config import CacheConfig, ModelConfig
+from model_runtime.engine.model_runner import ModelRunner, StepResult
+from model_runtime.kv_cache.manager import KVCacheManager
+from model_runtime.kv_cache.tensors import kv_cache_shape
+from model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
+from model_runtime.platform import tune_malloc
+from model_runtime.presets import resolve_model
+from model_runtime.request import Request
+from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
+from model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from model_runtime.tokenizer import TextTokenizer
+from model_runtime.validation import RequestLimits
+
+log = logging.getLogger(__name__)
+
+COMPUTE_MODES = ("model", "zero")
+
+# (shape, dtype, device) -> cache tensor; lets a worker place its cache in shared memory.
+CacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # preset name or Hugging Face directory
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str | None = None  # None/auto: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=512))
+    max_logprobs: int = MAX_LOGPROBS_DEFAULT
+    compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+class StepRunner(Protocol):
+    kv_cache: torch.Tensor
+
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class ZeroRunner:
+    """A runner that does no math: each sampled token is a fixed function of the position and
+    the previous token, never EOS, so outputs are deterministic and run to ``max_tokens``.
+    It owns a real KV cache so transfers still move real bytes."""
+
+    def __init__(self, config: ModelConfig, kv_cache: torch.Tensor) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self._eos = frozenset(config.eos_token_ids)
+
+    def token_for(self, previous: int, position: int) -> int:
+        t = (previous * 31 + position * 7 + 11) % self.config.vocab_size
+        while t in self._eos:
+            t = (t + 1) % self.config.vocab_size
+        return t
+
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        if on_layer is not None:
+            for i in range(self.config.num_layers):
+                on_layer(i)
+        sampled = {
+            c.request_id: self.token_for(c.token_ids[-1], c.start_pos + c.num_tokens)
+            for c in chunks
+            if c.sample
+        }
+        return StepResult(sampled, {})
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+@dataclass
+class Runtime:
+    config: EngineConfig
+    model_dir: Path
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    block_size: int
+    kv: KVCacheManager
+    runner: StepRunner
+    tokenizer: TextTokenizer | None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.model_config.eos_token_ids)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    def limits(self, max_prompt_tokens: int = 0, max_tokens_cap: int = 0) -> RequestLimits:
+        return RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            kv_capacity_blocks=self.kv.num_blocks,
+            max_logprobs=self.config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens_cap=max_tokens_cap,
+        )
+
+
+def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = None) -> Runtime:
+    device = config.torch_device()
+    if device.type == "cpu":
+        tune_malloc()
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model(config.model)
+    probe = ModelConfig.from_file(model_dir / "config.json")
+    max_len = min(config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.resolve_num_blocks(probe, torch.finfo(dtype).bits // 8)
+    shape = kv_cache_shape(probe, num_blocks, block_size)
+    t0 = time.perf_counter()
+    cache = (
+        allocate_cache(shape, dtype, device)
+        if allocate_cache is not None
+        else torch.zeros(shape, dtype=dtype, device=device)  # zeroed: padded reads stay finite
+    )
+    runner: StepRunner
+    if config.compute == "zero":
+        model_config = load_eos_ids(model_dir, probe)
+        runner = ZeroRunner(model_config, cache)
+    else:
+        model_config, model = load_model(model_dir, device, dtype, max_len)
+        runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache)
+    rt = Runtime(
+        config=config,
+        model_dir=model_dir,
+        model_config=model_config,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_len,
+        block_size=block_size,
+        kv=KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching),
+        runner=runner,
+        tokenizer=TextTokenizer.load(model_dir),
+    )
+    log.info(
+        "loaded %s (%s, %s, compute=%s) in %.2fs: %d KV blocks of %d tokens",
+        model_dir,
+        model_config.architecture,
+        dtype,
+        config.compute,
+        time.perf_counter() - t0,
+        num_blocks,
+        block_size,
+    )
+    return rt

@@ -1,0 +1,68 @@
+"""Admission checks every entry point shares: router, colocated engine, workers (pure Python).
+
+One function decides whether a request can ever be served, so the router rejects up front
+exactly what a worker would reject later; each failure names its field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from model_runtime.errors import InvalidRequestError
+from model_runtime.kv_cache.manager import blocks_needed
+from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a deployment can serve. ``max_prompt_tokens`` / ``max_tokens_cap`` of 0 leave only
+    the context and KV-capacity limits; ``kv_capacity_blocks`` is the smallest pool a request
+    may be placed on (one request must fit a pool alone)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    kv_capacity_blocks: int
+    max_logprobs: int = MAX_LOGPROBS_DEFAULT
+    has_tokenizer: bool = True
+    max_prompt_tokens: int = 0
+    max_tokens_cap: int = 0
+
+
+def validate_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise ``InvalidRequestError`` for anything this deployment cannot serve."""
+    vocab = limits.vocab_size
+    if not prompt_ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    for t in prompt_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise InvalidRequestError("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+    params.validate(vocab, limits.max_logprobs)
+    if limits.max_tokens_cap and params.max_tokens > limits.max_tokens_cap:
+        raise InvalidRequestError(
+            "max_tokens", f"must be <= {limits.max_tokens_cap} (server cap), got {params.max_tokens}"
+        )
+    if params.stop and not limits.has_tokenizer:
+        raise InvalidRequestError("stop", "stop strings need a tokenizer; use stop_token_ids")
+    n = len(prompt_ids)
+    if limits.max_prompt_tokens and n > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            "prompt", f"{n} tokens exceed the server cap of {limits.max_prompt_tokens} prompt tokens"
+        )
+    if n >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{n} tokens do not fit the context of {limits.max_model_len} (one is needed to generate)",
+        )
+    if n + params.max_tokens > limits.max_model_len:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context of {limits.max_model_len}",
+        )
+    if blocks_needed(n + params.max_tokens, limits.block_size) > limits.kv_capacity_blocks:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
+            f"({limits.kv_capacity_blocks * limits.block_size} tokens)",
+        )

@@ -1,0 +1,152 @@
+"""The worker process shell: runtime + KV transport + role engine + step loop.
+
+``WorkerHost`` is what Ray places as an actor (``prefill_worker.actor``,
+``decode_worker.actor`` add the role's commands); it is a plain class, so tests and the
+single-process mode run it without Ray. Every public method is safe to call from any thread:
+engine work goes through the loop.
+
+Lifecycle: ``__init__`` loads the model and opens the transport -> ``info()`` (ready) ->
+commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer.transport import KVTransport, TransportConfig
+from model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
+from model_runtime.worker.loop import EngineLoop, RoleEngine
+from model_runtime.worker.messages import OutputBatch, WorkerHealth, WorkerLoad, WorkerRole
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    role: WorkerRole
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    secret: bytes = b""  # KV transport shared secret (>= 16 bytes); unused when colocated
+    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the router learns from a worker once it is ready."""
+
+    worker_id: str
+    role: WorkerRole
+    address: str  # its KV transport address (decode) or "" (prefill, colocated)
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    dtype: str
+    kv_blocks: int
+    max_logprobs: int
+    has_tokenizer: bool
+    pid: int
+    node: str
+
+
+def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
+    """Decode workers on CPU keep their cache in /dev/shm so same-host senders write directly."""
+    paths: list[Path] = []
+    if spec.role is not WorkerRole.DECODE or spec.transport.backend not in ("auto", "shm"):
+        return None, paths
+    if spec.engine.torch_device().type != "cpu":
+        return None, paths
+    from kvtransfer.datapath import allocate_shared_kv_cache
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t, path = allocate_shared_kv_cache(shape, dtype)
+        paths.append(path)
+        return t
+
+    return allocate, paths
+
+
+class WorkerHost:
+    def __init__(self, spec: WorkerSpec) -> None:
+        import os
+        import socket
+
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        allocator, shm_paths = _shared_cache_allocator(spec)
+        self.rt: Runtime = build_runtime(spec.engine, allocator)
+        self.transport: KVTransport | None = None
+        self.address = ""
+        if spec.role is not WorkerRole.COLOCATED:
+            self.transport = KVTransport(
+                self.rt.kv_cache, spec.secret, spec.transport, shm_path=shm_paths[0] if shm_paths else None
+            )
+            if spec.role is WorkerRole.DECODE:
+                self.address = self.transport.listen()
+        self.engine = self._make_engine()
+        self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop")
+        self.health = WorkerHealth.HEALTHY
+        self._info = WorkerInfo(
+            worker_id=spec.worker_id,
+            role=spec.role,
+            address=self.address,
+            model_dir=str(self.rt.model_dir),
+            architecture=self.rt.model_config.architecture,
+            vocab_size=self.rt.model_config.vocab_size,
+            max_model_len=self.rt.max_model_len,
+            block_size=self.rt.block_size,
+            dtype=str(self.rt.dtype).removeprefix("torch."),
+            kv_blocks=self.rt.kv.num_blocks,
+            max_logprobs=spec.engine.max_logprobs,
+            has_tokenizer=self.rt.tokenizer is not None,
+            pid=os.getpid(),
+            node=socket.gethostname(),
+        )
+
+    def _make_engine(self) -> RoleEngine:
+        raise NotImplementedError  # each role's host builds its engine
+
+    # -- API for the router ------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return self._info
+
+    def load(self) -> WorkerLoad:
+        load: WorkerLoad = self.loop.call(self.engine.load, self.address)
+        return WorkerLoad(**{**load.__dict__, "health": self.health})
+
+    def collect(self, timeout_s: float = 1.0) -> OutputBatch:
+        """Long poll: all deltas since the last call (waits up to ``timeout_s`` for one)."""
+        deltas = self.loop.collect(min(max(timeout_s, 0.0), 10.0))
+        return OutputBatch(tuple(deltas), self.load())
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self.loop.call(self.engine.abort, request_id))
+
+    def check_integrity(self) -> None:
+        self.loop.call(self.engine.check_integrity)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight (used by drain and by tests)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.loop.call(lambda: self.engine.idle):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def set_draining(self) -> None:
+        self.health = WorkerHealth.DRAINING
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,130 @@
+"""Runs a role engine on its own thread; other threads talk to it through commands and outputs.
+
+Contract: every engine method runs on the loop thread, between steps, in submission order
+(the engines are single-threaded). ``collect`` hands out each delta exactly once, in step
+order. If a step raises, the loop stops, ``error`` holds the exception and every later
+``submit``/``collect`` raises ``WorkerFailed`` so the router fails this worker's requests
+instead of waiting on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from model_runtime.worker.messages import TokenDelta, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+PENDING_IO_POLL_S = 0.0005  # transfers in flight: how often completions are checked
+IDLE_WAIT_S = 0.5
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class RoleEngine(Protocol):
+    """What the loop and the host need of a role engine (prefill or decode)."""
+
+    @property
+    def has_work(self) -> bool: ...  # a step would compute something
+
+    @property
+    def has_pending_io(self) -> bool: ...  # transfers in flight: keep polling
+
+    @property
+    def idle(self) -> bool: ...  # no request held at all
+
+    def step(self) -> list[TokenDelta]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def load(self, address: str = "") -> WorkerLoad: ...
+
+    def check_integrity(self) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: RoleEngine, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self.error: BaseException | None = None
+        self.steps = 0
+        self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
+        self._wake = threading.Event()
+        self._out: list[TokenDelta] = []
+        self._out_cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        self._check()
+        fut: Future[Any] = Future()
+        self._cmds.append((fn, args, fut))
+        self._wake.set()
+        return fut
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
+        return self.submit(fn, *args).result(timeout=timeout_s)
+
+    def collect(self, timeout_s: float) -> list[TokenDelta]:
+        """Deltas produced since the last call; waits up to ``timeout_s`` for the first one."""
+        with self._out_cv:
+            if not self._out and self.error is None and not self._stop.is_set():
+                self._out_cv.wait(timeout_s)
+            out, self._out = self._out, []
+        if not out:
+            self._check()
+        return out
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise WorkerFailed(f"worker loop stopped: {self.error!r}") from self.error
+
+    def _run_commands(self) -> None:
+        while self._cmds:
+            fn, args, fut = self._cmds.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the caller gets the error; the loop goes on
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._run_commands()
+                eng = self.engine
+                if eng.has_work or eng.has_pending_io:
+                    deltas = eng.step()
+                    self.steps += 1
+                    if deltas:
+                        with self._out_cv:
+                            self._out.extend(deltas)
+                            self._out_cv.notify_all()
+                    if not eng.has_work:
+                        self._wake.wait(PENDING_IO_POLL_S)
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+        except BaseException as e:
+            log.exception("engine loop failed")
+            self.error = e
+        finally:
+            with self._out_cv:
+                self._out_cv.notify_all()
+            while self._cmds:
+                _, _, fut = self._cmds.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(WorkerFailed("worker loop stopped"))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)

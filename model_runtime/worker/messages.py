@@ -1,0 +1,111 @@
+"""Messages between the router and the workers: frozen, typed, plain data (pure Python).
+
+Everything here is built from ints, floats, strings and tuples, so it can cross any process
+boundary (Ray today) without pickling application objects and could be framed as msgpack.
+
+A request's path through these messages (disaggregated)::
+
+    router                          decode worker                     prefill worker
+    WorkItem + transfer id  ---->   reserve blocks -> KVTarget
+    WorkItem + KVTarget     -------------------------------------->  prefill, push KV
+                            <--------------------------------------  TokenDelta(first token, prefilled)
+    start(first token)      ---->   transfer done + token: decode
+                            <----   TokenDelta per step (batched: one OutputBatch per step)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from model_runtime.sampling_params import SamplingParams
+
+
+class WorkerRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # a decode worker that prefills every request itself
+
+
+class WorkerHealth(enum.Enum):
+    """``STARTING -> HEALTHY <-> DRAINING``; ``UNHEALTHY`` is terminal (set by the router when
+    the process stops answering or dies)."""
+
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sequence to generate; the router has validated and tokenized it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where a prefill worker pushes a request's KV: blocks reserved on a decode worker."""
+
+    transfer_id: str
+    address: str  # the decode worker's transport, "host:port"
+    offers: tuple[str, ...]  # backends that transport accepts
+    blocks: tuple[int, ...]  # destination block ids, one per prompt block, in order
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step added to one request.
+
+    ``prefilled`` marks a prefill worker's only message for a request that goes on decoding
+    elsewhere. ``finished`` is the request's last message from that worker; ``finish_reason``
+    is a ``FinishReason`` value, or "error" with ``error`` set (the worker could not serve it).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    prefilled: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load and KV usage, sent with every output batch (the router's view of it)."""
+
+    worker_id: str
+    role: WorkerRole
+    address: str
+    running: int
+    waiting: int
+    kv_total: int
+    kv_free: int
+    kv_cached: int
+    health: WorkerHealth = WorkerHealth.HEALTHY
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_free / self.kv_total if self.kv_total else 0.0
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    """All deltas since the previous collect, in step order, plus the worker's current load."""
+
+    deltas: tuple[TokenDelta, ...]
+    load: WorkerLoad

@@ -1,0 +1,144 @@
+"""``pdserve serve``: bring up worker pools and the router, serve until a signal, drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from deploy.pools import PoolSpec
+from deploy.service import Service
+from kvtransfer.transport import BACKENDS, TransportConfig
+from model_runtime.config import CacheConfig
+from model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
+from model_runtime.presets import PRESETS
+from model_runtime.scheduler.plan import SchedulerConfig
+from router.config import Caps, RouterConfig
+from router.policy import POLICIES
+from router.server import serve_until_signal
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=-1,
+        default=0,
+        help="serve with N colocated engines instead (default N: prefill + decode, the same hardware)",
+    )
+    p.add_argument("--transport", choices=BACKENDS, default="auto", help="KV transfer backend")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a private one)")
+    p.add_argument("--local", action="store_true", help="run workers as threads of this process (no Ray)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of both APIs (default: loopback)")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded")
+    p.add_argument("--served-model-name", default="", help="model id in the API (default: directory name)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="cap (0: the context length)")
+    p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens accepted")
+    p.add_argument("--max-n", type=int, default=8, help="largest n accepted")
+    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs accepted")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--gpus-per-worker", type=int, default=-1, help="default: 1 with CUDA, else 0")
+    p.add_argument("--compute", choices=COMPUTE_MODES, default="model", help="zero: no model math")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
+    p.add_argument(
+        "--kv-host", default="127.0.0.1", help="KV transfer bind address (a node IP for multi-node)"
+    )
+
+
+def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
+    gpus = args.gpus_per_worker
+    if gpus < 0:
+        import torch
+
+        gpus = 1 if args.device != "cpu" and torch.cuda.is_available() else 0
+    engine = EngineConfig(
+        model=args.model,
+        device="cuda" if gpus else args.device,
+        dtype=args.dtype,
+        cache=CacheConfig(block_size=args.block_size, memory_budget_bytes=args.kv_cache_mib << 20),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+        max_logprobs=args.max_logprobs,
+        compute=args.compute,
+    )
+    colocated = args.colocated if args.colocated >= 0 else args.prefill + args.decode
+    spec = PoolSpec(
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=colocated,
+        engine=engine,
+        transport=TransportConfig(backend=args.transport, host=args.kv_host),
+        cpus_per_worker=args.cpus_per_worker,
+        gpus_per_worker=gpus,
+    )
+    config = RouterConfig(
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key or None,
+        caps=Caps(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens_cap,
+            max_n=args.max_n,
+            max_logprobs=args.max_logprobs,
+        ),
+        policy=args.policy,
+        model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
+        drain_timeout_s=args.drain_timeout,
+    )
+    return spec, config
+
+
+async def _run(service: Service, started: float) -> bool:
+    spec = service.spec
+    shape = (
+        f"{spec.colocated} colocated"
+        if spec.is_colocated
+        else f"{spec.prefill} prefill + {spec.decode} decode, KV over {spec.transport.backend}"
+    )
+    where = "in-process" if not service.use_ray else f"Ray {service.ray_address or '(local)'}"
+    print(f"pdserve: starting {shape} workers on {where} with model {spec.engine.model!r}...", flush=True)
+    ep = await service.start(progress=True)
+    assert service.router is not None and service.frontends is not None
+    print(
+        f"pdserve: ready in {time.monotonic() - started:.1f}s\n"
+        f"  OpenAI HTTP  {ep.http}/v1   (model {service.router.model.model_id!r})\n"
+        f"  gRPC         {ep.grpc}   (pdserve.v1.Inference, health, reflection)\n"
+        f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
+        "  Ctrl-C drains and stops.",
+        flush=True,
+    )
+    try:
+        clean = await serve_until_signal(service.router, service.frontends, service.config.drain_timeout_s)
+    finally:
+        service.frontends = None  # already stopped by the drain
+        service.router = None
+        await service.stop()
+    print("pdserve: stopped" + ("" if clean else " (some requests were aborted)"), flush=True)
+    return clean
+
+
+def serve(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    spec, config = build(args)
+    if config.host == "0.0.0.0" and not config.api_key:
+        print("pdserve: warning: serving on all interfaces without an API key", file=sys.stderr)
+    service = Service(spec, config, use_ray=not args.local, ray_address=args.address)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    clean = asyncio.run(_run(service, started))
+    return 0 if clean else 1

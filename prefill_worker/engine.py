@@ -1,0 +1,180 @@
+"""The prefill role: chunked prefill with prefix caching; the first token is sampled here and
+the prompt's KV is pushed into blocks a decode worker reserved.
+
+Per request::
+
+    add(work, target) -> WAITING --scheduled--> PREFILLING --last chunk--> PREFILLED
+        PREFILLED: first token reported (TokenDelta.prefilled); KV streaming, source blocks held
+        --transport: finished_sending | failed--> source blocks freed (they stay prefix-cached)
+    the first token already ends the request (EOS, max_tokens=1): reported finished, the
+    transfer is cancelled; abort: removed wherever it is, its transfer cancelled.
+
+The push starts with the step that computes the prompt's last chunk and is layer-wise: layer
+``i`` goes out while layer ``i + 1`` computes (earlier chunks are complete by then).
+Single-threaded like every engine: one caller serializes ``add``/``abort``/``step``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvtransfer.transport import KVTransport
+from model_runtime.engine.runtime import Runtime
+from model_runtime.request import Request
+from model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from model_runtime.scheduler.prefill import PrefillScheduler
+from model_runtime.validation import validate_request
+from model_runtime.worker.deltas import delta_for, error_delta
+from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEngine:
+    role = WorkerRole.PREFILL
+
+    def __init__(self, rt: Runtime, transport: KVTransport, config: SchedulerConfig, worker_id: str) -> None:
+        self.rt = rt
+        self.transport = transport
+        self.worker_id = worker_id
+        self.kv = rt.kv
+        self.scheduler = PrefillScheduler(rt.kv, config)
+        self.limits = rt.limits()
+        self._requests: dict[str, Request] = {}
+        self._targets: dict[str, KVTarget] = {}
+        self._sending: dict[str, str] = {}  # transfer id -> request id (source blocks held)
+        self.transfers_failed = 0
+
+    # -- commands ----------------------------------------------------------------------------
+    def add(self, work: WorkItem, target: KVTarget) -> None:
+        if work.request_id in self._requests:
+            raise ValueError(f"request {work.request_id!r} is already on this worker")
+        validate_request(work.prompt_token_ids, work.params, self.limits)
+        if len(target.blocks) * self.rt.block_size < len(work.prompt_token_ids):
+            raise ValueError(f"{len(target.blocks)} destination blocks cannot hold the prompt")
+        req = Request(
+            work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, priority=work.priority
+        )
+        self._requests[work.request_id] = req
+        self._targets[work.request_id] = target
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        target = self._targets.pop(request_id, None)
+        if target is None:
+            return False
+        if target.transfer_id in self._sending:
+            self.transport.cancel(target.transfer_id)  # blocks freed when the transport reports it
+        else:
+            self.scheduler.remove(request_id)
+            self._requests.pop(request_id, None)
+        return True
+
+    # -- stepping ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.num_waiting or self.scheduler.num_running)
+
+    @property
+    def has_pending_io(self) -> bool:
+        return bool(self._sending)
+
+    @property
+    def idle(self) -> bool:
+        return not self._requests and not self._sending
+
+    def step(self) -> list[TokenDelta]:
+        deltas = self._reap_transfers()
+        chunks, _ = self.scheduler.schedule()
+        if not chunks:
+            return deltas
+        unreachable: set[str] = set()
+        pushes = [
+            tid for tid in (self._start_push(c, unreachable) for c in chunks if c.sample) if tid is not None
+        ]
+
+        def on_layer(i: int) -> None:
+            for tid in pushes:
+                self.transport.layer_ready(tid, i)
+
+        result = self.rt.runner.execute(chunks, self._requests, on_layer if pushes else None)
+        update = self.scheduler.update(chunks, result.sampled)
+        for req in update.prefilled:
+            if req.request_id in unreachable:
+                self.kv.free(req.request_id)
+                self._end(req.request_id, cancel=False)
+                deltas.append(error_delta(req.request_id, "no KV transfer backend in common with decode"))
+                continue
+            lp = result.logprobs.get(req.request_id)
+            deltas.append(delta_for(req, 0, [lp] if lp else [], prefilled=True))
+        for req in update.finished:  # the first token ended it: decode never starts
+            lp = result.logprobs.get(req.request_id)
+            deltas.append(delta_for(req, 0, [lp] if lp else []))
+            self._end(req.request_id, cancel=True)
+        return deltas
+
+    def _start_push(self, chunk: ScheduledChunk, unreachable: set[str]) -> str | None:
+        target = self._targets.get(chunk.request_id)
+        if target is None:
+            return None
+        src = self.kv.block_table(chunk.request_id)[: len(target.blocks)]
+        try:
+            self.transport.send(
+                target.transfer_id,
+                target.address,
+                src,
+                target.blocks,
+                layerwise=True,
+                peer_offers=target.offers,
+            )
+        except ValueError as e:  # no backend in common: fail the request, not the worker
+            log.warning("%s: cannot push KV to %s: %s", chunk.request_id, target.address, e)
+            unreachable.add(chunk.request_id)
+            return None
+        self._sending[target.transfer_id] = chunk.request_id
+        return target.transfer_id
+
+    def _reap_transfers(self) -> list[TokenDelta]:
+        done = self.transport.poll()
+        deltas: list[TokenDelta] = []
+        for tid in done.finished_sending | set(done.failed):
+            rid = self._sending.pop(tid, None)
+            self.transport.forget(tid)
+            if rid is None:
+                continue
+            req = self._requests.pop(rid, None)
+            aborted = self._targets.pop(rid, None) is None
+            if req is not None:
+                self.kv.free(rid)
+            if tid in done.failed and not aborted:
+                self.transfers_failed += 1
+                cause = done.failed[tid]
+                deltas.append(error_delta(rid, f"KV transfer failed: {cause.value}"))
+        return deltas
+
+    def _end(self, request_id: str, cancel: bool) -> None:
+        target = self._targets.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        if target is not None and target.transfer_id in self._sending:
+            self._sending.pop(target.transfer_id)
+            if cancel:
+                self.transport.cancel(target.transfer_id)
+        self.rt.runner.release(request_id)
+
+    def load(self, address: str = "") -> WorkerLoad:
+        s = self.kv.stats()
+        return WorkerLoad(
+            self.worker_id,
+            self.role,
+            address,
+            running=self.scheduler.num_running + len(self._sending),
+            waiting=self.scheduler.num_waiting,
+            kv_total=s.total,
+            kv_free=s.free + s.cached,
+            kv_cached=s.cached,
+        )
+
+    def check_integrity(self) -> None:
+        stats = self.kv.check_integrity()
+        if not self._requests and not self._sending and stats.used:
+            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")

@@ -1,0 +1,39 @@
+"""Router settings (frozen). Defaults are safe: loopback addresses, finite caps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Per-request limits enforced before any worker sees the request (0: context only)."""
+
+    max_prompt_tokens: int = 0
+    max_tokens: int = 4096
+    max_n: int = 8
+    max_logprobs: int = 20
+    default_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_n", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_prompt_tokens < 0 or self.max_logprobs < 0:
+            raise ValueError("max_prompt_tokens and max_logprobs must be >= 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    caps: Caps = Caps()
+    policy: str = "least_loaded"
+    model_name: str = ""  # the id /v1/models lists; "" uses the model directory's name
+    reserve_timeout_s: float = 30.0  # waiting for decode KV room before RESOURCE_EXHAUSTED
+    call_timeout_s: float = 30.0  # any single router -> worker call
+    max_inflight: int = 4096  # requests in flight before RESOURCE_EXHAUSTED
+    grpc_max_message_bytes: int = 16 << 20
+    drain_timeout_s: float = 30.0

@@ -1,0 +1,276 @@
+"""The gRPC front end: ``pdserve.v1.Inference`` plus standard health and reflection.
+
+Status codes follow ``proto/pdserve/v1/inference.proto``. A cancelled call or an expired
+deadline cancels the handler, whose cleanup aborts the request on every worker (the
+``Router.run`` contract). With an API key set every call except ``grpc.health.v1`` (probes
+cannot send metadata) needs ``authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.worker.messages import Logprob, WorkerHealth, WorkerRole
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from router.auth import bearer_ok
+from router.errors import Code, RouterError
+from router.service import GenerateInput, Router, SloHint
+from router.stream import Chunk, Final
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+STATUS = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.CANCELLED: grpc.StatusCode.CANCELLED,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop_string": pb.FINISH_REASON_STOP_STRING,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+ROLE = {
+    WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
+    WorkerRole.COLOCATED: pb.WORKER_ROLE_COLOCATED,
+}
+HEALTH = {
+    WorkerHealth.STARTING: pb.WORKER_HEALTH_STARTING,
+    WorkerHealth.HEALTHY: pb.WORKER_HEALTH_HEALTHY,
+    WorkerHealth.UNHEALTHY: pb.WORKER_HEALTH_UNHEALTHY,
+    WorkerHealth.DRAINING: pb.WORKER_HEALTH_DRAINING,
+}
+
+
+def sampling_params(s: pb.SamplingParameters, default_max_tokens: int) -> SamplingParams:
+    return SamplingParams.create(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+
+
+def _logprobs(lps: tuple[Logprob, ...] | None) -> list[pb.TokenLogprob]:
+    if not lps:
+        return []
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in lps
+    ]
+
+
+def _result(f: Final, with_prompt: bool) -> pb.GenerateResult:
+    r = pb.GenerateResult(
+        request_id=f.request_id,
+        finish_reason=FINISH.get(f.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(
+            prompt_tokens=f.usage.prompt_tokens,
+            completion_tokens=f.usage.completion_tokens,
+            cached_tokens=f.usage.cached_tokens,
+        ),
+        timing=pb.Timing(**dataclasses.asdict(f.timing)),
+        prefill_worker=f.prefill_worker,
+        decode_worker=f.decode_worker,
+        prompt_token_ids=list(f.prompt_token_ids) if with_prompt else [],
+    )
+    if isinstance(f.stop_reason, str):
+        r.stop_string = f.stop_reason
+    elif isinstance(f.stop_reason, int):
+        r.stop_token_id = f.stop_reason
+    return r
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        which = request.WhichOneof("prompt")
+        prompt: str | list[int] = request.text if which == "text" else list(request.token_ids.ids)
+        if which is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
+        try:
+            params = sampling_params(request.sampling, self.router.config.caps.default_max_tokens)
+            slo = SloHint(request.slo.ttft_ms, request.slo.tpot_ms, request.slo.priority)
+            admitted = self.router.admit(GenerateInput(prompt, params, request.request_id, slo))
+        except RouterError as e:
+            await context.abort(STATUS[e.code], e.message)
+        with_prompt = request.return_prompt_token_ids
+        ids: list[int] = []
+        text: list[str] = []
+        lps: list[pb.TokenLogprob] = []
+        try:
+            async for ev in self.router.run(admitted):
+                if isinstance(ev, Chunk):
+                    if request.stream:
+                        yield pb.GenerateResponse(
+                            chunk=pb.TokenChunk(
+                                token_ids=ev.token_ids, text=ev.text, logprobs=_logprobs(ev.logprobs)
+                            )
+                        )
+                    else:
+                        ids.extend(ev.token_ids)
+                        text.append(ev.text)
+                        lps.extend(_logprobs(ev.logprobs))
+                else:
+                    chunk = pb.TokenChunk(token_ids=ids, text="".join(text), logprobs=lps)
+                    yield pb.GenerateResponse(chunk=chunk, result=_result(ev, with_prompt))
+        except RouterError as e:
+            await context.abort(STATUS[e.code], e.message)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        m = self.router.model
+        return pb.ModelInfo(
+            model_id=m.model_id,
+            architecture=m.architecture,
+            max_context_length=m.max_context_length,
+            vocab_size=m.vocab_size,
+            block_size=m.block_size,
+            dtype=m.dtype,
+            max_prompt_tokens=m.max_prompt_tokens,
+            max_tokens_cap=m.max_tokens_cap,
+            max_logprobs=m.max_logprobs,
+        )
+
+    async def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStatus:
+        ready, mode, loads = await self.router.cluster_status()
+        return pb.ClusterStatus(
+            ready=ready,
+            mode=mode,
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=w.worker_id,
+                    role=ROLE[w.role],
+                    address=w.address,
+                    running=w.running,
+                    waiting=w.waiting,
+                    kv_blocks=pb.KvBlocks(total=w.kv_total, free=w.kv_free, cached=w.kv_cached),
+                    health=HEALTH[w.health],
+                )
+                for w in loads
+            ],
+        )
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+    def __init__(self, api_key: str) -> None:
+        self.api_key = api_key
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer <key>)"
+            )
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await deny(request, context)
+            yield  # pragma: no cover (abort raises)
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(self.OPEN_PREFIX):
+            return await continuation(details)
+        md = dict(details.invocation_metadata or ())
+        if bearer_ok(md.get("authorization"), self.api_key):
+            return await continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny_unary
+
+
+class GrpcServer:
+    """The grpc.aio server with the inference, health and reflection services."""
+
+    def __init__(self, router: Router, host: str, port: int, api_key: str | None = None) -> None:
+        limit = router.config.grpc_max_message_bytes
+        self.router = router
+        self.server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(router), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._watch = asyncio.create_task(self._watch_readiness())
+
+    async def _watch_readiness(self) -> None:
+        last: bool | None = None
+        while True:
+            ready = self.router.ready
+            if ready != last:
+                hc = health_pb2.HealthCheckResponse
+                status = hc.SERVING if ready else hc.NOT_SERVING
+                await self.health.set(SERVICE, status)
+                await self.health.set("", status)
+                last = ready
+            await asyncio.sleep(0.2)
+
+    async def stop(self, grace_s: float) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

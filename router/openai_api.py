@@ -1,0 +1,259 @@
+"""OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, cluster status.
+
+Requests are checked and admitted before any byte of the response is sent, and a stream's
+first event is awaited before the response starts, so every failure that happens before the
+first token gets a real status code (400, 401, 429, 503); later failures end the SSE stream
+with an ``error`` event. A client that disconnects aborts its request on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from model_runtime.sampling_params import SamplingParams
+from router.auth import ApiKeyMiddleware
+from router.chat import ChatMessage, ChatTemplate
+from router.errors import Code, RouterError
+from router.openai_format import ChoiceBuilder, error_body, usage_json
+from router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.service import Admitted, GenerateInput, Router, SloHint
+from router.status import cluster_status_json
+from router.stream import Event, Final
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="pdserve", version="1", description="OpenAI-compatible API of a pdserve cluster")
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=("/health",))
+
+    @app.exception_handler(RouterError)
+    async def router_error(_: Request, e: RouterError) -> JSONResponse:
+        return JSONResponse(error_body(e), status_code=e.code.http)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        msg = f"{field}: {err.get('msg', 'invalid')}"
+        return JSONResponse(error_body(RouterError(Code.INVALID_ARGUMENT, msg, field)), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = router.ready
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        m = router.model
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.model_id,
+                    "object": "model",
+                    "created": int(STARTED),
+                    "owned_by": "pdserve",
+                    "max_model_len": m.max_context_length,
+                }
+            ],
+        }
+
+    @app.get("/cluster/status")
+    async def cluster_status() -> dict[str, Any]:
+        return cluster_status_json(*await router.cluster_status())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(router, body.model)
+        params = body.sampling_params(router.config.caps, body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        inputs = [
+            GenerateInput(p, params_for(params, i, body.n), slo=SloHint(priority=body.priority))
+            for p in prompts
+            for i in range(body.n)
+        ]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await respond(router, request, body, inputs, rid, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(router, body.model)
+        params = body.sampling_params(
+            router.config.caps, body.requested_max_tokens(), body.requested_logprobs()
+        )
+        prompt = chat_template.render([ChatMessage(m.role, m.text()) for m in body.messages])
+        inputs = [
+            GenerateInput(prompt, params_for(params, i, body.n), slo=SloHint(priority=body.priority))
+            for i in range(body.n)
+        ]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await respond(router, request, body, inputs, rid, chat=True)
+
+    return app
+
+
+STARTED = time.time()
+
+
+def _check_model(router: Router, model: str) -> None:
+    if model != router.model.model_id:
+        raise RouterError(
+            Code.INVALID_ARGUMENT,
+            f"model: {model!r} is not served here; this server serves {router.model.model_id!r}",
+            "model",
+        )
+
+
+def params_for(params: SamplingParams, index: int, n: int) -> SamplingParams:
+    """The i-th of ``n`` sequences: a seeded request gets seed + i, so the n samples differ."""
+    if n > 1 and params.seed is not None:
+        return replace(params, seed=params.seed + index)
+    return params
+
+
+async def respond(
+    router: Router,
+    request: Request,
+    body: SamplingFields,
+    inputs: Sequence[GenerateInput],
+    rid: str,
+    chat: bool,
+) -> Response:
+    admitted: list[Admitted] = []
+    try:
+        for i, inp in enumerate(inputs):
+            admitted.append(router.admit(replace(inp, request_id=f"{rid}-{i}")))
+    except RouterError:
+        for a in admitted:
+            router.discard(a)
+        raise
+    builder = ChoiceBuilder(router.tokenizer, rid, chat, body.return_token_ids, body.model, len(admitted))
+    events = merged(router, admitted)
+    if not body.stream:
+        return await _until_disconnected(request, collect(builder, events, body.include_usage))
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(
+        sse(builder, first, events, body.include_usage),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+async def merged(router: Router, admitted: Sequence[Admitted]) -> AsyncGenerator[tuple[int, Event], None]:
+    """Events of several sequences (``n`` > 1, batched prompts) as (choice index, event)."""
+    if len(admitted) == 1:
+        async for ev in router.run(admitted[0]):
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, a: Admitted) -> None:
+        try:
+            async for ev in router.run(a):
+                queue.put_nowait((i, ev))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(admitted)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(
+    builder: ChoiceBuilder, events: AsyncIterator[tuple[int, Event]], include_usage: bool
+) -> dict[str, Any]:
+    async for i, ev in events:
+        builder.add(i, ev)
+    return builder.response()
+
+
+async def sse(
+    builder: ChoiceBuilder,
+    first: tuple[int, Event] | None,
+    events: AsyncGenerator[tuple[int, Event], None],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    finals: list[Final] = []
+    try:
+        if builder.chat:
+            for i in range(builder.num_choices):
+                yield _data(builder.role_chunk(i))
+        pending = [first] if first is not None else []
+        while True:
+            if pending:
+                i, ev = pending.pop()
+            else:
+                try:
+                    i, ev = await anext(events)
+                except StopAsyncIteration:
+                    break
+            if isinstance(ev, Final):
+                finals.append(ev)
+            yield _data(builder.stream_chunk(i, ev))
+        if include_usage:
+            yield _data(builder.usage_chunk(usage_json(finals)))
+    except RouterError as e:
+        yield _data(error_body(e))
+    finally:
+        await events.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _until_disconnected(request: Request, work: Any) -> Response:
+    """Run a non-streaming request, aborting it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        body = await task
+    except asyncio.CancelledError:
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+    return JSONResponse(body)
+
+

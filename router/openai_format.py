@@ -1,0 +1,194 @@
+"""OpenAI response bodies (completions and chat, whole and streamed) from router events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_runtime.tokenizer import TextTokenizer
+from model_runtime.worker.messages import Logprob
+from router.errors import Code, RouterError
+from router.stream import Chunk, Event, Final
+
+ERROR_TYPES = {
+    Code.INVALID_ARGUMENT: "invalid_request_error",
+    Code.UNAUTHENTICATED: "authentication_error",
+    Code.NOT_FOUND: "not_found_error",
+    Code.RESOURCE_EXHAUSTED: "rate_limit_error",
+}
+
+
+def error_body(e: RouterError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": e.message,
+            "type": ERROR_TYPES.get(e.code, "server_error"),
+            "param": e.field,
+            "code": e.code.http,
+        }
+    }
+
+
+def finish_reason(final: Final) -> str:
+    return "stop" if final.finish_reason == "stop_string" else final.finish_reason
+
+
+def usage_json(finals: Sequence[Final]) -> dict[str, Any]:
+    prompt = sum(f.usage.prompt_tokens for f in {f.prompt_token_ids: f for f in finals}.values())
+    completion = sum(f.usage.completion_tokens for f in finals)
+    cached = sum(f.usage.cached_tokens for f in {f.prompt_token_ids: f for f in finals}.values())
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    final: Final | None = None
+
+
+class ChoiceBuilder:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer | None,
+        response_id: str,
+        chat: bool,
+        return_token_ids: bool,
+        model: str,
+        num_choices: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.id = response_id
+        self.chat = chat
+        self.return_token_ids = return_token_ids
+        self.model = model
+        self.num_choices = num_choices
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self._choices = [_Choice() for _ in range(num_choices)]
+
+    # -- whole responses ---------------------------------------------------------------------
+    def add(self, index: int, ev: Event) -> None:
+        c = self._choices[index]
+        if isinstance(ev, Chunk):
+            c.text.append(ev.text)
+            c.token_ids.extend(ev.token_ids)
+            if ev.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + list(ev.logprobs)
+        else:
+            c.final = ev
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        finals = [c.final for c in self._choices if c.final is not None]
+        for i, c in enumerate(self._choices):
+            text = "".join(c.text)
+            body: dict[str, Any] = {"index": i}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            body["logprobs"] = self._logprobs(c.logprobs)
+            body["finish_reason"] = finish_reason(c.final) if c.final else None
+            body["stop_reason"] = c.final.stop_reason if c.final else None
+            if self.return_token_ids and c.final is not None:
+                body["prompt_token_ids"] = list(c.final.prompt_token_ids)
+                body["token_ids"] = c.token_ids
+            choices.append(body)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_json(finals),
+        }
+
+    # -- streamed responses ------------------------------------------------------------------
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        return self._envelope(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        )
+
+    def stream_chunk(self, index: int, ev: Event) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if isinstance(ev, Chunk):
+            if self.chat:
+                choice["delta"] = {"content": ev.text}
+            else:
+                choice["text"] = ev.text
+            choice["logprobs"] = self._logprobs(list(ev.logprobs) if ev.logprobs is not None else None)
+            choice["finish_reason"] = None
+            if self.return_token_ids:
+                choice["token_ids"] = list(ev.token_ids)
+        else:
+            if self.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            choice["logprobs"] = None
+            choice["finish_reason"] = finish_reason(ev)
+            choice["stop_reason"] = ev.stop_reason
+            if self.return_token_ids:
+                choice["token_ids"] = []
+                choice["prompt_token_ids"] = list(ev.prompt_token_ids)
+        return self._envelope([choice])
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope([])
+        body["usage"] = usage
+        return body
+
+    # -- logprobs ----------------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_str(token_id)
+
+    def _logprobs(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in lps:
+                tok = self._token(lp.token_id)
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": lp.logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {"token": (t := self._token(tid)), "logprob": v, "bytes": list(t.encode())}
+                            for tid, v in lp.top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token(tid): v for tid, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }

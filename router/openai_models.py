@@ -1,0 +1,129 @@
+"""OpenAI-compatible request bodies (pydantic) and their translation to ``SamplingParams``.
+
+Standard fields follow the OpenAI API; the vLLM-compatible extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``return_token_ids``, ``priority``) arrive as top-level JSON
+fields (the ``openai`` client's ``extra_body``). Unknown fields are ignored, as OpenAI does.
+Range checks live in one place (``SamplingParams.validate`` via the router), so the HTTP and
+gRPC APIs reject exactly the same requests with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, StrictInt
+
+from model_runtime.sampling_params import SamplingParams
+from router.config import Caps
+from router.errors import Code, RouterError
+
+TokenIds = list[StrictInt]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model: str
+    max_tokens: int | None = Field(None, description="tokens to generate (server default when unset)")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, description="sequences per prompt (capped by the server)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM-compatible extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = Field(False, description="add prompt and completion token ids to choices")
+    priority: int = Field(0, description="lower is served first")
+
+    def sampling_params(self, caps: Caps, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if not 1 <= self.n <= caps.max_n:
+            raise RouterError(
+                Code.INVALID_ARGUMENT, f"n: must be in [1, {caps.max_n}] (server cap), got {self.n}", "n"
+            )
+        return SamplingParams.create(
+            max_tokens=caps.default_max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    logprobs: int | None = Field(None, description="top alternatives per token (0: chosen token only)")
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RouterError(Code.INVALID_ARGUMENT, "prompt: must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise RouterError(
+                    Code.INVALID_ARGUMENT, "top_logprobs: needs logprobs=true", "top_logprobs"
+                )
+            return None
+        return self.top_logprobs or 0

@@ -1,0 +1,344 @@
+"""The router's core, shared by the gRPC and HTTP front ends.
+
+``Router.generate`` turns a validated request into a stream of events::
+
+    tokenize + validate (caps) -> policy picks decode (+ prefill) worker
+    disaggregated: decode.reserve(blocks) -> prefill.prefill(KV target) -> first token from
+                   prefill -> decode.start(first token) -> decode's tokens
+    colocated:     decode.add_local -> decode's tokens
+    client gone / deadline / stop string -> abort on every worker that holds the request
+
+Contract: when ``generate``'s iterator ends, however it ends, no worker still works on the
+request (aborts are sent; workers free the blocks). A worker that dies fails exactly the
+requests it held, with UNAVAILABLE; later requests go to the survivors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from model_runtime.errors import InvalidRequestError
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.tokenizer import TextTokenizer
+from model_runtime.validation import RequestLimits, validate_request
+from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
+from router.config import RouterConfig
+from router.errors import Code, RouterError
+from router.policy import RouteRequest, make_policy
+from router.stream import Event, RequestStream
+from router.workers import WorkerHandle, WorkerLost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SloHint:
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    prompt: str | Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    slo: SloHint = field(default_factory=SloHint)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    max_context_length: int
+    vocab_size: int
+    block_size: int
+    dtype: str
+    max_prompt_tokens: int
+    max_tokens_cap: int
+    max_logprobs: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    stream: RequestStream
+    work: WorkItem
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: Sequence[WorkerHandle],
+        tokenizer: TextTokenizer | None,
+        colocated: bool = False,
+    ) -> None:
+        if not workers:
+            raise ValueError("a router needs workers")
+        self.config = config
+        self.colocated = colocated
+        self.workers = {w.worker_id: w for w in workers}
+        self.tokenizer = tokenizer
+        self.prefill_policy = make_policy(config.policy)
+        self.decode_policy = make_policy(config.policy)
+        self._streams: dict[str, RequestStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.draining = False
+        info = workers[0].info
+        caps = config.caps
+        decode_blocks = min(w.info.kv_blocks for w in workers if w.role is not WorkerRole.PREFILL)
+        self.limits = RequestLimits(
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            kv_capacity_blocks=decode_blocks,
+            max_logprobs=min(caps.max_logprobs, info.max_logprobs),
+            has_tokenizer=tokenizer is not None,
+            max_prompt_tokens=caps.max_prompt_tokens,
+            max_tokens_cap=caps.max_tokens,
+        )
+        name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.model = ModelInfo(
+            model_id=name,
+            architecture=info.architecture,
+            max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            dtype=info.dtype,
+            max_prompt_tokens=caps.max_prompt_tokens or info.max_model_len - 1,
+            max_tokens_cap=caps.max_tokens,
+            max_logprobs=self.limits.max_logprobs,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for w in self.workers.values():
+            w.start_polling(self._on_deltas, self._on_lost)
+
+    async def stop(self) -> None:
+        for s in list(self._streams.values()):
+            s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
+        await asyncio.gather(*(w.stop() for w in self.workers.values()))
+
+    def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.role is role and w.healthy]
+
+    @property
+    def ready(self) -> bool:
+        if self.draining:
+            return False
+        if self.colocated:
+            return bool(self._pool(WorkerRole.COLOCATED))
+        return bool(self._pool(WorkerRole.PREFILL)) and bool(self._pool(WorkerRole.DECODE))
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting; wait for in-flight requests to finish. True if they all did."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._streams
+
+    # -- requests ----------------------------------------------------------------------------
+    def prepare(self, inp: GenerateInput) -> tuple[str, tuple[int, ...]]:
+        """Tokenize and validate; raises ``RouterError(INVALID_ARGUMENT)`` naming the field."""
+        prompt = inp.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RouterError(Code.INVALID_ARGUMENT, "prompt: must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise RouterError(
+                    Code.INVALID_ARGUMENT, "prompt: this model has no tokenizer; send token ids", "prompt"
+                )
+            ids = tuple(self.tokenizer.encode(prompt))
+        else:
+            ids = tuple(prompt)
+        try:
+            validate_request(ids, inp.params, self.limits)
+        except InvalidRequestError as e:
+            raise RouterError(Code.INVALID_ARGUMENT, str(e), e.field) from None
+        rid = inp.request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._streams:
+            raise RouterError(
+                Code.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight", "request_id"
+            )
+        return rid, ids
+
+    def admit(self, inp: GenerateInput) -> Admitted:
+        """Check a request and take it in (raises ``RouterError`` before anything is sent)."""
+        rid, ids = self.prepare(inp)
+        if self.draining:
+            raise RouterError(Code.UNAVAILABLE, "the server is draining")
+        if len(self._streams) >= self.config.max_inflight:
+            raise RouterError(Code.RESOURCE_EXHAUSTED, "too many requests in flight; retry later")
+        stream = RequestStream(rid, ids, inp.params, self.tokenizer)
+        self._streams[rid] = stream
+        return Admitted(stream, WorkItem(rid, ids, inp.params, inp.slo.priority))
+
+    def discard(self, admitted: Admitted) -> None:
+        """Forget an admitted request that will not be run (nothing was sent for it)."""
+        self._streams.pop(admitted.request_id, None)
+
+    async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
+        """Events of an admitted request; see the module docstring for the contract."""
+        stream = admitted.stream
+        try:
+            await self._dispatch(stream, admitted.work)
+            async for ev in stream.events():
+                yield ev
+        finally:
+            self._streams.pop(stream.request_id, None)
+            if not stream.done:
+                stream.abort()
+            self._release(stream)
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
+        return self.run(self.admit(inp))
+
+    async def _dispatch(self, stream: RequestStream, work: WorkItem) -> None:
+        route = RouteRequest(len(work.prompt_token_ids), work.params.max_tokens, work.priority)
+        timeout = self.config.call_timeout_s
+        try:
+            if self.colocated:
+                decode = self._choose(WorkerRole.COLOCATED, route)
+                stream.decode_worker = decode.worker_id
+                decode.inflight.add(stream.request_id)
+                await decode.call("add_local", work, timeout_s=timeout)
+            else:
+                decode = self._choose(WorkerRole.DECODE, route)
+                prefill = self._choose(WorkerRole.PREFILL, route)
+                stream.decode_worker = decode.worker_id
+                decode.inflight.add(stream.request_id)
+                transfer_id = f"kv-{uuid.uuid4().hex}"
+                target = await decode.call(
+                    "reserve",
+                    work,
+                    transfer_id,
+                    self.config.reserve_timeout_s,
+                    timeout_s=self.config.reserve_timeout_s + timeout,
+                )
+                if target is None:
+                    raise RouterError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"no KV cache room on decode worker {decode.worker_id} "
+                        f"within {self.config.reserve_timeout_s:g}s; retry later",
+                    )
+                if stream.done:  # failed or cancelled while reserving
+                    return
+                stream.prefill_worker = prefill.worker_id
+                prefill.inflight.add(stream.request_id)
+                await prefill.call("prefill", work, target, timeout_s=timeout)
+        except WorkerLost as e:
+            raise RouterError(Code.UNAVAILABLE, str(e)) from None
+        except asyncio.TimeoutError:
+            raise RouterError(Code.UNAVAILABLE, "a worker did not answer in time") from None
+        except (InvalidRequestError, ValueError) as e:
+            raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
+        stream.dispatched = time.perf_counter()
+
+    def _choose(self, role: WorkerRole, route: RouteRequest) -> WorkerHandle:
+        pool = self._pool(role)
+        if not pool:
+            raise RouterError(Code.UNAVAILABLE, f"no healthy {role.value} worker")
+        policy = self.prefill_policy if role is WorkerRole.PREFILL else self.decode_policy
+        return self.workers[policy.choose([w.load for w in pool], route)]
+
+    def _release(self, stream: RequestStream) -> None:
+        """Abort the request on every worker still holding it (fire and forget)."""
+        for wid in (stream.prefill_worker, stream.decode_worker):
+            w = self.workers.get(wid)
+            if w is not None and stream.request_id in w.inflight:
+                w.inflight.discard(stream.request_id)
+                if w.healthy:
+                    self._spawn(self._abort_on(w, stream.request_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort_on(self, w: WorkerHandle, rid: str) -> None:
+        try:
+            await w.call("abort", rid, timeout_s=self.config.call_timeout_s)
+        except Exception as e:  # a dead worker frees nothing, and needs nothing freed
+            log.debug("abort %s on %s: %s", rid, w.worker_id, e)
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.abort()
+        return True
+
+    # -- worker events -----------------------------------------------------------------------
+    def _on_deltas(self, worker: WorkerHandle, deltas: tuple[TokenDelta, ...]) -> None:
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is None or stream.done:
+                continue
+            if d.error is not None:
+                stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
+                continue
+            if d.prefilled:
+                worker.inflight.discard(d.request_id)  # prefill is done with it
+                decode = self.workers.get(stream.decode_worker)
+                if decode is not None and d.token_ids:
+                    self._spawn(self._start_decode(decode, stream, d))
+                stream.feed(d)
+            else:
+                if worker.role is WorkerRole.PREFILL:
+                    worker.inflight.discard(d.request_id)
+                if stream.feed(d) and d.finished:
+                    worker.inflight.discard(d.request_id)
+
+    async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
+        try:
+            await decode.call(
+                "start",
+                d.request_id,
+                d.token_ids[0],
+                d.num_cached_tokens,
+                timeout_s=self.config.call_timeout_s,
+            )
+        except Exception as e:
+            stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e}"))
+
+    async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        for rid in list(worker.inflight):
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.fail(RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}"))
+        worker.inflight.clear()
+
+    # -- status ------------------------------------------------------------------------------
+    async def cluster_status(self) -> tuple[bool, str, list[WorkerLoad]]:
+        """Fresh loads from every worker (a short call each); unreachable ones as UNHEALTHY."""
+
+        async def one(w: WorkerHandle) -> WorkerLoad:
+            if w.healthy:
+                try:
+                    w.load = await w.call("load", timeout_s=2.0)
+                    return w.load
+                except Exception as e:
+                    log.warning("status of %s: %s", w.worker_id, e)
+            return replace(w.load, health=WorkerHealth.UNHEALTHY)
+
+        loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
+        mode = "colocated" if self.colocated else "disaggregated"
+        return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
+

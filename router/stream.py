@@ -1,0 +1,176 @@
+"""One request as the router sees it: worker deltas in, client events out.
+
+``RequestStream`` is fed ``TokenDelta``s by the output pollers (prefill's first token, then
+decode's batches), detokenizes them, applies stop strings, keeps timing, and queues
+``Chunk``s and one terminal ``Final`` (or a ``RouterError``) for the API layer to read.
+
+States::
+
+    DISPATCHING --first token--> STREAMING --finished | stop string--> DONE
+         |                           |
+         +-------- error / abort ----+--> DONE (Final with "abort", or a RouterError)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from model_runtime.sampling_params import SamplingParams
+from model_runtime.text_stream import TextStream
+from model_runtime.tokenizer import TextTokenizer
+from model_runtime.worker.messages import Logprob, TokenDelta
+from router.errors import RouterError
+
+
+class StreamState(enum.Enum):
+    DISPATCHING = "dispatching"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[Logprob, ...] | None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds, measured at the router from the request's arrival."""
+
+    queue_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+
+
+@dataclass(frozen=True)
+class Final:
+    request_id: str
+    finish_reason: str  # stop | length | stop_string | abort
+    stop_reason: str | int | None
+    usage: Usage
+    timing: Timing
+    prefill_worker: str
+    decode_worker: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str | None
+
+
+Event = Chunk | Final
+
+
+class RequestStream:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        tokenizer: TextTokenizer | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.text = TextStream(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
+        self.state = StreamState.DISPATCHING
+        self.arrival = time.perf_counter()
+        self.dispatched: float | None = None
+        self.first_token: float | None = None
+        self.token_ids: list[int] = []
+        self.cached_tokens = 0
+        self.prefill_worker = ""
+        self.decode_worker = ""
+        self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
+
+    @property
+    def done(self) -> bool:
+        return self.state is StreamState.DONE
+
+    def feed(self, delta: TokenDelta) -> bool:
+        """Apply a worker's delta; True when the request is over (stop string or finished)."""
+        if self.done:
+            return True
+        now = time.perf_counter()
+        if delta.token_ids and self.first_token is None:
+            self.first_token = now
+            self.state = StreamState.STREAMING
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        text, taken = self.text.add(delta.token_ids)
+        ids = delta.token_ids[:taken]
+        self.token_ids.extend(ids)
+        lps = delta.logprobs[:taken] if delta.logprobs is not None else None
+        if self.text.matched is not None or delta.finished:
+            text += self.text.finish()  # may itself complete a stop string
+        stopped = self.text.matched is not None
+        if ids or text:
+            self._queue.put_nowait(Chunk(tuple(ids), text, lps))
+        if stopped:
+            self._end("stop_string", self.text.matched)
+        elif delta.finished:
+            reason = delta.finish_reason or "stop"
+            self._end(reason, delta.stop_token_id)
+        return self.done
+
+    def abort(self) -> None:
+        """End with finish reason "abort" (client or operator asked)."""
+        if not self.done:
+            self._end("abort", None)
+
+    def fail(self, error: RouterError) -> None:
+        if not self.done:
+            self.state = StreamState.DONE
+            self._queue.put_nowait(error)
+
+    def _end(self, reason: str, stop_reason: str | int | None) -> None:
+        self.state = StreamState.DONE
+        self._queue.put_nowait(self.final(reason, stop_reason))
+
+    def final(self, reason: str, stop_reason: str | int | None) -> Final:
+        now = time.perf_counter()
+        e2e = (now - self.arrival) * 1000
+        ttft = ((self.first_token or now) - self.arrival) * 1000
+        n = len(self.token_ids)
+        return Final(
+            request_id=self.request_id,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            usage=Usage(len(self.prompt_ids), n, self.cached_tokens),
+            timing=Timing(
+                queue_ms=((self.dispatched or now) - self.arrival) * 1000,
+                ttft_ms=ttft,
+                tpot_ms=(e2e - ttft) / (n - 1) if n > 1 else 0.0,
+                e2e_ms=e2e,
+            ),
+            prefill_worker=self.prefill_worker,
+            decode_worker=self.decode_worker,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=tuple(self.token_ids),
+            text=self.text.text,
+        )
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Chunks as they come, then the ``Final``; raises the ``RouterError`` of a failure."""
+        while True:
+            ev = await self._queue.get()
+            if isinstance(ev, RouterError):
+                raise ev
+            yield ev
+            if isinstance(ev, Final):
+                return

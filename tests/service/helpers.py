@@ -1,0 +1,118 @@
+"""Shared pieces of the service tests: bringing a deployment up, HF references, polling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import httpx
+
+from deploy.pools import PoolSpec
+from deploy.service import Endpoints, Service, ServiceThread
+from kvtransfer.transport import TransportConfig
+from model_runtime.config import CacheConfig
+from model_runtime.engine.runtime import EngineConfig
+from model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from router.config import Caps, RouterConfig
+
+MODEL = "tiny"
+
+
+def engine_config(**over: Any) -> EngineConfig:
+    base: dict[str, Any] = dict(
+        model=MODEL,
+        cache=CacheConfig(block_size=16, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
+    )
+    base.update(over)
+    return EngineConfig(**base)
+
+
+def start_service(
+    use_ray: bool,
+    prefill: int = 1,
+    decode: int = 1,
+    colocated: int = 0,
+    api_key: str | None = None,
+    caps: Caps | None = None,
+    transport: str = "auto",
+    **engine: Any,
+) -> tuple[ServiceThread, Endpoints]:
+    spec = PoolSpec(
+        prefill=prefill,
+        decode=decode,
+        colocated=colocated,
+        engine=engine_config(**engine),
+        transport=TransportConfig(backend=transport),
+    )
+    config = RouterConfig(
+        http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL
+    )
+    if use_ray:
+        from deploy.ray_pools import start_ray
+
+        start_ray(None, 16)  # logical CPUs: room for several small deployments at once
+    st = ServiceThread(Service(spec, config, use_ray=use_ray))
+    return st, st.start()
+
+
+def stub(ep: Endpoints) -> pb_grpc.InferenceStub:
+    return pb_grpc.InferenceStub(grpc.insecure_channel(ep.grpc))
+
+
+def status(ep: Endpoints, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    r = httpx.get(f"{ep.http}/cluster/status", headers=headers, timeout=10)
+    r.raise_for_status()
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def all_free(st: dict[str, Any]) -> bool:
+    return all(
+        w["running"] == 0 and w["waiting"] == 0 and w["kv_blocks"]["free"] == w["kv_blocks"]["total"]
+        for w in st["workers"]
+        if w["health"] == "healthy"
+    )
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``cond`` until true; returns the seconds it took. Fails the test on timeout."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def grpc_request(prompt: list[int] | str, max_tokens: int, stream: bool = False, **sampling: Any) -> Any:
+    req = pb.GenerateRequest(stream=stream, return_prompt_token_ids=True)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    req.sampling.max_tokens = max_tokens
+    req.sampling.temperature = sampling.pop("temperature", 0.0)
+    req.sampling.ignore_eos = sampling.pop("ignore_eos", True)
+    for k, v in sampling.items():
+        setattr(req.sampling, k, v)
+    return req
+
+
+_HF: dict[str, Any] = {}
+
+
+def hf_reference(prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from HF transformers on the same checkpoint (EOS ignored)."""
+    from model_runtime.presets import resolve_model
+    from tests.engine.hf_models import hf_greedy
+
+    if "model" not in _HF:
+        import transformers
+
+        _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL))).eval()
+    return hf_greedy(_HF["model"], prompt, n)[0]

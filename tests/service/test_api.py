@@ -1,0 +1,317 @@
+"""The HTTP and gRPC APIs over an in-process deployment (real servers, real KV transfers, no Ray)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.v1 import inference_pb2 as pb
+from router.config import Caps
+from tests.service.helpers import (
+    MODEL,
+    all_free,
+    grpc_request,
+    hf_reference,
+    start_service,
+    status,
+    stub,
+    wait_for,
+)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def svc():
+    st, ep = start_service(use_ray=False, caps=Caps(max_tokens=512, max_n=4, max_logprobs=5))
+    yield ep
+    wait_for(lambda: all_free(status(ep)), 5, "blocks freed after the module")
+    st.stop()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 90))] for _ in range(n)]
+
+
+def complete(ep: Any, **body: Any) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    return httpx.post(f"{ep.http}/v1/completions", json=body, timeout=60)
+
+
+def test_models_health_and_status(svc) -> None:
+    assert httpx.get(f"{svc.http}/health").status_code == 200
+    models = httpx.get(f"{svc.http}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    st = status(svc)
+    assert st["ready"] and st["mode"] == "disaggregated"
+    assert sorted(w["role"] for w in st["workers"]) == ["decode", "prefill"]
+    info = stub(svc).GetModelInfo(pb.GetModelInfoRequest())
+    assert info.model_id == MODEL and info.vocab_size == 259 and info.max_logprobs == 5
+    cs = stub(svc).GetClusterStatus(pb.GetClusterStatusRequest())
+    assert cs.ready and {w.role for w in cs.workers} == {pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE}
+
+
+def test_http_matches_hf_with_token_ids(svc) -> None:
+    for i, p in enumerate(prompts(3, seed=1)):
+        r = complete(svc, prompt=p, max_tokens=6 + i, temperature=0, ignore_eos=True, return_token_ids=True)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["prompt_token_ids"] == p
+        assert choice["token_ids"] == hf_reference(p, 6 + i)
+        assert r.json()["usage"]["completion_tokens"] == 6 + i
+
+
+def test_grpc_matches_hf(svc) -> None:
+    for p in prompts(3, seed=2):
+        [resp] = list(stub(svc).Generate(grpc_request(p, 9)))
+        assert list(resp.chunk.token_ids) == hf_reference(p, 9)
+        r = resp.result
+        assert r.finish_reason == pb.FINISH_REASON_LENGTH
+        assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == 9
+        assert list(r.prompt_token_ids) == p
+        assert r.prefill_worker == "prefill-0" and r.decode_worker == "decode-0"
+        assert 0 < r.timing.ttft_ms <= r.timing.e2e_ms
+
+
+def test_grpc_streaming_in_order(svc) -> None:
+    p = prompts(1, seed=3)[0]
+    msgs = list(stub(svc).Generate(grpc_request(p, 20, stream=True)))
+    ids = [t for m in msgs for t in m.chunk.token_ids]
+    assert ids == hf_reference(p, 20)
+    assert len(msgs) >= 2 and msgs[-1].HasField("result")
+    assert all(not m.HasField("result") for m in msgs[:-1])
+    assert msgs[-1].result.usage.completion_tokens == 20
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_http_streaming_order_and_usage(svc) -> None:
+    p = prompts(1, seed=4)[0]
+    body = dict(
+        model=MODEL,
+        prompt=p,
+        max_tokens=15,
+        temperature=0,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        return_token_ids=True,
+    )
+    with httpx.stream("POST", f"{svc.http}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage == {
+        "prompt_tokens": len(p),
+        "completion_tokens": 15,
+        "total_tokens": len(p) + 15,
+        "prompt_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+    }
+    chunks = [e for e in events[:-2]]
+    ids = [t for e in chunks for t in e["choices"][0].get("token_ids", [])]
+    assert ids == hf_reference(p, 15)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
+
+
+def test_openai_client_completions_and_chat(svc) -> None:
+    client = openai.OpenAI(base_url=f"{svc.http}/v1", api_key="unused")
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage is not None
+    text = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=5, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert text == c.choices[0].text
+    msgs: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for ch in streamed:
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+        if ch.usage is not None:
+            usage = ch.usage
+    assert "".join(parts) == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens  # type: ignore[union-attr]
+    extra = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=4,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "seed": 7},
+    )
+    assert extra.usage is not None and extra.usage.completion_tokens >= 2
+
+
+def test_n_logprobs_and_stop_strings(svc) -> None:
+    r = complete(svc, prompt="xyz", max_tokens=4, n=3, seed=1, temperature=1.0, logprobs=2)
+    body = r.json()
+    assert r.status_code == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+    assert body["usage"]["completion_tokens"] == 12
+    base = complete(svc, prompt="stop test", max_tokens=30, temperature=0, ignore_eos=True).json()
+    text = base["choices"][0]["text"]
+    if len(text) >= 6:
+        stop = text[3:6]
+        cut = complete(svc, prompt="stop test", max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+        c = cut.json()["choices"][0]
+        assert c["text"] == text[: text.index(stop)]
+        assert c["finish_reason"] == "stop" and c["stop_reason"] == stop
+
+
+BAD_HTTP = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 513}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 500, "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 5}, "n"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": [1, 2, 999999]}, "prompt"),
+    ({"prompt": [1, 2, -1]}, "prompt"),
+    ({"prompt": [5] * 2000, "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+    ({"prompt": ""}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_HTTP)
+def test_bad_http_input_names_the_field(svc, body: dict[str, Any], field: str) -> None:
+    r = complete(svc, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(field), err
+
+
+def test_malformed_json_and_bad_chat(svc) -> None:
+    r = httpx.post(
+        f"{svc.http}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{svc.http}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(
+        f"{svc.http}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert complete(svc, prompt="still serving", max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 600}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": 9}, "logprobs"),
+    ],
+)
+def test_bad_grpc_input(svc, change: dict[str, Any], field: str) -> None:
+    req = grpc_request([5, 6, 7], 4)
+    for k, v in change.items():
+        setattr(req.sampling, k, v)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(svc).Generate(req))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field)
+
+
+def test_bad_grpc_prompt(svc) -> None:
+    for req in (pb.GenerateRequest(), grpc_request([1, 2, 400], 3)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(svc).Generate(req))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("prompt")
+    [ok] = list(stub(svc).Generate(grpc_request([1, 2, 3], 3)))
+    assert len(ok.chunk.token_ids) == 3
+
+
+def test_grpc_health_and_reflection(svc) -> None:
+    ch = grpc.insecure_channel(svc.grpc)
+    h = health_pb2_grpc.HealthStub(ch)
+    for name in ("", "pdserve.v1.Inference"):
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == serving
+    with pytest.raises(grpc.RpcError) as e:
+        h.Check(health_pb2.HealthCheckRequest(service="nope.Service"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert "pdserve.v1.Inference" in names and "grpc.health.v1.Health" in names
+
+
+def test_openapi_schema_lists_the_routes(svc) -> None:
+    spec = httpx.get(f"{svc.http}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/cluster/status"):
+        assert path in spec["paths"], path
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "top_k", "return_token_ids", "stream_options"} <= set(props)
+
+
+def test_api_key_on_every_route() -> None:
+    st, ep = start_service(use_ray=False, api_key="s3cret-key", colocated=1)
+    try:
+        good = {"Authorization": "Bearer s3cret-key"}
+        assert httpx.get(f"{ep.http}/health").status_code == 200
+        for path in ("/v1/models", "/cluster/status", "/openapi.json", "/docs"):
+            assert httpx.get(f"{ep.http}{path}").status_code == 401, path
+            assert httpx.get(f"{ep.http}{path}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{ep.http}/v1/models", headers=good).status_code == 200
+        r = httpx.post(f"{ep.http}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401
+        r = httpx.post(
+            f"{ep.http}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers=good
+        )
+        assert r.status_code == 200
+        s = stub(ep)
+        for call in (
+            lambda md: list(s.Generate(grpc_request([1, 2], 2), metadata=md)),
+            lambda md: s.GetModelInfo(pb.GetModelInfoRequest(), metadata=md),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call(())
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                call((("authorization", "Bearer wrong"),))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            call((("authorization", "Bearer s3cret-key"),))
+        h = health_pb2_grpc.HealthStub(grpc.insecure_channel(ep.grpc))
+        assert h.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference")).status == 1
+    finally:
+        st.stop()

@@ -1,0 +1,179 @@
+"""The disaggregated service on a real local Ray cluster: workers are Ray actors in their own
+processes, KV moves between them over the transport, clients speak real gRPC and HTTP."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.v1 import inference_pb2 as pb
+from tests.service.helpers import (
+    MODEL,
+    all_free,
+    grpc_request,
+    hf_reference,
+    start_service,
+    status,
+    stub,
+    wait_for,
+)
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+LONG = 1500  # tokens: a request that is still running when the test interrupts it
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    st, ep = start_service(use_ray=True, prefill=1, decode=1)
+    yield st, ep
+    st.stop()
+
+
+def mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 256) for _ in range(rng.choice([1, 5, 17, 40, 90, 200]))], rng.randrange(1, 40))
+        for _ in range(n)
+    ]
+
+
+def test_16_concurrent_grpc_requests_match_hf(cluster) -> None:
+    _, ep = cluster
+    work = mixed_prompts(16, seed=11)
+    s = stub(ep)
+
+    def one(pm: tuple[list[int], int]) -> Any:
+        return list(s.Generate(grpc_request(pm[0], pm[1], stream=True)))
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, work))
+    for (prompt, n), msgs in zip(work, results, strict=True):
+        ids = [t for m in msgs for t in m.chunk.token_ids]
+        assert ids == hf_reference(prompt, n)
+        res = msgs[-1].result
+        assert res.usage.completion_tokens == n and res.usage.prompt_tokens == len(prompt)
+        assert res.prefill_worker == "prefill-0" and res.decode_worker == "decode-0"
+    wait_for(lambda: all_free(status(ep)), 2, "every block back after the burst")
+
+
+def test_16_concurrent_http_requests_match_hf(cluster) -> None:
+    _, ep = cluster
+    work = mixed_prompts(16, seed=12)
+
+    def one(pm: tuple[list[int], int]) -> Any:
+        body = dict(
+            model=MODEL, prompt=pm[0], max_tokens=pm[1], temperature=0, ignore_eos=True, return_token_ids=True
+        )
+        return httpx.post(f"{ep.http}/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, work))
+    for (prompt, n), r in zip(work, results, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == hf_reference(prompt, n)
+        assert choice["prompt_token_ids"] == prompt
+
+
+def long_body() -> dict[str, Any]:
+    return dict(model=MODEL, prompt=list(range(3, 60)), max_tokens=LONG, temperature=0, ignore_eos=True)
+
+
+def busy(ep: Any) -> bool:
+    return any(w["running"] for w in status(ep)["workers"])
+
+
+def test_http_disconnect_frees_blocks_on_both_workers(cluster) -> None:
+    _, ep = cluster
+    body = {**long_body(), "stream": True}
+    with httpx.stream("POST", f"{ep.http}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert busy(ep)
+    took = wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after the client disconnected")
+    print(f"freed {took * 1000:.0f} ms after disconnect")
+    r2 = httpx.post(f"{ep.http}/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3})
+    assert r2.status_code == 200
+
+
+def test_grpc_cancel_frees_blocks(cluster) -> None:
+    _, ep = cluster
+    call = stub(ep).Generate(grpc_request(list(range(3, 60)), LONG, stream=True))
+    for _ in range(3):
+        next(call)
+    assert busy(ep)
+    call.cancel()
+    wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after the gRPC cancel")
+    [ok] = list(stub(ep).Generate(grpc_request([4, 5, 6], 3)))
+    assert len(ok.chunk.token_ids) == 3
+
+
+def test_grpc_deadline_frees_blocks(cluster) -> None:
+    _, ep = cluster
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(ep).Generate(grpc_request(list(range(3, 60)), LONG, stream=True), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 2
+    wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after the deadline")
+    [ok] = list(stub(ep).Generate(grpc_request([4, 5, 6], 3)))
+    assert len(ok.chunk.token_ids) == 3
+
+
+def test_grpc_abort_rpc(cluster) -> None:
+    _, ep = cluster
+    req = grpc_request(list(range(3, 40)), LONG, stream=True)
+    req.request_id = "abort-me"
+    call = stub(ep).Generate(req)
+    next(call)
+    assert stub(ep).Abort(pb.AbortRequest(request_id="abort-me")).found
+    last = list(call)[-1]
+    assert last.result.finish_reason == pb.FINISH_REASON_ABORT
+    wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after Abort")
+
+
+def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
+    st, ep = start_service(use_ray=True, prefill=1, decode=2)
+    try:
+        s = stub(ep)
+        calls = []
+        for i in range(4):
+            req = grpc_request(list(range(3, 30 + i)), LONG, stream=True)
+            req.request_id = f"victim-{i}"
+            call = s.Generate(req)
+            next(call)
+            calls.append(call)
+        decode0 = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        os.kill(decode0.info.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = []
+        for call in calls:
+            try:
+                msgs = list(call)
+                outcomes.append(("ok", msgs[-1].result.decode_worker))
+            except grpc.RpcError as e:
+                outcomes.append((e.code().name, ""))
+        elapsed = time.monotonic() - t0
+        assert ("UNAVAILABLE", "") in outcomes, outcomes  # decode-0's requests fail cleanly ...
+        assert all(o == ("UNAVAILABLE", "") or o[1] == "decode-1" for o in outcomes)  # ... only those
+        assert elapsed < 30, f"in-flight requests took {elapsed:.1f}s to end"
+        health = {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
+        assert health["decode-0"] == "unhealthy" and health["decode-1"] == "healthy"
+        assert status(ep)["ready"]
+        for i in range(4):
+            [msg] = list(s.Generate(grpc_request([7, 8, 9 + i], 4)))
+            assert msg.result.decode_worker == "decode-1"
+    finally:
+        st.stop()
