@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvtransfer.states import FailureCause
 from kvtransfer.transport import KVTransport
 from model_runtime.engine.runtime import Runtime
 from model_runtime.kv_cache.manager import blocks_needed
@@ -31,7 +32,7 @@ from model_runtime.sampling.sampler import TokenLogprobs
 from model_runtime.scheduler.colocated import ColocatedScheduler
 from model_runtime.scheduler.plan import SchedulerConfig
 from model_runtime.validation import validate_request
-from model_runtime.worker.deltas import delta_for
+from model_runtime.worker.deltas import Tombstones, delta_for
 from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class DecodeEngine:
         self._reserved: dict[str, Reservation] = {}
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
+        self._tombstones = Tombstones()
         self.transfers_failed = 0
         self.recomputed = 0
 
@@ -78,6 +80,8 @@ class DecodeEngine:
 
     def add_local(self, work: WorkItem) -> None:
         """Prefill and decode here (colocated path)."""
+        if work.request_id in self._tombstones:
+            return  # aborted before it arrived
         req = self._new_request(work)
         self._requests[req.request_id] = req
         self._emitted[req.request_id] = 0
@@ -88,6 +92,8 @@ class DecodeEngine:
         caller retries). Keeps one free block per running request so they can keep growing."""
         if self.transport is None:
             raise RuntimeError("this worker has no KV transport (colocated)")
+        if work.request_id in self._tombstones:
+            return None  # aborted before it arrived
         req = self._new_request(work)
         n = req.num_prompt_tokens
         headroom = self.kv.num_free_blocks - blocks_needed(n, self.rt.block_size)
@@ -112,6 +118,7 @@ class DecodeEngine:
     def abort(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
         if req is None:
+            self._tombstones.add(request_id)
             return False
         self._emitted.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
@@ -150,8 +157,9 @@ class DecodeEngine:
             rid = self._by_transfer.get(tid)
             if rid is None:
                 continue
-            self.transfers_failed += 1
-            log.warning("%s: KV transfer failed (%s); it will be recomputed here", rid, cause.value)
+            if cause is not FailureCause.CANCELLED:  # a sender's cancel is the request ending, not a fault
+                self.transfers_failed += 1
+                log.warning("%s: KV transfer failed (%s); recomputing here if it goes on", rid, cause.value)
             self.kv.free(rid)
             res = self._reserved[rid]
             res.failed = True

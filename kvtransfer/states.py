@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -80,23 +81,35 @@ class TransferStats:
 
 
 class CompletionQueue:
-    """Thread-safe accumulation of completions; ``drain`` hands them to the poller."""
+    """Thread-safe accumulation of completions; ``drain`` hands them to the poller.
+
+    ``listeners`` are called (outside the lock, from transport threads) after each completion,
+    so a poller can sleep until there is something to drain instead of spinning.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending = Completions()
+        self.listeners: list[Callable[[], None]] = []
+
+    def _notify(self) -> None:
+        for cb in self.listeners:
+            cb()
 
     def sent(self, transfer_id: str) -> None:
         with self._lock:
             self._pending.finished_sending.add(transfer_id)
+        self._notify()
 
     def received(self, transfer_id: str) -> None:
         with self._lock:
             self._pending.finished_receiving.add(transfer_id)
+        self._notify()
 
     def failed(self, transfer_id: str, cause: FailureCause) -> None:
         with self._lock:
             self._pending.failed[transfer_id] = cause
+        self._notify()
 
     def drain(self) -> Completions:
         with self._lock:

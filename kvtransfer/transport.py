@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +214,11 @@ class KVTransport:
     def poll(self) -> Completions:
         """Completions since the last poll (never blocks)."""
         return self._completions.drain()
+
+    def on_completion(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from a transport thread; keep it cheap) whenever ``poll`` would
+        return something new."""
+        self._completions.listeners.append(callback)
 
     def forget(self, transfer_id: str) -> None:
         self._receiver.forget(transfer_id)

@@ -12,9 +12,16 @@ class PrefillWorker(WorkerHost):
         assert self.transport is not None
         return PrefillEngine(self.rt, self.transport, self.spec.engine.scheduler, self.spec.worker_id)
 
-    def prefill(self, work: WorkItem, target: KVTarget) -> None:
+    @property
+    def _prefill(self) -> PrefillEngine:
+        assert isinstance(self.engine, PrefillEngine)
+        return self.engine
+
+    def prefill(self, work: WorkItem, target: KVTarget | None = None) -> None:
         """Queue ``work``; its first token comes back through ``collect`` (``prefilled``), its KV
-        goes to ``target``. Raises ``InvalidRequestError`` for a request this worker cannot serve."""
-        engine = self.engine
-        assert isinstance(engine, PrefillEngine)
-        self.loop.call(engine.add, work, target)
+        goes to ``target`` (or to the one ``set_target`` names later). Raises
+        ``InvalidRequestError`` for a request this worker cannot serve."""
+        self.loop.call(self._prefill.add, work, target)
+
+    def set_target(self, request_id: str, target: KVTarget) -> bool:
+        return bool(self.loop.call(self._prefill.set_target, request_id, target))

@@ -3,14 +3,18 @@ the prompt's KV is pushed into blocks a decode worker reserved.
 
 Per request::
 
-    add(work, target) -> WAITING --scheduled--> PREFILLING --last chunk--> PREFILLED
-        PREFILLED: first token reported (TokenDelta.prefilled); KV streaming, source blocks held
+    add(work, target?) -> WAITING --scheduled--> PREFILLING --last chunk--> PREFILLED
+        PREFILLED: first token reported (TokenDelta.prefilled); source blocks held while the KV
+        streams out (or until ``set_target`` names where it goes, then it streams)
         --transport: finished_sending | failed--> source blocks freed (they stay prefix-cached)
     the first token already ends the request (EOS, max_tokens=1): reported finished, the
     transfer is cancelled; abort: removed wherever it is, its transfer cancelled.
 
-The push starts with the step that computes the prompt's last chunk and is layer-wise: layer
-``i`` goes out while layer ``i + 1`` computes (earlier chunks are complete by then).
+The router may send the request before the decode worker has reserved blocks (both at once,
+so the reservation is off the TTFT path); the target follows with ``set_target``. A push that
+can start with the step computing the prompt's last chunk is layer-wise: layer ``i`` goes out
+while layer ``i + 1`` computes (earlier chunks are complete by then); a target that arrives
+later gets the whole KV in one push.
 Single-threaded like every engine: one caller serializes ``add``/``abort``/``step``.
 """
 
@@ -21,13 +25,15 @@ import logging
 from kvtransfer.transport import KVTransport
 from model_runtime.engine.runtime import Runtime
 from model_runtime.request import Request
-from model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from model_runtime.scheduler.plan import SchedulerConfig
 from model_runtime.scheduler.prefill import PrefillScheduler
 from model_runtime.validation import validate_request
-from model_runtime.worker.deltas import delta_for, error_delta
+from model_runtime.worker.deltas import Tombstones, delta_for, error_delta
 from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
+
+UNREACHABLE = "no KV transfer backend in common with the decode worker"
 
 
 class PrefillEngine:
@@ -43,28 +49,57 @@ class PrefillEngine:
         self._requests: dict[str, Request] = {}
         self._targets: dict[str, KVTarget] = {}
         self._sending: dict[str, str] = {}  # transfer id -> request id (source blocks held)
+        self._awaiting_target: set[str] = set()  # prefilled, blocks held, target not known yet
+        self._pending_errors: list[TokenDelta] = []
+        self._tombstones = Tombstones()
         self.transfers_failed = 0
 
     # -- commands ----------------------------------------------------------------------------
-    def add(self, work: WorkItem, target: KVTarget) -> None:
+    def add(self, work: WorkItem, target: KVTarget | None = None) -> None:
+        if work.request_id in self._tombstones:
+            return  # aborted before it arrived
         if work.request_id in self._requests:
             raise ValueError(f"request {work.request_id!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
-        if len(target.blocks) * self.rt.block_size < len(work.prompt_token_ids):
-            raise ValueError(f"{len(target.blocks)} destination blocks cannot hold the prompt")
         req = Request(
             work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, priority=work.priority
         )
+        if target is not None:
+            self._check_target(req, target)
+            self._targets[work.request_id] = target
         self._requests[work.request_id] = req
-        self._targets[work.request_id] = target
         self.scheduler.add(req)
 
-    def abort(self, request_id: str) -> bool:
-        target = self._targets.pop(request_id, None)
-        if target is None:
+    def _check_target(self, req: Request, target: KVTarget) -> None:
+        if len(target.blocks) * self.rt.block_size < req.num_prompt_tokens:
+            raise ValueError(f"{len(target.blocks)} destination blocks cannot hold the prompt")
+
+    def set_target(self, request_id: str, target: KVTarget) -> bool:
+        """Name the decode blocks of a request added without them; False if it is gone."""
+        req = self._requests.get(request_id)
+        if req is None or request_id in self._targets:
             return False
-        if target.transfer_id in self._sending:
+        self._check_target(req, target)
+        self._targets[request_id] = target
+        if request_id in self._awaiting_target:
+            self._awaiting_target.discard(request_id)
+            if self._push(request_id, target, layerwise=False) is None:
+                self.kv.free(request_id)
+                self._end(request_id, cancel=False)
+                self._pending_errors.append(error_delta(request_id, UNREACHABLE))
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._requests:
+            self._tombstones.add(request_id)
+            return False
+        target = self._targets.pop(request_id, None)
+        if target is not None and target.transfer_id in self._sending:
             self.transport.cancel(target.transfer_id)  # blocks freed when the transport reports it
+        elif request_id in self._awaiting_target:
+            self._awaiting_target.discard(request_id)
+            self.kv.free(request_id)
+            self._requests.pop(request_id, None)
         else:
             self.scheduler.remove(request_id)
             self._requests.pop(request_id, None)
@@ -77,7 +112,7 @@ class PrefillEngine:
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._sending)
+        return bool(self._sending or self._pending_errors)
 
     @property
     def idle(self) -> bool:
@@ -85,13 +120,22 @@ class PrefillEngine:
 
     def step(self) -> list[TokenDelta]:
         deltas = self._reap_transfers()
+        if self._pending_errors:
+            deltas += self._pending_errors
+            self._pending_errors = []
         chunks, _ = self.scheduler.schedule()
         if not chunks:
             return deltas
         unreachable: set[str] = set()
-        pushes = [
-            tid for tid in (self._start_push(c, unreachable) for c in chunks if c.sample) if tid is not None
-        ]
+        pushes = []
+        for c in chunks:
+            target = self._targets.get(c.request_id)
+            if c.sample and target is not None:
+                tid = self._push(c.request_id, target, layerwise=True)
+                if tid is None:
+                    unreachable.add(c.request_id)
+                else:
+                    pushes.append(tid)
 
         def on_layer(i: int) -> None:
             for tid in pushes:
@@ -103,8 +147,10 @@ class PrefillEngine:
             if req.request_id in unreachable:
                 self.kv.free(req.request_id)
                 self._end(req.request_id, cancel=False)
-                deltas.append(error_delta(req.request_id, "no KV transfer backend in common with decode"))
+                deltas.append(error_delta(req.request_id, UNREACHABLE))
                 continue
+            if req.request_id not in self._targets:
+                self._awaiting_target.add(req.request_id)
             lp = result.logprobs.get(req.request_id)
             deltas.append(delta_for(req, 0, [lp] if lp else [], prefilled=True))
         for req in update.finished:  # the first token ended it: decode never starts
@@ -113,25 +159,22 @@ class PrefillEngine:
             self._end(req.request_id, cancel=True)
         return deltas
 
-    def _start_push(self, chunk: ScheduledChunk, unreachable: set[str]) -> str | None:
-        target = self._targets.get(chunk.request_id)
-        if target is None:
-            return None
-        src = self.kv.block_table(chunk.request_id)[: len(target.blocks)]
+    def _push(self, request_id: str, target: KVTarget, layerwise: bool) -> str | None:
+        """Start pushing the prompt's KV; the transfer id, or ``None`` if the peer is unreachable."""
+        src = self.kv.block_table(request_id)[: len(target.blocks)]
         try:
             self.transport.send(
                 target.transfer_id,
                 target.address,
                 src,
                 target.blocks,
-                layerwise=True,
+                layerwise=layerwise,
                 peer_offers=target.offers,
             )
         except ValueError as e:  # no backend in common: fail the request, not the worker
-            log.warning("%s: cannot push KV to %s: %s", chunk.request_id, target.address, e)
-            unreachable.add(chunk.request_id)
+            log.warning("%s: cannot push KV to %s: %s", request_id, target.address, e)
             return None
-        self._sending[target.transfer_id] = chunk.request_id
+        self._sending[target.transfer_id] = request_id
         return target.transfer_id
 
     def _reap_transfers(self) -> list[TokenDelta]:

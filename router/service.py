@@ -197,11 +197,16 @@ class Router:
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
         stream = admitted.stream
+        # Dispatch runs beside the reader: the first token may arrive before the last dispatch
+        # call (the KV target) returns, and must not wait for it.
+        dispatch = asyncio.create_task(self._dispatch(stream, admitted.work))
+        dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
         try:
-            await self._dispatch(stream, admitted.work)
             async for ev in stream.events():
                 yield ev
         finally:
+            if not dispatch.done():
+                dispatch.cancel()
             self._streams.pop(stream.request_id, None)
             if not stream.done:
                 stream.abort()
@@ -220,29 +225,7 @@ class Router:
                 decode.inflight.add(stream.request_id)
                 await decode.call("add_local", work, timeout_s=timeout)
             else:
-                decode = self._choose(WorkerRole.DECODE, route)
-                prefill = self._choose(WorkerRole.PREFILL, route)
-                stream.decode_worker = decode.worker_id
-                decode.inflight.add(stream.request_id)
-                transfer_id = f"kv-{uuid.uuid4().hex}"
-                target = await decode.call(
-                    "reserve",
-                    work,
-                    transfer_id,
-                    self.config.reserve_timeout_s,
-                    timeout_s=self.config.reserve_timeout_s + timeout,
-                )
-                if target is None:
-                    raise RouterError(
-                        Code.RESOURCE_EXHAUSTED,
-                        f"no KV cache room on decode worker {decode.worker_id} "
-                        f"within {self.config.reserve_timeout_s:g}s; retry later",
-                    )
-                if stream.done:  # failed or cancelled while reserving
-                    return
-                stream.prefill_worker = prefill.worker_id
-                prefill.inflight.add(stream.request_id)
-                await prefill.call("prefill", work, target, timeout_s=timeout)
+                await self._dispatch_pair(stream, work, route)
         except WorkerLost as e:
             raise RouterError(Code.UNAVAILABLE, str(e)) from None
         except asyncio.TimeoutError:
@@ -250,6 +233,35 @@ class Router:
         except (InvalidRequestError, ValueError) as e:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
         stream.dispatched = time.perf_counter()
+
+    async def _dispatch_pair(self, stream: RequestStream, work: WorkItem, route: RouteRequest) -> None:
+        """Prefill starts at once while decode reserves blocks (the reservation stays off the
+        TTFT path); the KV target follows, and decode starts once both sides are set."""
+        decode = self._choose(WorkerRole.DECODE, route)
+        prefill = self._choose(WorkerRole.PREFILL, route)
+        rid = stream.request_id
+        stream.decode_worker, stream.prefill_worker = decode.worker_id, prefill.worker_id
+        decode.inflight.add(rid)
+        prefill.inflight.add(rid)
+        wait = self.config.reserve_timeout_s
+        target, started = await asyncio.gather(
+            decode.call(
+                "reserve", work, f"kv-{uuid.uuid4().hex}", wait, timeout_s=wait + self.config.call_timeout_s
+            ),
+            prefill.call("prefill", work, None, timeout_s=self.config.call_timeout_s),
+            return_exceptions=True,
+        )
+        for outcome in (started, target):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if target is None:
+            raise RouterError(
+                Code.RESOURCE_EXHAUSTED,
+                f"no KV cache room on decode worker {decode.worker_id} within {wait:g}s; retry later",
+            )
+        stream.reserved.set()
+        if not stream.done:
+            await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)
 
     def _choose(self, role: WorkerRole, route: RouteRequest) -> WorkerHandle:
         pool = self._pool(role)
@@ -308,6 +320,9 @@ class Router:
 
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
         try:
+            await asyncio.wait_for(stream.reserved.wait(), self.config.reserve_timeout_s + 5)
+            if stream.done:
+                return
             await decode.call(
                 "start",
                 d.request_id,
@@ -342,3 +357,15 @@ class Router:
         mode = "colocated" if self.colocated else "disaggregated"
         return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
 
+
+
+def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is None:
+        return
+    if not isinstance(e, RouterError):
+        log.error("dispatch of %s failed: %r", stream.request_id, e)
+        e = RouterError(Code.INTERNAL, f"internal error: {type(e).__name__}")
+    stream.fail(e)

@@ -98,6 +98,7 @@ class RequestStream:
         self.prefill_worker = ""
         self.decode_worker = ""
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
+        self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
 
     @property
     def done(self) -> bool:

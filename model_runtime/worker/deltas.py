@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from model_runtime.request import Request
@@ -32,3 +33,21 @@ def delta_for(
 
 def error_delta(request_id: str, message: str) -> TokenDelta:
     return TokenDelta(request_id, (), finished=True, finish_reason="error", error=message)
+
+
+class Tombstones:
+    """Ids aborted before this worker saw them. Router calls may arrive in any order (an abort
+    can overtake the add it cancels), so a late add for a tombstoned id is refused instead of
+    starting work nobody will collect. Bounded: the oldest ids are forgotten first."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids

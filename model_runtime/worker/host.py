@@ -94,6 +94,8 @@ class WorkerHost:
                 self.address = self.transport.listen()
         self.engine = self._make_engine()
         self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop")
+        if self.transport is not None:
+            self.transport.on_completion(self.loop.wake)
         self.health = WorkerHealth.HEALTHY
         self._info = WorkerInfo(
             worker_id=spec.worker_id,

@@ -20,7 +20,9 @@ from model_runtime.worker.messages import TokenDelta, WorkerLoad
 
 log = logging.getLogger(__name__)
 
-PENDING_IO_POLL_S = 0.0005  # transfers in flight: how often completions are checked
+# Transfers in flight: the transport wakes the loop on every completion (``wake``); this
+# poll only bounds the delay should a wake-up ever be missed.
+PENDING_IO_POLL_S = 0.02
 IDLE_WAIT_S = 0.5
 
 
@@ -68,6 +70,10 @@ class EngineLoop:
         self._cmds.append((fn, args, fut))
         self._wake.set()
         return fut
+
+    def wake(self) -> None:
+        """Something outside the engine changed (a transfer completed): step soon."""
+        self._wake.set()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         return self.submit(fn, *args).result(timeout=timeout_s)

@@ -147,3 +147,35 @@ def test_failed_transfer_is_recomputed_on_decode() -> None:
         d.check_integrity()
     finally:
         d.shutdown()
+
+
+def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
+    """The router sends prefill and reserve at once: the KV target may come after the first
+    token (then the whole KV goes in one push); an abort may arrive before the add it cancels."""
+    p, d = pair
+    pr = prompts(1, seed=21)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    w = WorkItem("late", pr, params)
+    p.prefill(w)  # no target yet
+    first: list[TokenDelta] = []
+    deadline = time.monotonic() + 10
+    while not first:
+        assert time.monotonic() < deadline
+        first = [x for x in p.collect(0.05).deltas if x.request_id == "late"]
+    assert first[0].prefilled and first[0].token_ids == (ref[0],)
+    target = d.reserve(w, "t-late", timeout_s=5)
+    assert target is not None and p.set_target("late", target)
+    assert d.start("late", ref[0], 0)
+    toks = [ref[0]]
+    while len(toks) < 6:
+        assert time.monotonic() < deadline
+        for x in d.collect(0.05).deltas:
+            toks.extend(x.token_ids)
+    assert toks == ref
+    assert d.engine.recomputed == 0  # type: ignore[attr-defined]
+    # An abort that overtakes its add leaves a tombstone: the late add does nothing.
+    assert not p.abort("ghost") and not d.abort("ghost")
+    p.prefill(WorkItem("ghost", pr, params))
+    assert d.reserve(WorkItem("ghost", pr, params), "t-ghost", timeout_s=0.1) is None
+    assert p.wait_idle(5.0) and d.wait_idle(5.0)

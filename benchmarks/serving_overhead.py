@@ -1,0 +1,282 @@
+"""What the serving path itself costs: router + Ray workers + KV handoff, with no model math.
+
+Runs ``pdserve serve --compute zero`` (deterministic tokens, no math: every microsecond is the
+serving path's) and, in the same run, the ceiling: bare servers of the same frameworks (FastAPI +
+uvicorn SSE, grpc.aio server streaming) that emit the same token stream from a loop, with no
+router, workers or transfer behind them. The same client drives both at 1, 16 and 128 concurrent
+streams over HTTP and gRPC.
+
+Reported per (protocol, concurrency): aggregate streamed tokens/s and TTFT percentiles at the
+client. With zero compute, pdserve's TTFT is entirely serving-path time (router, two worker hops,
+KV transfer, first-token relay), so ``router_added_ttft_ms_p50`` is its median at 1 stream minus
+the bare server's (what a user would see added in front of an engine).
+
+    .venv/bin/python benchmarks/serving_overhead.py            # ~1-2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from benchmarks.common import emit
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+
+PROMPT = list(range(10, 42))  # 32 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- bare servers (the ceiling) ------------------------------------------------------------
+def run_bare_http(port: int) -> None:
+    import uvicorn
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        n = int(body["max_tokens"])
+
+        async def gen() -> Any:
+            for i in range(n):
+                choice = {"index": 0, "text": "x", "token_ids": [i % 200], "finish_reason": None}
+                chunk = {"choices": [choice]}
+                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+                await asyncio.sleep(0)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop")
+
+
+def run_bare_grpc(port: int) -> None:
+    class Bare(pb_grpc.InferenceServicer):
+        async def Generate(self, request: Any, context: Any) -> Any:
+            n = request.sampling.max_tokens
+            for i in range(n):
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[i % 200], text="x"))
+            yield pb.GenerateResponse(result=pb.GenerateResult(finish_reason=pb.FINISH_REASON_LENGTH))
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(Bare(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+# -- client ---------------------------------------------------------------------------------
+async def http_stream(client: httpx.AsyncClient, base: str, tokens: int) -> tuple[float, int]:
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    ttft = 0.0
+    n = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ids = json.loads(line[6:])["choices"]
+            got = len(ids[0].get("token_ids", [])) if ids else 0
+            if got and not n:
+                ttft = time.perf_counter() - t0
+            n += got
+    return ttft, n
+
+
+async def grpc_stream(stub: Any, tokens: int) -> tuple[float, int]:
+    req = pb.GenerateRequest(stream=True)
+    req.token_ids.ids.extend(PROMPT)
+    req.sampling.max_tokens = tokens
+    req.sampling.ignore_eos = True
+    t0 = time.perf_counter()
+    ttft = 0.0
+    n = 0
+    async for msg in stub.Generate(req):
+        got = len(msg.chunk.token_ids)
+        if got and not n:
+            ttft = time.perf_counter() - t0
+        n += got
+    return ttft, n
+
+
+async def load(
+    one: Callable[[], Awaitable[tuple[float, int]]], streams: int, per_stream: int
+) -> dict[str, Any]:
+    ttfts: list[float] = []
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        for _ in range(per_stream):
+            ttft, n = await one()
+            ttfts.append(ttft)
+            total += n
+
+    await one()  # warm the connection and the path
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    return {
+        "streams": streams,
+        "tokens_per_s": total / wall,
+        "ttft_ms_p50": 1000 * statistics.median(ttfts),
+        "ttft_ms_p90": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
+        "requests": len(ttfts),
+    }
+
+
+async def measure(http_base: str, grpc_addr: str, levels: list[int], tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for c in levels:
+            per = max(1, 32 // c)
+            out[f"http_{c}"] = await load(lambda: http_stream(client, http_base, tokens), c, per)
+            print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
+    async with grpc.aio.insecure_channel(grpc_addr) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        for c in levels:
+            per = max(1, 32 // c)
+            out[f"grpc_{c}"] = await load(lambda: grpc_stream(stub, tokens), c, per)
+            print(f"  grpc  {c:4d} streams: {out[f'grpc_{c}']}", file=sys.stderr, flush=True)
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code in (200, 404, 405):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str) -> dict[str, Any]:
+    import uvloop
+
+    levels = [int(x) for x in args.streams.split(",")]
+    return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", default="1,16,128")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    p.add_argument("--transport", default="auto", help="KV transfer backend of the pdserve run")
+    p.add_argument("--bare", choices=["http", "grpc"], help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.bare == "http":
+        run_bare_http(args.port)
+        return
+    if args.bare == "grpc":
+        run_bare_grpc(args.port)
+        return
+
+    results: dict[str, Any] = {}
+    here = Path(__file__).resolve()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        print("bare frameworks (ceiling):", file=sys.stderr)
+        hp, gp = free_port(), free_port()
+        procs = [
+            subprocess.Popen([sys.executable, str(here), "--bare", "http", "--port", str(hp)]),
+            subprocess.Popen([sys.executable, str(here), "--bare", "grpc", "--port", str(gp)]),
+        ]
+        wait_ready(f"http://127.0.0.1:{hp}/docs", procs[0])
+        time.sleep(1.0)
+        results["bare"] = run_levels(args, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}")
+        for pr in procs:
+            pr.terminate()
+            pr.wait(10)
+        print("pdserve (zero compute, 1 prefill + 1 decode on Ray):", file=sys.stderr)
+        hp, gp = free_port(), free_port()
+        cmd = [
+            str(Path(sys.executable).with_name("pdserve")),
+            "serve",
+            "--model", "tiny",
+            "--compute", "zero",
+            "--prefill", "1",
+            "--decode", "1",
+            "--transport", args.transport,
+            "--http-port", str(hp),
+            "--grpc-port", str(gp),
+            "--max-num-seqs", "256",
+        ]  # fmt: skip
+        procs = [subprocess.Popen(cmd, env={**os.environ, "RAY_DEDUP_LOGS": "0"})]
+        wait_ready(f"http://127.0.0.1:{hp}/health", procs[0])
+        results["pdserve"] = run_levels(args, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}")
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.terminate()
+                try:
+                    pr.wait(30)
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+
+    ours, bare = results["pdserve"], results["bare"]
+    levels = [int(x) for x in args.streams.split(",")]
+    summary: dict[str, Any] = {
+        "stream_tokens_per_s_http": max(ours[f"http_{c}"]["tokens_per_s"] for c in levels),
+        "stream_tokens_per_s_grpc": max(ours[f"grpc_{c}"]["tokens_per_s"] for c in levels),
+        "router_added_ttft_ms_p50": ours["http_1"]["ttft_ms_p50"] - bare["http_1"]["ttft_ms_p50"],
+        "router_added_ttft_ms_p50_grpc": ours["grpc_1"]["ttft_ms_p50"] - bare["grpc_1"]["ttft_ms_p50"],
+        "ttft_ms_p50_http_1": ours["http_1"]["ttft_ms_p50"],
+        "ttft_ms_p50_grpc_1": ours["grpc_1"]["ttft_ms_p50"],
+        "tokens_per_request": args.tokens,
+    }
+    for proto in ("http", "grpc"):
+        for c in levels:
+            k = f"{proto}_{c}"
+            summary[f"{k}_tokens_per_s"] = round(ours[k]["tokens_per_s"])
+            summary[f"{k}_ceiling_ratio"] = round(ours[k]["tokens_per_s"] / bare[k]["tokens_per_s"], 3)
+            summary[f"{k}_ttft_ms_p50"] = round(ours[k]["ttft_ms_p50"], 2)
+            summary[f"{k}_bare_ttft_ms_p50"] = round(bare[k]["ttft_ms_p50"], 2)
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()
