@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,17 +34,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from benchmarks.client import free_port, start_pdserve, wait_ready
 from benchmarks.common import emit
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
 PROMPT = list(range(10, 42))  # 32 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- bare servers (the ceiling) ------------------------------------------------------------
@@ -179,20 +172,6 @@ async def measure(http_base: str, grpc_addr: str, levels: list[int], tokens: int
     return out
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code in (200, 404, 405):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str) -> dict[str, Any]:
     import uvloop
 
@@ -232,22 +211,12 @@ def main() -> None:
             pr.terminate()
             pr.wait(10)
         print("pdserve (zero compute, 1 prefill + 1 decode on Ray):", file=sys.stderr)
-        hp, gp = free_port(), free_port()
-        cmd = [
-            str(Path(sys.executable).with_name("pdserve")),
-            "serve",
-            "--model", "tiny",
-            "--compute", "zero",
-            "--prefill", "1",
-            "--decode", "1",
-            "--transport", args.transport,
-            "--http-port", str(hp),
-            "--grpc-port", str(gp),
-            "--max-num-seqs", "256",
-        ]  # fmt: skip
-        procs = [subprocess.Popen(cmd, env={**os.environ, "RAY_DEDUP_LOGS": "0"})]
-        wait_ready(f"http://127.0.0.1:{hp}/health", procs[0])
-        results["pdserve"] = run_levels(args, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}")
+        server = start_pdserve(
+            "--model", "tiny", "--compute", "zero", "--prefill", "1", "--decode", "1",
+            "--transport", args.transport, "--max-num-seqs", "256",
+        )  # fmt: skip
+        procs = [server.proc]
+        results["pdserve"] = run_levels(args, server.http, server.grpc)
     finally:
         for pr in procs:
             if pr.poll() is None:

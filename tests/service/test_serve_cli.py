@@ -1,0 +1,62 @@
+"""``pdserve serve`` as a user runs it: a subprocess on a private Ray instance, drained by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from benchmarks.client import free_port, wait_ready
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.service.helpers import grpc_request
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly() -> None:
+    hp, gp = free_port(), free_port()
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(gp)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{gp}"))
+        call = stub.Generate(grpc_request(list(range(3, 40)), 1500, stream=True))
+        next(call)
+        result: dict[str, Any] = {}
+
+        def finish() -> None:
+            try:
+                result["msgs"] = list(call)
+            except grpc.RpcError as e:
+                result["error"] = e
+
+        reader = threading.Thread(target=finish)
+        reader.start()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"http://127.0.0.1:{hp}/health", timeout=2).status_code != 503:
+            assert time.monotonic() < deadline, "health never turned unavailable while draining"
+            time.sleep(0.05)
+        r = httpx.post(
+            f"http://127.0.0.1:{hp}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}
+        )
+        assert r.status_code == 503  # no new work while draining
+        reader.join(60)
+        assert "error" not in result, result.get("error")
+        assert sum(len(m.chunk.token_ids) for m in result["msgs"]) == 1499  # the first came before
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "draining 1 in-flight requests" in out and "pdserve: stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
