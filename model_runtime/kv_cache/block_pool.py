@@ -76,6 +76,7 @@ class BlockPool:
         self._by_key: dict[BlockKey, int] = {}
         # Insertion order is LRU order: popitem(last=False) takes the least recently freed block.
         self._free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached_free = 0  # blocks in the free queue that still hold a key (stats in O(1))
         self.num_evictions = 0
         self.num_queries = 0
         self.num_hits = 0
@@ -103,7 +104,7 @@ class BlockPool:
         self.num_hits += hit
 
     def stats(self) -> PoolStats:
-        cached = sum(1 for b in self._free_queue if self._key[b] is not None)
+        cached = self._cached_free
         free = len(self._free_queue) - cached
         return PoolStats(self.num_blocks, free, cached, self.num_blocks - len(self._free_queue))
 
@@ -114,8 +115,9 @@ class BlockPool:
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free_queue)} free")
         out: list[int] = []
         for _ in range(n):
-            block, _ = self._free_queue.popitem(last=False)
+            block = next(iter(self._free_queue))
             self._evict_key(block)
+            del self._free_queue[block]
             self._ref[block] = 1
             out.append(block)
         return out
@@ -125,6 +127,8 @@ class BlockPool:
         for b in blocks:
             if self._ref[b] == 0:
                 del self._free_queue[b]
+                if self._key[b] is not None:
+                    self._cached_free -= 1
             self._ref[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -135,6 +139,8 @@ class BlockPool:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free_queue[b] = None
+                if self._key[b] is not None:
+                    self._cached_free += 1
 
     def cache(self, block: int, key: BlockKey, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under ``key`` (first writer wins; duplicates stay private)."""
@@ -143,6 +149,8 @@ class BlockPool:
         self._key[block] = key
         self._tokens[block] = tuple(token_ids)
         self._by_key[key] = block
+        if self._ref[block] == 0:
+            self._cached_free += 1
 
     def reset_prefix_cache(self) -> None:
         for b in list(self._by_key.values()):
@@ -151,6 +159,8 @@ class BlockPool:
     def _evict_key(self, block: int) -> None:
         key = self._key[block]
         if key is not None:
+            if self._ref[block] == 0:
+                self._cached_free -= 1
             del self._by_key[key]
             del self._tokens[block]
             self._key[block] = None
@@ -164,6 +174,9 @@ class BlockPool:
         block's reference count must equal how many times owners list it.
         """
         stats = self.stats()
+        recount = sum(1 for b in self._free_queue if self._key[b] is not None)
+        if recount != self._cached_free:
+            raise IntegrityError(f"cached-free counter {self._cached_free} != {recount}")
         if stats.free + stats.cached + stats.used != self.num_blocks:
             raise IntegrityError(f"free+cached+used != total: {stats}")
         for b in range(self.num_blocks):

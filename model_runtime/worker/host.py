@@ -11,6 +11,7 @@ commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class WorkerHost:
             if spec.role is WorkerRole.DECODE:
                 self.address = self.transport.listen()
         self.engine = self._make_engine()
-        self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop")
+        self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop", address=self.address)
         if self.transport is not None:
             self.transport.on_completion(self.loop.wake)
         self.health = WorkerHealth.HEALTHY
@@ -122,8 +123,8 @@ class WorkerHost:
         return self._info
 
     def load(self) -> WorkerLoad:
-        load: WorkerLoad = self.loop.call(self.engine.load, self.address)
-        return WorkerLoad(**{**load.__dict__, "health": self.health})
+        """The load as of the last step or command (no wait on a running step)."""
+        return dataclasses.replace(self.loop.load, health=self.health)
 
     def collect(self, timeout_s: float = 1.0) -> OutputBatch:
         """Long poll: all deltas since the last call (waits up to ``timeout_s`` for one)."""

@@ -52,8 +52,12 @@ class RoleEngine(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: RoleEngine, name: str = "engine-loop") -> None:
+    def __init__(self, engine: RoleEngine, name: str = "engine-loop", address: str = "") -> None:
         self.engine = engine
+        self.address = address
+        # Refreshed on the loop thread after every step and command batch, so readers (the
+        # output long-poll, status) never wait for a step to finish to learn the load.
+        self.load: WorkerLoad = engine.load(address)
         self.error: BaseException | None = None
         self.steps = 0
         self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
@@ -106,11 +110,14 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
-                self._run_commands()
+                if self._cmds:
+                    self._run_commands()
+                    self.load = self.engine.load(self.address)
                 eng = self.engine
                 if eng.has_work or eng.has_pending_io:
                     deltas = eng.step()
                     self.steps += 1
+                    self.load = eng.load(self.address)
                     if deltas:
                         with self._out_cv:
                             self._out.extend(deltas)
