@@ -244,11 +244,12 @@ class Router:
         decode.inflight.add(rid)
         prefill.inflight.add(rid)
         wait = self.config.reserve_timeout_s
-        target, started = await asyncio.gather(
+        # Prefill goes out first: its call is on the TTFT path, the reservation is not.
+        started, target = await asyncio.gather(
+            prefill.call("prefill", work, None, timeout_s=self.config.call_timeout_s),
             decode.call(
                 "reserve", work, f"kv-{uuid.uuid4().hex}", wait, timeout_s=wait + self.config.call_timeout_s
             ),
-            prefill.call("prefill", work, None, timeout_s=self.config.call_timeout_s),
             return_exceptions=True,
         )
         for outcome in (started, target):
@@ -320,6 +321,7 @@ class Router:
 
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
         try:
+            await asyncio.sleep(0)  # the first token goes to the client before this call goes out
             await asyncio.wait_for(stream.reserved.wait(), self.config.reserve_timeout_s + 5)
             if stream.done:
                 return

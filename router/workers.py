@@ -97,6 +97,9 @@ class WorkerHandle:
                 self.load = batch.load
                 if batch.deltas:
                     on_deltas(self, batch.deltas)
+                    # Let the streams send what just arrived before the next collect's
+                    # submission (Ray serializes calls on this thread) delays them.
+                    await asyncio.sleep(0)
 
         self._poller = asyncio.create_task(poll(), name=f"poll-{self.worker_id}")
 
