@@ -8,10 +8,10 @@ from deploy.pools import PoolSpec, host_class
 from router.workers import LocalCaller, WorkerHandle
 
 
-def launch_local(spec: PoolSpec) -> list[WorkerHandle]:
+def launch_local(spec: PoolSpec, secret: bytes | None = None, router_address: str = "") -> list[WorkerHandle]:
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
     handles = []
-    for ws in spec.worker_specs():
+    for ws in spec.worker_specs(secret, router_address):
         host = host_class(ws.role)(ws)
         handles.append(WorkerHandle(host.info(), LocalCaller(host, pool)))
     return handles

@@ -35,9 +35,9 @@ class PoolSpec:
     def is_colocated(self) -> bool:
         return self.colocated > 0
 
-    def worker_specs(self) -> list[WorkerSpec]:
-        """One spec per worker; all share a fresh KV-transport secret."""
-        secret = secrets.token_bytes(32)
+    def worker_specs(self, secret: bytes | None = None, router_address: str = "") -> list[WorkerSpec]:
+        """One spec per worker, all sharing ``secret`` (fresh if not given)."""
+        secret = secret or secrets.token_bytes(32)
         roles: list[tuple[WorkerRole, int]] = (
             [(WorkerRole.COLOCATED, self.colocated)]
             if self.is_colocated
@@ -51,6 +51,7 @@ class PoolSpec:
                 transport=self.transport,
                 secret=secret,
                 num_threads=self.cpus_per_worker,
+                router_address=router_address,
             )
             for role, n in roles
             for i in range(n)

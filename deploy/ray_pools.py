@@ -59,7 +59,11 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
 
 
 def launch_ray(
-    spec: PoolSpec, timeout_s: float = 300.0, progress: bool = True
+    spec: PoolSpec,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+    secret: bytes | None = None,
+    router_address: str = "",
 ) -> tuple[list[WorkerHandle], Any]:
     """Start the workers; returns their handles and the placement group (remove it to free the
     resources once the actors are gone)."""
@@ -67,7 +71,7 @@ def launch_ray(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    specs = spec.worker_specs()
+    specs = spec.worker_specs(secret, router_address)
     bundle: dict[str, float] = {"CPU": spec.cpus_per_worker}
     if spec.gpus_per_worker:
         bundle["GPU"] = spec.gpus_per_worker

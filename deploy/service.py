@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from deploy.pools import PoolSpec
 from model_runtime.presets import resolve_model
 from model_runtime.tokenizer import TextTokenizer
 from router.config import RouterConfig
+from router.outputs import OutputListener
 from router.server import Frontends, chat_template_for
 from router.service import Router
 from router.workers import WorkerHandle
@@ -43,6 +45,9 @@ class Service:
         self._owns_ray = False
 
     async def start(self, progress: bool = False) -> Endpoints:
+        secret = secrets.token_bytes(32)
+        outputs = OutputListener(secret, host=self.config.worker_channel_host)
+        address = await outputs.start()
         if self.use_ray:
             from deploy.ray_pools import launch_ray, start_ray
 
@@ -50,15 +55,20 @@ class Service:
             self._owns_ray = await asyncio.to_thread(
                 start_ray, self.ray_address, workers * self.spec.cpus_per_worker
             )
-            self.handles, self._placement = await asyncio.to_thread(launch_ray, self.spec, 300.0, progress)
+            self.handles, self._placement = await asyncio.to_thread(
+                launch_ray, self.spec, 300.0, progress, secret, address
+            )
         else:
             from deploy.local import launch_local
 
-            self.handles = await asyncio.to_thread(launch_local, self.spec)
+            self.handles = await asyncio.to_thread(launch_local, self.spec, secret, address)
         model_dir = resolve_model(self.spec.engine.model)
         tokenizer = TextTokenizer.load(model_dir)
-        self.router = Router(self.config, self.handles, tokenizer, colocated=self.spec.is_colocated)
+        self.router = Router(
+            self.config, self.handles, tokenizer, colocated=self.spec.is_colocated, outputs=outputs
+        )
         self.router.start()
+        await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
         self.frontends = Frontends(self.router, self.config, chat_template_for(model_dir, tokenizer))
         await self.frontends.start()
         return self.endpoints

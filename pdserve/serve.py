@@ -50,7 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute", choices=COMPUTE_MODES, default="model", help="zero: no model math")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
     p.add_argument(
-        "--kv-host", default="127.0.0.1", help="KV transfer bind address (a node IP for multi-node)"
+        "--kv-host",
+        default="127.0.0.1",
+        help="cluster-internal bind address: KV transfer, worker outputs (a node IP if multi-node)",
     )
 
 
@@ -95,6 +97,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         policy=args.policy,
         model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
         drain_timeout_s=args.drain_timeout,
+        worker_channel_host=args.kv_host,
     )
     return spec, config
 

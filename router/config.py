@@ -37,3 +37,4 @@ class RouterConfig:
     max_inflight: int = 4096  # requests in flight before RESOURCE_EXHAUSTED
     grpc_max_message_bytes: int = 16 << 20
     drain_timeout_s: float = 30.0
+    worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)

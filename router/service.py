@@ -30,6 +30,7 @@ from model_runtime.validation import RequestLimits, validate_request
 from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
 from router.config import RouterConfig
 from router.errors import Code, RouterError
+from router.outputs import OutputListener
 from router.policy import RouteRequest, make_policy
 from router.stream import Event, RequestStream
 from router.workers import WorkerHandle, WorkerLost
@@ -82,11 +83,13 @@ class Router:
         workers: Sequence[WorkerHandle],
         tokenizer: TextTokenizer | None,
         colocated: bool = False,
+        outputs: OutputListener | None = None,
     ) -> None:
         if not workers:
             raise ValueError("a router needs workers")
         self.config = config
         self.colocated = colocated
+        self.outputs = outputs
         self.workers = {w.worker_id: w for w in workers}
         self.tokenizer = tokenizer
         self.prefill_policy = make_policy(config.policy)
@@ -122,12 +125,17 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        if self.outputs is not None:
+            self.outputs.bind(self.workers, self._on_deltas, self._on_lost)
+            return
         for w in self.workers.values():
             w.start_polling(self._on_deltas, self._on_lost)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):
             s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
+        if self.outputs is not None:
+            await self.outputs.close()
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
 
     def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
@@ -308,7 +316,8 @@ class Router:
                 stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
                 continue
             if d.prefilled:
-                worker.inflight.discard(d.request_id)  # prefill is done with it
+                # Prefill still holds the KV until it is pushed: it stays in prefill's in-flight
+                # set (and gets an abort if the request ends) until decode produces tokens.
                 decode = self.workers.get(stream.decode_worker)
                 if decode is not None and d.token_ids:
                     self._spawn(self._start_decode(decode, stream, d))
@@ -316,6 +325,10 @@ class Router:
             else:
                 if worker.role is WorkerRole.PREFILL:
                     worker.inflight.discard(d.request_id)
+                else:
+                    prefill = self.workers.get(stream.prefill_worker)
+                    if prefill is not None:
+                        prefill.inflight.discard(d.request_id)  # the KV arrived: prefill is done
                 if stream.feed(d) and d.finished:
                     worker.inflight.discard(d.request_id)
 
@@ -338,8 +351,11 @@ class Router:
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         for rid in list(worker.inflight):
             stream = self._streams.get(rid)
-            if stream is not None:
-                stream.fail(RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}"))
+            if stream is None:
+                continue
+            if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
+                continue  # decode has the first token: a lost transfer is recomputed there
+            stream.fail(RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}"))
         worker.inflight.clear()
 
     # -- status ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A ``WorkerHandle`` wraps one worker process behind a ``Caller`` (Ray actor calls in a
 cluster, a thread pool around an in-process ``WorkerHost`` in tests and single-process mode).
-Its poller long-polls ``collect`` and hands every delta to the router; each poll also brings
+Outputs arrive over the worker's output channel (``router.outputs``), or, for workers started
+without one, through a poller that long-polls ``collect``; either way each batch also brings
 the worker's load for the routing policy. A failed call or poll marks the worker UNHEALTHY
 (terminal) and the router fails the requests it held.
 """
@@ -64,6 +65,9 @@ class WorkerHandle:
     @property
     def healthy(self) -> bool:
         return self.health is WorkerHealth.HEALTHY
+
+    def mark_lost(self) -> None:
+        self.health = WorkerHealth.UNHEALTHY
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         if self.health is WorkerHealth.UNHEALTHY:

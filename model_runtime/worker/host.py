@@ -24,6 +24,7 @@ from kvtransfer.transport import KVTransport, TransportConfig
 from model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
 from model_runtime.worker.loop import EngineLoop, RoleEngine
 from model_runtime.worker.messages import OutputBatch, WorkerHealth, WorkerLoad, WorkerRole
+from model_runtime.worker.push import OutputPusher
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ class WorkerSpec:
     role: WorkerRole
     engine: EngineConfig = field(default_factory=EngineConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    secret: bytes = b""  # KV transport shared secret (>= 16 bytes); unused when colocated
+    secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class WorkerHost:
         self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop", address=self.address)
         if self.transport is not None:
             self.transport.on_completion(self.loop.wake)
+        self.pusher: OutputPusher | None = None
+        if spec.router_address:
+            self.pusher = OutputPusher(self.loop, self.load, spec.worker_id, spec.router_address, spec.secret)
         self.health = WorkerHealth.HEALTHY
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
@@ -127,7 +132,8 @@ class WorkerHost:
         return dataclasses.replace(self.loop.load, health=self.health)
 
     def collect(self, timeout_s: float = 1.0) -> OutputBatch:
-        """Long poll: all deltas since the last call (waits up to ``timeout_s`` for one)."""
+        """Long poll: all deltas since the last call (waits up to ``timeout_s`` for one). Only
+        for workers without an output channel (``router_address``): a delta goes out once."""
         deltas = self.loop.collect(min(max(timeout_s, 0.0), 10.0))
         return OutputBatch(tuple(deltas), self.load())
 
@@ -150,6 +156,8 @@ class WorkerHost:
         self.health = WorkerHealth.DRAINING
 
     def shutdown(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         self.loop.stop()
         if self.transport is not None:
             self.transport.close()

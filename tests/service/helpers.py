@@ -79,12 +79,16 @@ def all_free(st: dict[str, Any]) -> bool:
     )
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll ``cond`` until true; returns the seconds it took. Fails the test on timeout."""
+def wait_for(
+    cond: Callable[[], bool], timeout_s: float, what: str, state: Callable[[], Any] | None = None
+) -> float:
+    """Poll ``cond`` until true; returns the seconds it took. Fails the test on timeout,
+    showing ``state()`` when given."""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
+            shown = f"; state: {state()}" if state else ""
+            raise AssertionError(f"not within {timeout_s}s: {what}{shown}")
         time.sleep(0.02)
     return time.monotonic() - t0
 

@@ -315,3 +315,25 @@ def test_api_key_on_every_route() -> None:
         assert h.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference")).status == 1
     finally:
         st.stop()
+
+
+def test_cancel_while_decode_has_no_room_frees_prefill_blocks() -> None:
+    """Prefill finished and the first token went out, but decode is still waiting for room to
+    reserve: a cancel now must free the prefill worker's blocks too (nobody else will)."""
+    from model_runtime.config import CacheConfig
+
+    st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
+    try:
+        s = stub(ep)
+        hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
+        got = 0
+        while got < 290:  # by now it holds 37-38 of the decode worker's 40 blocks
+            got += len(next(hog).chunk.token_ids)
+        blocked = s.Generate(grpc_request([9] * 200, 8, stream=True))  # needs 13: must wait
+        first = next(blocked)
+        assert len(first.chunk.token_ids) == 1  # prefilled while decode has no room
+        blocked.cancel()
+        hog.cancel()
+        wait_for(lambda: all_free(status(ep)), 5.0, "every block freed", lambda: status(ep))
+    finally:
+        st.stop()

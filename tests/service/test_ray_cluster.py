@@ -141,7 +141,7 @@ def test_grpc_abort_rpc(cluster) -> None:
     assert stub(ep).Abort(pb.AbortRequest(request_id="abort-me")).found
     last = list(call)[-1]
     assert last.result.finish_reason == pb.FINISH_REASON_ABORT
-    wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after Abort")
+    wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after Abort", lambda: status(ep))
 
 
 def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:

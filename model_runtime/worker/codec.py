@@ -1,0 +1,180 @@
+"""The worker -> router output channel's frames: length-prefixed msgpack, strictly validated
+(pure Python). Nothing is ever unpickled; decoding builds only the frozen message types.
+
+Connection: the router sends a 32-byte random challenge; the worker answers with a ``hello``
+frame ``{"v", "worker", "mac"}`` where ``mac = HMAC-SHA256(secret, b"worker" + challenge +
+worker id)``; then the worker sends one ``OutputBatch`` frame per collect (a heartbeat when
+idle). A frame is ``{"v", "w": worker id, "d": [delta...], "l": load}`` with each delta
+``[request id, [token ids], logprobs | None, finished, finish reason | None,
+stop token id | None, cached tokens, prefilled, error | None]`` and each logprob
+``[token id, logprob, [[token id, logprob]...]]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from model_runtime.worker.messages import (
+    Logprob,
+    OutputBatch,
+    TokenDelta,
+    WorkerHealth,
+    WorkerLoad,
+    WorkerRole,
+)
+
+VERSION = 1
+LENGTH = struct.Struct(">I")
+CHALLENGE_BYTES = 32
+MAX_FRAME_BYTES = 64 << 20
+MAX_HELLO_BYTES = 4096
+
+
+class ChannelError(ValueError):
+    """A frame is malformed or a peer failed authentication: drop the connection."""
+
+
+def mac(secret: bytes, challenge: bytes, worker_id: str) -> bytes:
+    return hmac.new(secret, b"worker" + challenge + worker_id.encode(), hashlib.sha256).digest()
+
+
+def _frame(obj: Any) -> bytes:
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def _unpack(body: bytes, limit: int) -> Any:
+    if not 0 < len(body) <= limit:
+        raise ChannelError(f"frame of {len(body)} bytes outside 1..{limit}")
+    try:
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_bin_len=limit, max_ext_len=0, ext_hook=_no_ext
+        )
+    except ChannelError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ChannelError(f"undecodable frame: {type(e).__name__}") from None
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ChannelError("msgpack extension types are not allowed")
+
+
+def encode_hello(worker_id: str, secret: bytes, challenge: bytes) -> bytes:
+    return _frame({"v": VERSION, "worker": worker_id, "mac": mac(secret, challenge, worker_id)})
+
+
+def decode_hello(body: bytes, secret: bytes, challenge: bytes) -> str:
+    """The authenticated worker id, or ``ChannelError``."""
+    msg = _unpack(body, MAX_HELLO_BYTES)
+    if not isinstance(msg, dict) or set(msg) != {"v", "worker", "mac"} or msg["v"] != VERSION:
+        raise ChannelError("bad hello frame")
+    wid, got = msg["worker"], msg["mac"]
+    if not isinstance(wid, str) or not isinstance(got, bytes) or not 0 < len(wid) <= 256:
+        raise ChannelError("bad hello frame")
+    if not hmac.compare_digest(got, mac(secret, challenge, wid)):
+        raise ChannelError(f"worker {wid!r} failed authentication")
+    return wid
+
+
+def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
+    ld = batch.load
+    return _frame(
+        {
+            "v": VERSION,
+            "w": worker_id,
+            "d": [
+                [
+                    d.request_id,
+                    list(d.token_ids),
+                    None
+                    if d.logprobs is None
+                    else [[p.token_id, p.logprob, [list(t) for t in p.top]] for p in d.logprobs],
+                    d.finished,
+                    d.finish_reason,
+                    d.stop_token_id,
+                    d.num_cached_tokens,
+                    d.prefilled,
+                    d.error,
+                ]
+                for d in batch.deltas
+            ],
+            "l": [
+                ld.role.value,
+                ld.address,
+                ld.running,
+                ld.waiting,
+                ld.kv_total,
+                ld.kv_free,
+                ld.kv_cached,
+                ld.health.value,
+            ],
+        }
+    )
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ChannelError("expected a non-negative integer")
+    return x
+
+
+def _opt_str(x: Any) -> str | None:
+    if x is not None and not isinstance(x, str):
+        raise ChannelError("expected a string or nil")
+    return x
+
+
+def _logprob(x: Any) -> Logprob:
+    if not isinstance(x, list) or len(x) != 3 or not isinstance(x[1], float) or not isinstance(x[2], list):
+        raise ChannelError("bad logprob")
+    top = []
+    for t in x[2]:
+        if not isinstance(t, list) or len(t) != 2 or not isinstance(t[1], float):
+            raise ChannelError("bad top logprob")
+        top.append((_int(t[0]), t[1]))
+    return Logprob(_int(x[0]), x[1], tuple(top))
+
+
+def _delta(x: Any) -> TokenDelta:
+    if not isinstance(x, list) or len(x) != 9:
+        raise ChannelError("bad delta")
+    rid, ids, lps, finished, reason, stop_id, cached, prefilled, error = x
+    if not isinstance(rid, str) or not isinstance(ids, list) or not isinstance(finished, bool):
+        raise ChannelError("bad delta")
+    if not isinstance(prefilled, bool) or (lps is not None and not isinstance(lps, list)):
+        raise ChannelError("bad delta")
+    return TokenDelta(
+        request_id=rid,
+        token_ids=tuple(_int(t) for t in ids),
+        logprobs=None if lps is None else tuple(_logprob(p) for p in lps),
+        finished=finished,
+        finish_reason=_opt_str(reason),
+        stop_token_id=None if stop_id is None else _int(stop_id),
+        num_cached_tokens=_int(cached),
+        prefilled=prefilled,
+        error=_opt_str(error),
+    )
+
+
+def decode_batch(body: bytes, worker_id: str) -> OutputBatch:
+    """One output frame from ``worker_id`` (the id it authenticated as)."""
+    msg = _unpack(body, MAX_FRAME_BYTES)
+    if not isinstance(msg, dict) or set(msg) != {"v", "w", "d", "l"} or msg["v"] != VERSION:
+        raise ChannelError("bad output frame")
+    if msg["w"] != worker_id or not isinstance(msg["d"], list):
+        raise ChannelError("bad output frame")
+    ld = msg["l"]
+    if not isinstance(ld, list) or len(ld) != 8 or not isinstance(ld[1], str):
+        raise ChannelError("bad load")
+    try:
+        role, health = WorkerRole(ld[0]), WorkerHealth(ld[7])
+    except ValueError:
+        raise ChannelError("bad load") from None
+    load = WorkerLoad(worker_id, role, ld[1], *(_int(v) for v in ld[2:7]), health=health)
+    return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)
