@@ -1,0 +1,93 @@
+"""The worker -> router output channel's frames: round trip, authentication, hostile input."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_runtime.worker.codec import (
+    LENGTH,
+    ChannelError,
+    decode_batch,
+    decode_hello,
+    encode_batch,
+    encode_hello,
+)
+from model_runtime.worker.messages import (
+    Logprob,
+    OutputBatch,
+    TokenDelta,
+    WorkerHealth,
+    WorkerLoad,
+    WorkerRole,
+)
+
+SECRET = b"0123456789abcdef-secret"
+LOAD = WorkerLoad("decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING)
+
+
+def body(frame: bytes) -> bytes:
+    (n,) = LENGTH.unpack(frame[:4])
+    assert n == len(frame) - 4
+    return frame[4:]
+
+
+def test_round_trip_keeps_every_field() -> None:
+    batch = OutputBatch(
+        (
+            TokenDelta("a", (1, 2), None, False, None, None, 3, True, None),
+            TokenDelta(
+                "b", (), (Logprob(5, -0.25, ((5, -0.25), (7, -1.5))),), True, "stop", 9, 0, False, None
+            ),
+            TokenDelta("c", (), None, True, "error", None, 0, False, "KV transfer failed"),
+        ),
+        LOAD,
+    )
+    assert decode_batch(body(encode_batch("decode-0", batch)), "decode-0") == batch
+
+
+def test_hello_authenticates_with_the_shared_secret() -> None:
+    challenge = b"c" * 32
+    assert decode_hello(body(encode_hello("prefill-0", SECRET, challenge)), SECRET, challenge) == "prefill-0"
+    with pytest.raises(ChannelError, match="authentication"):
+        decode_hello(body(encode_hello("prefill-0", b"another-secret-xxxxxxx", challenge)), SECRET, challenge)
+    with pytest.raises(ChannelError, match="authentication"):  # replayed against a new challenge
+        decode_hello(body(encode_hello("prefill-0", SECRET, challenge)), SECRET, b"d" * 32)
+
+
+def test_a_frame_claiming_another_worker_is_refused() -> None:
+    frame = body(encode_batch("decode-0", OutputBatch((), LOAD)))
+    with pytest.raises(ChannelError):
+        decode_batch(frame, "decode-1")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps({"v": 1}),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb(
+            {"v": 1, "w": "decode-0", "d": [["a", [-1], None, False, None, None, 0, False, None]], "l": []}
+        ),
+        msgpack.packb({"v": 1, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy"]}),
+        msgpack.packb({"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy"]}),
+        msgpack.packb({"v": 1, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy"]}),
+        msgpack.packb(msgpack.ExtType(5, b"xx")),
+        b"",
+    ],
+)
+def test_malformed_frames_raise_channel_error(payload: bytes) -> None:
+    with pytest.raises(ChannelError):
+        decode_batch(payload, "decode-0")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoder_never_raises_anything_else(data: bytes) -> None:
+    with contextlib.suppress(ChannelError):
+        decode_batch(data, "decode-0")
