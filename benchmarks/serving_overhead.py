@@ -48,6 +48,14 @@ def run_bare_http(port: int) -> None:
 
     app = FastAPI()
 
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
@@ -179,11 +187,53 @@ def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str) -> dict
     return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens))
 
 
+def measure_peer(args: argparse.Namespace, here: Path) -> dict[str, Any]:
+    """vllm-router (Rust) proxying to the bare HTTP server: what a routing layer alone adds."""
+    print(f"peer: {args.peer_router} in front of the bare HTTP server:", file=sys.stderr)
+    bp, rp = free_port(), free_port()
+    bare = subprocess.Popen([sys.executable, str(here), "--bare", "http", "--port", str(bp)])
+    router = None
+    try:
+        wait_ready(f"http://127.0.0.1:{bp}/health", bare)
+        router = subprocess.Popen(
+            [args.peer_router, "--host", "127.0.0.1", "--port", str(rp), "--worker-urls",
+             f"http://127.0.0.1:{bp}", "--policy", "round_robin"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_ready(f"http://127.0.0.1:{rp}/health", router)
+        levels = [int(x) for x in args.streams.split(",")]
+        import uvloop
+
+        async def http_only() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                for c in levels:
+                    out[f"http_{c}"] = await load(
+                        lambda: http_stream(client, f"http://127.0.0.1:{rp}", args.tokens), c, max(1, 32 // c)
+                    )
+                    print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
+            return out
+
+        return uvloop.run(http_only())
+    finally:
+        for pr in (router, bare):
+            if pr is not None:
+                pr.terminate()
+                pr.wait(10)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="1,16,128")
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--transport", default="auto", help="KV transfer backend of the pdserve run")
+    p.add_argument(
+        "--peer-router",
+        default=None,
+        help="path of a vllm-router binary: also measure it (router only) in front of the bare server",
+    )
     p.add_argument("--bare", choices=["http", "grpc"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -210,6 +260,8 @@ def main() -> None:
         for pr in procs:
             pr.terminate()
             pr.wait(10)
+        if args.peer_router:
+            results["peer"] = measure_peer(args, here)
         print("pdserve (zero compute, 1 prefill + 1 decode on Ray):", file=sys.stderr)
         server = start_pdserve(
             "--model", "tiny", "--compute", "zero", "--prefill", "1", "--decode", "1",
@@ -244,6 +296,14 @@ def main() -> None:
             summary[f"{k}_ceiling_ratio"] = round(ours[k]["tokens_per_s"] / bare[k]["tokens_per_s"], 3)
             summary[f"{k}_ttft_ms_p50"] = round(ours[k]["ttft_ms_p50"], 2)
             summary[f"{k}_bare_ttft_ms_p50"] = round(bare[k]["ttft_ms_p50"], 2)
+    if "peer" in results:
+        peer = results["peer"]
+        summary["peer_router_added_ttft_ms_p50"] = round(
+            peer["http_1"]["ttft_ms_p50"] - bare["http_1"]["ttft_ms_p50"], 2
+        )
+        for c in levels:
+            summary[f"peer_http_{c}_tokens_per_s"] = round(peer[f"http_{c}"]["tokens_per_s"])
+            summary[f"peer_http_{c}_ttft_ms_p50"] = round(peer[f"http_{c}"]["ttft_ms_p50"], 2)
     emit(summary)
 
 
