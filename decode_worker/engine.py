@@ -33,7 +33,8 @@ from model_runtime.scheduler.colocated import ColocatedScheduler
 from model_runtime.scheduler.plan import SchedulerConfig
 from model_runtime.validation import validate_request
 from model_runtime.worker.deltas import Tombstones, delta_for
-from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
+from model_runtime.worker.engine_base import RoleEngineBase
+from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Reservation:
     first: tuple[int, int] | None = None  # the first token, prompt tokens prefill found cached
 
 
-class DecodeEngine:
+class DecodeEngine(RoleEngineBase):
     def __init__(
         self,
         rt: Runtime,
@@ -223,20 +224,5 @@ class DecodeEngine:
         self._emitted[req.request_id] = len(req.output_token_ids)
         return delta_for(req, since, logprobs)
 
-    def load(self, address: str = "") -> WorkerLoad:
-        s = self.kv.stats()
-        return WorkerLoad(
-            self.worker_id,
-            self.role,
-            address,
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting + len(self._reserved),
-            kv_total=s.total,
-            kv_free=s.free + s.cached,
-            kv_cached=s.cached,
-        )
-
-    def check_integrity(self) -> None:
-        stats = self.kv.check_integrity()
-        if not self._requests and not self._cancelling and stats.used:
-            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
+    def counts(self) -> tuple[int, int]:
+        return self.scheduler.num_running, self.scheduler.num_waiting + len(self._reserved)

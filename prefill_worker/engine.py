@@ -29,14 +29,15 @@ from model_runtime.scheduler.plan import SchedulerConfig
 from model_runtime.scheduler.prefill import PrefillScheduler
 from model_runtime.validation import validate_request
 from model_runtime.worker.deltas import Tombstones, delta_for, error_delta
-from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
+from model_runtime.worker.engine_base import RoleEngineBase
+from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 
 UNREACHABLE = "no KV transfer backend in common with the decode worker"
 
 
-class PrefillEngine:
+class PrefillEngine(RoleEngineBase):
     role = WorkerRole.PREFILL
 
     def __init__(self, rt: Runtime, transport: KVTransport, config: SchedulerConfig, worker_id: str) -> None:
@@ -204,20 +205,5 @@ class PrefillEngine:
                 self.transport.cancel(target.transfer_id)
         self.rt.runner.release(request_id)
 
-    def load(self, address: str = "") -> WorkerLoad:
-        s = self.kv.stats()
-        return WorkerLoad(
-            self.worker_id,
-            self.role,
-            address,
-            running=self.scheduler.num_running + len(self._sending),
-            waiting=self.scheduler.num_waiting,
-            kv_total=s.total,
-            kv_free=s.free + s.cached,
-            kv_cached=s.cached,
-        )
-
-    def check_integrity(self) -> None:
-        stats = self.kv.check_integrity()
-        if not self._requests and not self._sending and stats.used:
-            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
+    def counts(self) -> tuple[int, int]:
+        return self.scheduler.num_running + len(self._sending), self.scheduler.num_waiting
