@@ -3,6 +3,7 @@ processes, KV moves between them over the transport, clients speak real gRPC and
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -85,6 +86,23 @@ def test_16_concurrent_http_requests_match_hf(cluster) -> None:
         assert choice["prompt_token_ids"] == prompt
 
 
+def test_openai_client_through_the_ray_cluster(cluster) -> None:
+    import openai
+
+    _, ep = cluster
+    client = openai.OpenAI(base_url=f"{ep.http}/v1", api_key="unused")
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    parts = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in parts if c.choices) == whole.choices[0].text
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=5, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+
 def long_body() -> dict[str, Any]:
     return dict(model=MODEL, prompt=list(range(3, 60)), max_tokens=LONG, temperature=0, ignore_eos=True)
 
@@ -155,6 +173,17 @@ def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
             call = s.Generate(req)
             next(call)
             calls.append(call)
+        http_body = {**long_body(), "stream": True, "return_token_ids": True}
+        http_streams = [
+            httpx.stream("POST", f"{ep.http}/v1/completions", json=http_body, timeout=60) for _ in range(2)
+        ]
+        http_lines = []
+        for cm in http_streams:
+            r = cm.__enter__()
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            http_lines.append(lines)
         decode0 = next(h for h in st.service.handles if h.worker_id == "decode-0")
         os.kill(decode0.info.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -165,6 +194,16 @@ def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
                 outcomes.append(("ok", msgs[-1].result.decode_worker))
             except grpc.RpcError as e:
                 outcomes.append((e.code().name, ""))
+        for lines, cm in zip(http_lines, http_streams, strict=True):
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            cm.__exit__(None, None, None)
+            errors = [e["error"] for e in events if "error" in e]
+            tokens = sum(len(c.get("token_ids", [])) for e in events for c in e.get("choices", []))
+            # Each HTTP stream either ran to the end on the survivor or ended with a 503 event.
+            if errors:
+                assert errors[-1]["code"] == 503, errors
+            else:
+                assert tokens == LONG - 1, tokens  # the first token was read before the kill
         elapsed = time.monotonic() - t0
         assert ("UNAVAILABLE", "") in outcomes, outcomes  # decode-0's requests fail cleanly ...
         assert all(o == ("UNAVAILABLE", "") or o[1] == "decode-1" for o in outcomes)  # ... only those
