@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench", help="open-loop load test of any OpenAI-compatible or pdserve endpoint")
+    from pdserve.bench.runner import add_bench_args, cmd_bench
+
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -176,5 +176,6 @@ def decode_batch(body: bytes, worker_id: str) -> OutputBatch:
         role, health = WorkerRole(ld[0]), WorkerHealth(ld[7])
     except ValueError:
         raise ChannelError("bad load") from None
-    load = WorkerLoad(worker_id, role, ld[1], *(_int(v) for v in ld[2:7]), health=health)
+    running, waiting, total, free, cached = (_int(v) for v in ld[2:7])
+    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health)
     return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)

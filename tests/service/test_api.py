@@ -337,3 +337,22 @@ def test_cancel_while_decode_has_no_room_frees_prefill_blocks() -> None:
         wait_for(lambda: all_free(status(ep)), 5.0, "every block freed", lambda: status(ep))
     finally:
         st.stop()
+
+
+def test_pdserve_bench_against_the_service(svc, tmp_path) -> None:
+    """``pdserve bench`` end to end over both protocols, with a saved result."""
+    from pdserve.cli import main
+
+    host, port = svc.http.removeprefix("http://").rsplit(":", 1)
+    common = ["--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "12", "--disable-tqdm"]
+    out = tmp_path / "r.json"
+    save = ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    rate = ["--request-rate", "50", "--goodput", "ttft:5000"]
+    rc = main(["bench", "--host", host, "--port", port, *rate, *save, *common])
+    assert rc == 0
+    m = json.loads(out.read_text())
+    assert m["completed"] == 12 and m["failed"] == 0 and m["slo_attainment"] == 1.0
+    assert m["total_output_tokens"] == 72 and len(m["itls"]) == 12
+    gport = svc.grpc.rsplit(":", 1)[1]
+    grpc_args = ["--backend", "pdserve-grpc", "--port", gport, "--max-concurrency", "4"]
+    assert main(["bench", *grpc_args, *common]) == 0

@@ -1,0 +1,186 @@
+"""``pdserve bench``: build the workload, send it open-loop, report like ``vllm bench serve``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.client import BACKENDS, Backend, OpenAIBackend, PdserveGrpcBackend
+from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.workload import (
+    RequestSpec,
+    WorkloadError,
+    arrival_times,
+    length_pairs_random,
+    read_sharegpt_lengths,
+    read_trace,
+    synthetic_requests,
+    trace_requests,
+)
+
+DATASETS = ("random", "sharegpt", "trace")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="openai")
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (openai backend)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default: 8000 (openai), 50051 (grpc)")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default="tiny", help="model id sent to OpenAI-compatible servers")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", type=Path, default=None, help="sharegpt lengths CSV or trace file")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace replay speed-up")
+    p.add_argument("--vocab-size", type=int, default=256, help="token ids of random prompts stay below this")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per hash id in JSONL traces")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="e.g. ttft:250 tpot:100")
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir", type=Path, default=Path("."))
+    p.add_argument("--result-filename", default=None)
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
+    rng = random.Random(args.seed)
+    n = args.num_prompts
+    if args.dataset_name == "trace":
+        if args.dataset_path is None:
+            raise WorkloadError("--dataset-name trace needs --dataset-path")
+        rows = read_trace(args.dataset_path)
+        return trace_requests(rows, n, args.time_scale, args.vocab_size, args.block_size, rng)
+    if args.dataset_name == "sharegpt":
+        if args.dataset_path is None:
+            raise WorkloadError("--dataset-name sharegpt needs --dataset-path (a lengths CSV)")
+        pool = read_sharegpt_lengths(args.dataset_path)
+        lengths = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    else:
+        lengths = length_pairs_random(
+            n, args.random_input_len, args.random_output_len, args.random_range_ratio, rng
+        )
+    arrivals = arrival_times(n, args.request_rate, args.burstiness, rng)
+    return synthetic_requests(lengths, arrivals, args.vocab_size, rng)
+
+
+def make_backend(args: argparse.Namespace) -> Backend:
+    if args.backend == "openai":
+        base = args.base_url or f"http://{args.host}:{args.port or 8000}"
+        return OpenAIBackend(base, args.endpoint, args.model, args.api_key, args.temperature)
+    return PdserveGrpcBackend(f"{args.host}:{args.port or 50051}", args.api_key, args.temperature)
+
+
+async def run(
+    specs: list[RequestSpec], backend: Backend, max_concurrency: int | None, progress: bool
+) -> tuple[list[RequestResult], float]:
+    """Send each request at its arrival time (open loop), at most ``max_concurrency`` at once."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(specs), unit="req", file=sys.stderr)
+    start = time.perf_counter()
+
+    async def one(spec: RequestSpec) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+        if sem is None:
+            res = await backend.send(spec)
+        else:
+            async with sem:
+                res = await backend.send(spec)
+        if bar is not None:
+            bar.update(1)
+        return res
+
+    results = await asyncio.gather(*(one(s) for s in specs))
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+def print_summary(m: dict[str, Any], slo: Slo) -> None:
+    line = "=" * 50
+    rows = [
+        ("Successful requests:", m["completed"]),
+        ("Failed requests:", m["failed"]),
+        ("Benchmark duration (s):", f"{m['duration']:.2f}"),
+        ("Total input tokens:", m["total_input_tokens"]),
+        ("Total generated tokens:", m["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
+    ]
+    if not slo.empty:
+        rows.append(("Request goodput (req/s):", f"{m['request_goodput']:.2f}"))
+        rows.append(("SLO attainment (all requests):", f"{m['slo_attainment']:.3f}"))
+    rows += [
+        ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
+    ]
+    print(f"{' Serving Benchmark Result ':=^50}")
+    for k, v in rows:
+        print(f"{k:<40}{v:<10}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):  # fmt: skip
+        print(f"{title:-^50}")
+        for stat in ("mean", "median", "p90", "p99"):
+            print(f"{f'{stat.capitalize()} {name.upper()} (ms):':<40}{m[f'{stat}_{name}_ms']:<10.2f}")
+    print(line)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    slo = Slo.parse(args.goodput)
+    specs = build_workload(args)
+    backend = make_backend(args)
+    try:
+        results, duration = await run(specs, backend, args.max_concurrency, not args.disable_tqdm)
+    finally:
+        await backend.close()
+    m = summarize(results, duration, slo)
+    m.update(
+        {
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": args.backend,
+            "model_id": args.model,
+            "num_prompts": len(specs),
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "goodput_slo": {k: v for k, v in vars(slo).items() if v},
+        }
+    )
+    return m
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        m = asyncio.run(bench(args))
+    except (WorkloadError, ValueError, OSError) as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+    print_summary(m, Slo.parse(args.goodput))
+    errors = [e for e in m["errors"] if e]
+    if errors:
+        print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
+    if args.save_result:
+        name = args.result_filename or f"{args.backend}-{m['request_rate']}qps-{m['date']}.json"
+        path = args.result_dir / name
+        path.write_text(json.dumps(m))
+        print(f"saved {path}")
+    return 0

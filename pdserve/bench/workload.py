@@ -1,0 +1,162 @@
+"""Requests to send and when: lengths, arrival processes, trace files (pure Python).
+
+Arrivals: Poisson at ``rate`` or gamma with shape ``burstiness`` (burstiness = 1/CV²; 1 is
+Poisson, < 1 burstier), as ``vllm bench serve`` draws them; ``rate = inf`` sends all at once.
+Traces keep their own timestamps, divided by ``time_scale`` (2 = twice as fast).
+Prefix reuse: a JSONL trace may give ``hash_ids`` (one id per block of ``block_size`` tokens,
+Mooncake style); equal ids become equal token blocks, so prefix caches see the same reuse.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    arrival_s: float  # offset from the start of the run
+    prompt: tuple[int, ...] | str
+    prompt_len: int
+    output_len: int
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """``n`` arrival offsets: gamma inter-arrivals with mean 1/rate and shape ``burstiness``."""
+    if n < 0:
+        raise WorkloadError("the number of requests must be >= 0")
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise WorkloadError("request rate and burstiness must be > 0")
+    theta = 1.0 / (rate * burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.gammavariate(burstiness, theta)
+        out.append(t)
+    return out
+
+
+def random_prompt(n: int, vocab: int, rng: random.Random) -> tuple[int, ...]:
+    # Avoid the lowest ids, where small vocabularies keep their special tokens.
+    low = min(16, vocab - 1)
+    return tuple(rng.randrange(low, vocab) for _ in range(n))
+
+
+def length_pairs_random(
+    n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random
+) -> list[tuple[int, int]]:
+    """Uniform lengths in [len·(1-r), len·(1+r)] (r = 0: fixed lengths), as vLLM's random set."""
+    if not 0 <= range_ratio < 1:
+        raise WorkloadError("--random-range-ratio must be in [0, 1)")
+
+    def draw(x: int) -> int:
+        lo, hi = max(1, int(x * (1 - range_ratio))), max(1, int(x * (1 + range_ratio)))
+        return rng.randint(lo, hi)
+
+    return [(draw(input_len), draw(output_len)) for _ in range(n)]
+
+
+def read_sharegpt_lengths(path: Path) -> list[tuple[int, int]]:
+    """(input, output) lengths from a CSV with ``num_prefill_tokens, num_decode_tokens``."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"num_prefill_tokens", "num_decode_tokens"}
+        if not need <= set(reader.fieldnames or ()):
+            raise WorkloadError(f"{path}: expected columns {sorted(need)}, found {reader.fieldnames}")
+        return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in reader]
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    timestamp_s: float
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def read_trace(path: Path) -> list[TraceRow]:
+    """The Azure LLM inference CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``) or a JSONL of
+    ``{"timestamp", "input_length", "output_length"[, "hash_ids"]}`` (timestamps in ms)."""
+    if path.suffix == ".jsonl":
+        return list(_read_jsonl(path))
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if not need <= set(reader.fieldnames or ()):
+            raise WorkloadError(f"{path}: expected Azure trace columns {sorted(need)}")
+        rows = []
+        t0: datetime | None = None
+        for r in reader:
+            ts = datetime.fromisoformat(r["TIMESTAMP"][:26])
+            t0 = t0 or ts
+            rows.append(
+                TraceRow((ts - t0).total_seconds(), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+            )
+        return rows
+
+
+def _read_jsonl(path: Path) -> Iterator[TraceRow]:
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                yield TraceRow(
+                    float(r["timestamp"]) / 1000.0,
+                    int(r["input_length"]),
+                    int(r["output_length"]),
+                    tuple(int(h) for h in r.get("hash_ids", ())),
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise WorkloadError(f"{path}:{lineno}: {e}") from None
+
+
+def trace_requests(
+    rows: Sequence[TraceRow], n: int, time_scale: float, vocab: int, block_size: int, rng: random.Random
+) -> list[RequestSpec]:
+    """The first ``n`` rows as requests, arrivals relative to the first and sped up by ``time_scale``."""
+    if time_scale <= 0:
+        raise WorkloadError("--time-scale must be > 0")
+    rows = list(rows[:n])
+    if not rows:
+        return []
+    start = rows[0].timestamp_s
+    blocks: dict[int, tuple[int, ...]] = {}
+    out = []
+    for r in rows:
+        if r.hash_ids:
+            prompt: list[int] = []
+            for h in r.hash_ids:
+                if h not in blocks:
+                    blocks[h] = random_prompt(block_size, vocab, rng)
+                prompt.extend(blocks[h])
+            ids = (
+                tuple(prompt[: r.input_len])
+                if len(prompt) >= r.input_len
+                else tuple(prompt + list(random_prompt(r.input_len - len(prompt), vocab, rng)))
+            )
+        else:
+            ids = random_prompt(r.input_len, vocab, rng)
+        out.append(RequestSpec((r.timestamp_s - start) / time_scale, ids, r.input_len, r.output_len))
+    return out
+
+
+def synthetic_requests(
+    lengths: Sequence[tuple[int, int]], arrivals: Sequence[float], vocab: int, rng: random.Random
+) -> list[RequestSpec]:
+    return [
+        RequestSpec(t, random_prompt(i, vocab, rng), i, o)
+        for (i, o), t in zip(lengths, arrivals, strict=True)
+    ]

@@ -1,0 +1,130 @@
+"""``pdserve bench``: metric arithmetic by hand, arrival processes, trace parsing, field names."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.workload import (
+    WorkloadError,
+    arrival_times,
+    length_pairs_random,
+    read_trace,
+    trace_requests,
+)
+
+AZURE = Path(__file__).resolve().parents[2].parent / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
+
+
+def ok(ttft: float, itls: list[float], prompt: int = 10) -> RequestResult:
+    return RequestResult(prompt, True, len(itls) + 1, ttft, itls, ttft + sum(itls))
+
+
+def test_metrics_by_hand() -> None:
+    results = [
+        ok(0.100, [0.020, 0.040]),  # TPOT 30 ms, E2E 160 ms
+        ok(0.300, []),  # one output token: TTFT and E2E only, no TPOT
+        ok(0.050, [0.200]),  # TPOT 200 ms
+        RequestResult(10, error="HTTP 500"),  # failed
+        RequestResult(10, error="HTTP 429", rejected=True),  # rejected
+    ]
+    m = summarize(results, duration_s=2.0, slo=Slo(ttft_ms=250, tpot_ms=100))
+    assert m["completed"] == 3 and m["failed"] == 2 and m["rejected"] == 1
+    assert m["total_output_tokens"] == 3 + 1 + 2
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["median_tpot_ms"] == pytest.approx(115.0)  # (30 + 200) / 2: the 1-token request has none
+    assert m["mean_ttft_ms"] == pytest.approx(150.0)
+    assert m["median_itl_ms"] == pytest.approx(40.0)  # gaps 20, 40, 200
+    assert m["p99_e2el_ms"] == pytest.approx(299.0)  # E2E 160, 250, 300: 250 + 0.98 * 50
+    # Joint attainment over all five: only the first meets TTFT <= 250 and TPOT <= 100 (the
+    # second misses TTFT, the third TPOT); failed and rejected are misses.
+    assert m["slo_attainment"] == pytest.approx(1 / 5)
+    assert m["request_goodput"] == pytest.approx(0.5)
+    assert m["ttfts"][3] == 0.0 and m["errors"][3] == "HTTP 500"
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    results = [ok(t / 1000, []) for t in (10, 20, 30, 40)]
+    m = summarize(results, 1.0, Slo())
+    assert m["median_ttft_ms"] == pytest.approx(25.0)
+    assert m["p90_ttft_ms"] == pytest.approx(37.0)  # numpy.percentile([10,20,30,40], 90)
+    assert m["p99_ttft_ms"] == pytest.approx(39.7)
+
+
+def test_json_field_names_match_vllm_bench_serve() -> None:
+    m = summarize([ok(0.1, [0.01])], 1.0, Slo(ttft_ms=100))
+    names = [
+        "duration",
+        "completed",
+        "failed",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "total_input_tokens",
+        "total_output_tokens",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "errors",
+    ]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        names += [f"mean_{metric}_ms", f"median_{metric}_ms", f"std_{metric}_ms", f"p99_{metric}_ms"]
+    assert set(names) <= set(m), set(names) - set(m)
+    json.dumps(m)  # serializable as --save-result writes it
+
+
+def test_goodput_flag_parsing() -> None:
+    assert Slo.parse(["ttft:250", "tpot:100"]) == Slo(250.0, 100.0, 0.0)
+    for bad in (["ttft"], ["tbt:5"], ["ttft:fast"], ["tpot:0"]):
+        with pytest.raises(ValueError):
+            Slo.parse(bad)
+
+
+@pytest.mark.parametrize(("burstiness", "cv"), [(1.0, 1.0), (0.25, 2.0), (4.0, 0.5)])
+def test_arrivals_have_the_asked_rate_and_burstiness(burstiness: float, cv: float) -> None:
+    t = arrival_times(20000, rate=8.0, burstiness=burstiness, rng=random.Random(1))
+    gaps = [b - a for a, b in zip([0.0, *t], t, strict=False)]
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(1 / 8.0, rel=0.05)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(cv, rel=0.08)
+    assert arrival_times(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+    with pytest.raises(WorkloadError):
+        arrival_times(3, 0.0, 1.0, random.Random(0))
+
+
+def test_random_lengths_stay_in_range() -> None:
+    pairs = length_pairs_random(500, 100, 20, 0.5, random.Random(0))
+    assert all(50 <= i <= 150 and 10 <= o <= 30 for i, o in pairs)
+    assert length_pairs_random(3, 7, 5, 0.0, random.Random(0)) == [(7, 5)] * 3
+
+
+def test_jsonl_trace_with_hash_ids_shares_prefix_blocks(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 40, "output_length": 7, "hash_ids": [1, 2, 9]},
+    ]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = trace_requests(read_trace(p), 10, time_scale=2.0, vocab=256, block_size=16, rng=random.Random(0))
+    assert [r.arrival_s for r in reqs] == [0.0, 0.25]
+    a, b = reqs[0].prompt, reqs[1].prompt
+    assert len(a) == len(b) == 40 and a[:32] == b[:32] and a[32:] != b[32:]
+    p.write_text('{"timestamp": 0, "input_length": "many"}\n')
+    with pytest.raises(WorkloadError, match=r"t\.jsonl:1"):
+        read_trace(p)
+
+
+def test_azure_trace_parses() -> None:
+    if not AZURE.exists():
+        pytest.skip(f"shared trace data not present at {AZURE}")
+    rows = read_trace(AZURE)
+    assert len(rows) == 19366 and rows[0].timestamp_s == 0.0
+    assert rows[0].input_len == 374 and rows[0].output_len == 44
+    assert 3400 < rows[-1].timestamp_s < 3600  # one hour
