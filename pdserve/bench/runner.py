@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.bench.client import BACKENDS, Backend, OpenAIBackend, PdserveGrpcBackend
 from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
     RequestSpec,
     WorkloadError,
@@ -56,6 +57,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", type=Path, default=Path("."))
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    add_sweep_args(p)
 
 
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
@@ -168,7 +170,35 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return m
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    if Slo.parse(args.goodput).empty:
+        print("pdserve bench: error: --sweep needs --goodput (the SLO that defines goodput)", file=sys.stderr)
+        return 2
+
+    async def point(rate: float, seed: int) -> dict[str, Any]:
+        ns = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": seed, "disable_tqdm": True})
+        return await bench(ns)
+
+    try:
+        result = asyncio.run(sweep(point, args))
+    except (WorkloadError, ValueError, OSError) as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 2
+    result["goodput_slo"] = {k: v for k, v in vars(Slo.parse(args.goodput)).items() if v}
+    result["num_prompts_per_point"] = args.num_prompts
+    result["seeds_per_point"] = args.sweep_seeds
+    bound = "" if result["bracketed"] else " (still meeting the target at the highest rate tried)"
+    print(f"goodput: {result['goodput_rate']:.3f} req/s at {result['target']:.0%} joint attainment{bound}")
+    path = save(result, args)
+    png = args.sweep_plot or path.with_suffix(".png")
+    plot(result, png, f"{args.backend} {' '.join(args.goodput)}")
+    print(f"saved {path} and {png}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return cmd_sweep(args)
     try:
         m = asyncio.run(bench(args))
     except (WorkloadError, ValueError, OSError) as e:

@@ -356,3 +356,20 @@ def test_pdserve_bench_against_the_service(svc, tmp_path) -> None:
     gport = svc.grpc.rsplit(":", 1)[1]
     grpc_args = ["--backend", "pdserve-grpc", "--port", gport, "--max-concurrency", "4"]
     assert main(["bench", *grpc_args, *common]) == 0
+
+
+def test_pdserve_bench_sweep_writes_result_and_plot(svc, tmp_path) -> None:
+    from pdserve.cli import main
+
+    host, port = svc.http.removeprefix("http://").rsplit(":", 1)
+    args = ["bench", "--host", host, "--port", port, "--random-input-len", "16", "--random-output-len", "4",
+            "--num-prompts", "10", "--sweep", "--goodput", "ttft:2000", "--sweep-min-rate", "20",
+            "--sweep-max-doublings", "2", "--sweep-steps", "1", "--sweep-seeds", "1",
+            "--result-dir", str(tmp_path), "--result-filename", "s.json"]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["points"] and all(0 <= p["slo_attainment"] <= 1 for p in res["points"])
+    measured = [p["rate"] for p in res["points"]]
+    assert res["goodput_rate"] in measured or res["goodput_rate"] == 0.0
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert main(["bench", "--port", port, "--sweep"]) == 2  # no SLO, no goodput

@@ -128,3 +128,28 @@ def test_azure_trace_parses() -> None:
     assert len(rows) == 19366 and rows[0].timestamp_s == 0.0
     assert rows[0].input_len == 374 and rows[0].output_len == 44
     assert 3400 < rows[-1].timestamp_s < 3600  # one hour
+
+
+def test_sweep_brackets_then_bisects_to_the_capacity() -> None:
+    """A fake server that meets the SLO below 7 req/s: the sweep lands within a step of 7."""
+    import argparse
+    import asyncio
+
+    from pdserve.bench.sweep import sweep
+
+    calls: list[float] = []
+
+    async def point(rate: float, seed: int) -> dict[str, object]:
+        calls.append(rate)
+        att = 1.0 if rate <= 7.0 else 0.5
+        keys = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
+                "p99_tpot_ms", "request_goodput", "request_throughput")  # fmt: skip
+        return {"slo_attainment": att, **dict.fromkeys(keys, 1.0)}
+
+    args = argparse.Namespace(
+        sweep_target=0.9, sweep_min_rate=1.0, sweep_max_doublings=10, sweep_steps=6, sweep_seeds=2, seed=0
+    )
+    res = asyncio.run(sweep(point, args))
+    assert res["bracketed"] and 6.5 < res["goodput_rate"] <= 7.0
+    assert calls[:8] == [1, 1, 2, 2, 4, 4, 8, 8]  # doubling, each rate for both seeds
+    assert [p["rate"] for p in res["points"]] == sorted(p["rate"] for p in res["points"])

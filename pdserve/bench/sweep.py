@@ -1,0 +1,109 @@
+"""``pdserve bench --sweep``: the goodput rate, found the way DistServe defines it.
+
+Goodput is the highest request rate at which joint SLO attainment stays >= the target (90 %).
+The sweep doubles the rate from ``--sweep-min-rate`` until attainment falls below the target,
+then bisects that bracket; each point runs ``--num-prompts`` requests (>= 300 recommended) for
+each of ``--sweep-seeds`` seeds and takes the mean attainment. Attainment is assumed to fall as
+the rate grows (it does, up to noise; the plot shows the points measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+PointFn = Callable[[float, int], Awaitable[dict[str, Any]]]
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sweep", action="store_true", help="bisect the rate for the goodput point (needs --goodput)"
+    )
+    p.add_argument("--sweep-min-rate", type=float, default=0.5)
+    p.add_argument("--sweep-max-doublings", type=int, default=10)
+    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+    p.add_argument("--sweep-seeds", type=int, default=2)
+    p.add_argument("--sweep-target", type=float, default=0.9, help="attainment that defines goodput")
+    p.add_argument("--sweep-plot", type=Path, default=None, help="PNG path (default: next to the result)")
+
+
+async def sweep(point: PointFn, args: argparse.Namespace) -> dict[str, Any]:
+    """``point(rate, seed)`` runs one load point and returns its metrics (``summarize``'s dict)."""
+    target = args.sweep_target
+    points: list[dict[str, Any]] = []
+
+    async def measure(rate: float) -> float:
+        runs = [await point(rate, args.seed + s) for s in range(args.sweep_seeds)]
+        att = statistics.fmean(r["slo_attainment"] for r in runs)
+        row: dict[str, Any] = {"rate": rate, "slo_attainment": att}
+        for key in ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
+                    "p99_tpot_ms", "request_goodput", "request_throughput"):  # fmt: skip
+            row[key] = statistics.fmean(r[key] for r in runs)
+        points.append(row)
+        print(f"  rate {rate:8.3f} req/s: attainment {att:.3f}", file=sys.stderr, flush=True)
+        return att
+
+    lo, hi = 0.0, args.sweep_min_rate
+    for _ in range(args.sweep_max_doublings):
+        if await measure(hi) < target:
+            break
+        lo, hi = hi, hi * 2
+    else:  # never fell below the target: goodput is at least the highest rate measured
+        return {"goodput_rate": lo, "bracketed": False, "target": target, "points": points}
+    for _ in range(args.sweep_steps):
+        mid = (lo + hi) / 2 if lo else hi / 2
+        if await measure(mid) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return {
+        "goodput_rate": lo,
+        "bracketed": True,
+        "target": target,
+        "points": sorted(points, key=lambda r: r["rate"]),
+    }
+
+
+def plot(result: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted(result["points"], key=lambda r: r["rate"])
+    rates = [p["rate"] for p in pts]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(rates, [p["slo_attainment"] for p in pts], "o-")
+    a.axhline(result["target"], color="gray", linestyle="--")
+    a.axvline(
+        result["goodput_rate"],
+        color="green",
+        linestyle=":",
+        label=f"goodput {result['goodput_rate']:.2f} req/s",
+    )
+    a.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment", ylim=(0, 1.05), title=title)
+    a.legend()
+    for key, style in (
+        ("median_ttft_ms", "o-"),
+        ("p99_ttft_ms", "o--"),
+        ("median_tpot_ms", "s-"),
+        ("p99_tpot_ms", "s--"),
+    ):
+        b.plot(rates, [p[key] for p in pts], style, label=key.replace("_ms", ""))
+    b.set(xlabel="request rate (req/s)", ylabel="ms", yscale="log", title="latency percentiles")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save(result: dict[str, Any], args: argparse.Namespace) -> Path:
+    name = args.result_filename or f"sweep-{args.backend}.json"
+    path: Path = args.result_dir / name
+    path.write_text(json.dumps(result))
+    return path
