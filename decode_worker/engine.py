@@ -21,6 +21,7 @@ Single-threaded: one caller serializes every method.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from kvtransfer.states import FailureCause
@@ -45,6 +46,7 @@ class Reservation:
     received: bool = False
     failed: bool = False
     first: tuple[int, int] | None = None  # the first token, prompt tokens prefill found cached
+    ready_at: float = 0.0  # emulated GPU link: the KV counts as arrived only from then on
 
 
 class DecodeEngine(RoleEngineBase):
@@ -69,6 +71,7 @@ class DecodeEngine(RoleEngineBase):
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
         self._tombstones = Tombstones()
+        self._deferred: set[str] = set()  # KV in, waiting out the emulated link time
         self.transfers_failed = 0
         self.recomputed = 0
 
@@ -123,6 +126,7 @@ class DecodeEngine(RoleEngineBase):
             return False
         self._emitted.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
+        self._deferred.discard(request_id)
         if res is not None:
             self._by_transfer.pop(res.transfer_id, None)
             if res.received:
@@ -149,6 +153,10 @@ class DecodeEngine(RoleEngineBase):
                 continue
             res = self._reserved[rid]
             res.received = True
+            profile = self.rt.profile
+            if profile is not None:  # the stand-in cache moved in microseconds; a GPU link would not
+                n = self._requests[rid].num_prompt_tokens
+                res.ready_at = time.monotonic() + profile.transfer_time(n)
             self._maybe_begin(rid, res)
         for tid, cause in done.failed.items():
             self.transport.forget(tid)
@@ -169,6 +177,10 @@ class DecodeEngine(RoleEngineBase):
     def _maybe_begin(self, rid: str, res: Reservation) -> None:
         if res.first is None or not (res.received or res.failed):
             return
+        if res.received and res.ready_at > time.monotonic():
+            self._deferred.add(rid)
+            return
+        self._deferred.discard(rid)
         del self._reserved[rid]
         self._by_transfer.pop(res.transfer_id, None)
         req = self._requests[rid]
@@ -197,8 +209,16 @@ class DecodeEngine(RoleEngineBase):
     def idle(self) -> bool:
         return not self._requests and not self._cancelling
 
+    def io_wait_s(self) -> float:
+        if not self._deferred:
+            return super().io_wait_s()
+        soonest = min(self._reserved[r].ready_at for r in self._deferred)
+        return max(0.0, min(super().io_wait_s(), soonest - time.monotonic()))
+
     def step(self) -> list[TokenDelta]:
         self._poll_transfers()
+        for rid in [r for r in self._deferred if self._reserved[r].ready_at <= time.monotonic()]:
+            self._maybe_begin(rid, self._reserved[rid])
         if not self.scheduler.has_work:
             return []
         plan = self.scheduler.schedule()

@@ -47,7 +47,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
     p.add_argument("--cpus-per-worker", type=int, default=1)
     p.add_argument("--gpus-per-worker", type=int, default=-1, help="default: 1 with CUDA, else 0")
-    p.add_argument("--compute", choices=COMPUTE_MODES, default="model", help="zero: no model math")
+    p.add_argument(
+        "--compute",
+        default="model",
+        help=f"{' | '.join(COMPUTE_MODES)}: the model, no math, or a GPU's timing (emulated:h100-llama3-8b)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
     p.add_argument(
         "--kv-host",

@@ -2,7 +2,10 @@
 
 ``build_runtime`` is shared by the colocated engine and both worker roles, so every role loads
 a model, sizes its pool and validates requests the same way. ``compute="zero"`` swaps the
-model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone.
+model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone;
+``compute="emulated:<profile>"`` for ``EmulatedRunner``, which also takes the time a real GPU
+would (``model_runtime.latency``), with the pool sized as that GPU's KV memory and a one-layer
+stand-in cache (transfers still run for real; their GPU-link time is added by the decode side).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from model_runtime.config import CacheConfig, ModelConfig
 from model_runtime.engine.model_runner import ModelRunner, StepResult
 from model_runtime.kv_cache.manager import KVCacheManager
 from model_runtime.kv_cache.tensors import kv_cache_shape
+from model_runtime.latency import LatencyProfile, load_profile
 from model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
 from model_runtime.platform import tune_malloc
 from model_runtime.presets import resolve_model
@@ -31,7 +35,7 @@ from model_runtime.validation import RequestLimits
 
 log = logging.getLogger(__name__)
 
-COMPUTE_MODES = ("model", "zero")
+COMPUTE_MODES = ("model", "zero", "emulated:<profile>")
 
 # (shape, dtype, device) -> cache tensor; lets a worker place its cache in shared memory.
 CacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
@@ -49,8 +53,13 @@ class EngineConfig:
     compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
 
     def __post_init__(self) -> None:
-        if self.compute not in COMPUTE_MODES:
+        if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
+        _ = self.profile  # an unknown profile fails here, before any worker starts
+
+    @property
+    def profile(self) -> LatencyProfile | None:
+        return load_profile(self.compute.split(":", 1)[1]) if self.compute.startswith("emulated:") else None
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -80,6 +89,7 @@ class ZeroRunner:
         self.config = config
         self.kv_cache = kv_cache
         self._eos = frozenset(config.eos_token_ids)
+        self.num_layers = kv_cache.shape[0]
 
     def token_for(self, previous: int, position: int) -> int:
         t = (previous * 31 + position * 7 + 11) % self.config.vocab_size
@@ -94,7 +104,7 @@ class ZeroRunner:
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         if on_layer is not None:
-            for i in range(self.config.num_layers):
+            for i in range(self.num_layers):
                 on_layer(i)
         sampled = {
             c.request_id: self.token_for(c.token_ids[-1], c.start_pos + c.num_tokens)
@@ -105,6 +115,31 @@ class ZeroRunner:
 
     def release(self, request_id: str) -> None:
         pass
+
+
+class EmulatedRunner(ZeroRunner):
+    """``ZeroRunner``'s tokens, delivered after the time the profile predicts for the step."""
+
+    def __init__(self, config: ModelConfig, kv_cache: torch.Tensor, profile: LatencyProfile) -> None:
+        super().__init__(config, kv_cache)
+        self.profile = profile
+
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        t0 = time.perf_counter()
+        predicted = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
+        result = super().execute(chunks, requests, None)
+        left = t0 + predicted - time.perf_counter()
+        if left > 0:
+            time.sleep(left)  # sleeping costs no CPU: one core emulates many GPUs
+        if on_layer is not None:
+            for i in range(self.num_layers):
+                on_layer(i)
+        return result
 
 
 @dataclass
@@ -119,6 +154,7 @@ class Runtime:
     kv: KVCacheManager
     runner: StepRunner
     tokenizer: TextTokenizer | None
+    profile: LatencyProfile | None = None
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -148,10 +184,16 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
     probe = ModelConfig.from_file(model_dir / "config.json")
-    max_len = min(config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings)
+    profile = config.profile
     block_size = config.cache.block_size
-    num_blocks = config.cache.resolve_num_blocks(probe, torch.finfo(dtype).bits // 8)
-    shape = kv_cache_shape(probe, num_blocks, block_size)
+    if profile is None:
+        max_len = min(config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings)
+        num_blocks = config.cache.resolve_num_blocks(probe, torch.finfo(dtype).bits // 8)
+        shape = kv_cache_shape(probe, num_blocks, block_size)
+    else:  # the emulated GPU's context and KV capacity, a one-layer stand-in cache
+        max_len = min(config.max_model_len or profile.max_model_len, profile.max_model_len)
+        num_blocks = config.cache.num_blocks or max(1, profile.kv_capacity_tokens // block_size)
+        shape = (1, num_blocks, 2, block_size, 1, 8)
     t0 = time.perf_counter()
     cache = (
         allocate_cache(shape, dtype, device)
@@ -159,7 +201,10 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         else torch.zeros(shape, dtype=dtype, device=device)  # zeroed: padded reads stay finite
     )
     runner: StepRunner
-    if config.compute == "zero":
+    if profile is not None:
+        model_config = load_eos_ids(model_dir, probe)
+        runner = EmulatedRunner(model_config, cache, profile)
+    elif config.compute == "zero":
         model_config = load_eos_ids(model_dir, probe)
         runner = ZeroRunner(model_config, cache)
     else:
@@ -176,6 +221,7 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         kv=KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching),
         runner=runner,
         tokenizer=TextTokenizer.load(model_dir),
+        profile=profile,
     )
     log.info(
         "loaded %s (%s, %s, compute=%s) in %.2fs: %d KV blocks of %d tokens",

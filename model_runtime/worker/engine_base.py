@@ -5,6 +5,10 @@ from __future__ import annotations
 from model_runtime.kv_cache.manager import KVCacheManager
 from model_runtime.worker.messages import WorkerLoad, WorkerRole
 
+# Transfers in flight: the transport wakes the loop on every completion; this poll only bounds
+# the delay should a wake-up ever be missed.
+PENDING_IO_POLL_S = 0.02
+
 
 class RoleEngineBase:
     worker_id: str
@@ -15,6 +19,11 @@ class RoleEngineBase:
     def idle(self) -> bool:
         """No request held at all (so no block may be in use)."""
         raise NotImplementedError
+
+    def io_wait_s(self) -> float:
+        """With transfers in flight and nothing to compute, how long the loop may sleep before
+        stepping again (a transfer completion wakes it earlier)."""
+        return PENDING_IO_POLL_S
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) as the routing policy should see them."""

@@ -20,9 +20,6 @@ from model_runtime.worker.messages import TokenDelta, WorkerLoad
 
 log = logging.getLogger(__name__)
 
-# Transfers in flight: the transport wakes the loop on every completion (``wake``); this
-# poll only bounds the delay should a wake-up ever be missed.
-PENDING_IO_POLL_S = 0.02
 IDLE_WAIT_S = 0.5
 
 
@@ -43,6 +40,8 @@ class RoleEngine(Protocol):
     def idle(self) -> bool: ...  # no request held at all
 
     def step(self) -> list[TokenDelta]: ...
+
+    def io_wait_s(self) -> float: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -123,7 +122,7 @@ class EngineLoop:
                             self._out.extend(deltas)
                             self._out_cv.notify_all()
                     if not eng.has_work:
-                        self._wake.wait(PENDING_IO_POLL_S)
+                        self._wake.wait(eng.io_wait_s())
                 else:
                     self._wake.wait(IDLE_WAIT_S)
         except BaseException as e:

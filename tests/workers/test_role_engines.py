@@ -3,6 +3,7 @@ real KV transfers must give exactly the colocated engine's tokens and leak no bl
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 import uuid
@@ -179,3 +180,46 @@ def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
     p.prefill(WorkItem("ghost", pr, params))
     assert d.reserve(WorkItem("ghost", pr, params), "t-ghost", timeout_s=0.1) is None
     assert p.wait_idle(5.0) and d.wait_idle(5.0)
+
+
+def test_emulated_workers_take_the_profiles_time() -> None:
+    """``emulated:h100-llama3-8b``: prefill, decode steps and the KV hand-off take the times the
+    latency model predicts for an H100, while scheduling and transfers run for real."""
+    from model_runtime.latency import H100_LLAMA3_8B as prof
+
+    eng = EngineConfig(model="tiny", compute="emulated:h100-llama3-8b")
+    tcfg = TransportConfig(backend="shm")
+    p = PrefillWorker(WorkerSpec("p0", WorkerRole.PREFILL, eng, tcfg, SECRET))
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, eng, tcfg, SECRET))
+    try:
+        assert d.info().max_model_len == prof.max_model_len
+        assert d.info().kv_blocks == prof.kv_capacity_tokens // 16
+        prompt = tuple(range(20, 200)) * 20  # 3,600 tokens: beyond the tiny model's own context
+        w = WorkItem("e", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+        t0 = time.perf_counter()
+        target = d.reserve(w, "t-e", timeout_s=5)
+        p.prefill(w, target)
+        times: list[float] = []
+        first: TokenDelta | None = None
+        while first is None:
+            first = next((x for x in p.collect(0.05).deltas if x.prefilled), None)
+        times.append(time.perf_counter())
+        assert d.start("e", first.token_ids[0], 0)
+        while len(times) < 30:
+            for x in d.collect(0.05).deltas:
+                times.extend([time.perf_counter()] * len(x.token_ids))
+        ttft = times[0] - t0
+        # Prefill of 3,600 tokens in 512-token chunks (the default budget), plus overheads.
+        chunks = [(min(512, 3600 - c), c) for c in range(0, 3600, 512)]
+        predicted = sum(prof.step_time([ch]) for ch in chunks)
+        assert predicted <= ttft <= predicted + 0.05, (ttft, predicted)
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        step = prof.decode_time(1, 3600)
+        assert step * 0.95 <= gaps[len(gaps) // 2] <= step + 0.006, (gaps[len(gaps) // 2], step)
+        # The first decode gap also carries the emulated hand-off of 3,600 tokens' KV.
+        assert times[1] - times[0] >= prof.transfer_time(3600)
+    finally:
+        for w_ in (p, d):
+            assert w_.wait_idle(5.0)
+            w_.check_integrity()
+            w_.shutdown()
