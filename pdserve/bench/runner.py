@@ -48,7 +48,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace replay speed-up")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="trace replay speed-up (with --request-rate: derived, the trace's pattern at that mean rate)",
+    )
     p.add_argument("--vocab-size", type=int, default=256, help="token ids of random prompts stay below this")
     p.add_argument("--block-size", type=int, default=16, help="tokens per hash id in JSONL traces")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -67,7 +72,12 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name trace needs --dataset-path")
         rows = read_trace(args.dataset_path)
-        return trace_requests(rows, n, args.time_scale, args.vocab_size, args.block_size, rng)
+        scale = args.time_scale
+        if math.isfinite(args.request_rate):  # replay the trace's pattern at this mean rate
+            span = rows[min(n, len(rows)) - 1].timestamp_s - rows[0].timestamp_s
+            native = (min(n, len(rows)) - 1) / span if span > 0 else math.inf
+            scale = args.request_rate / native if math.isfinite(native) else 1.0
+        return trace_requests(rows, n, scale, args.vocab_size, args.block_size, rng)
     if args.dataset_name == "sharegpt":
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name sharegpt needs --dataset-path (a lengths CSV)")

@@ -153,3 +153,21 @@ def test_sweep_brackets_then_bisects_to_the_capacity() -> None:
     assert res["bracketed"] and 6.5 < res["goodput_rate"] <= 7.0
     assert calls[:8] == [1, 1, 2, 2, 4, 4, 8, 8]  # doubling, each rate for both seeds
     assert [p["rate"] for p in res["points"]] == sorted(p["rate"] for p in res["points"])
+
+
+def test_trace_replayed_at_a_requested_mean_rate(tmp_path: Path) -> None:
+    import argparse
+    import math
+
+    from pdserve.bench.runner import build_workload
+
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": 8, "output_length": 2}) + "\n"
+                         for i in range(11)))  # fmt: skip
+    args = argparse.Namespace(
+        seed=0, num_prompts=11, dataset_name="trace", dataset_path=p, time_scale=1.0, request_rate=5.0,
+        vocab_size=256, block_size=16,
+    )  # fmt: skip
+    assert build_workload(args)[-1].arrival_s == pytest.approx(2.0)  # 1 req/s native, replayed at 5
+    args.request_rate = math.inf
+    assert build_workload(args)[-1].arrival_s == pytest.approx(10.0)  # the trace's own timing
