@@ -63,6 +63,19 @@ class FinishReason(enum.Enum):
         return {"stop_string": "stop", "abort": "abort"}.get(self.value, self.value)
 
 
+@dataclass(frozen=True)
+class Usage:
+    """Token counts reported to the client; ``cached_tokens`` came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 @dataclass(eq=False)
 class Request:
     """Mutable per-request state owned by exactly one scheduler at a time."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from model_runtime.request import Usage
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.text_stream import TextStream
 from model_runtime.tokenizer import TextTokenizer
@@ -37,17 +38,6 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[Logprob, ...] | None
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(frozen=True)

@@ -4,21 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model_runtime.request import FinishReason, Request
+from model_runtime.request import FinishReason, Request, Usage
 from model_runtime.sampling.sampler import TokenLogprobs
 from model_runtime.text_stream import TextStream
 from model_runtime.tokenizer import TextTokenizer
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass
