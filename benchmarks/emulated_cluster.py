@@ -36,6 +36,40 @@ LAYOUTS = {
 }
 
 
+def simulate_layout(name: str, rate: float, args: argparse.Namespace) -> dict[str, float]:
+    """The simulator on the same layout, trace, requests and rate (no processes, virtual time)."""
+    from simulator.run import add_simulate_args, simulate
+
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    flags = LAYOUTS[name]
+    budget = flags[flags.index("--max-num-batched-tokens") + 1]
+    layout = flags[: flags.index("--max-num-batched-tokens")]
+    ns = p.parse_args(
+        [*layout, "--trace", str(args.trace), "--num-prompts", str(args.num_prompts),
+         "--request-rate", str(rate), "--max-num-batched-tokens", budget, "--goodput", *args.goodput]
+    )  # fmt: skip
+    return simulate(ns)
+
+
+def simulated_side_by_side(
+    name: str, points: list[dict[str, float]], args: argparse.Namespace
+) -> dict[str, object]:
+    rows = []
+    for pt in sorted(points, key=lambda r: r["rate"]):
+        sim = simulate_layout(name, pt["rate"], args)
+        rows.append(
+            {
+                "rate": pt["rate"],
+                "attainment": [round(pt["slo_attainment"], 3), round(sim["slo_attainment"], 3)],
+                "median_ttft_ms": [round(pt["median_ttft_ms"], 1), round(sim["median_ttft_ms"], 1)],
+                "median_tpot_ms": [round(pt["median_tpot_ms"], 2), round(sim["median_tpot_ms"], 2)],
+            }
+        )
+    sim_goodput = max((r["rate"] for r in rows if r["attainment"][1] >= 0.9), default=0.0)
+    return {f"{name}_emulated_vs_simulated": rows, f"{name}_sim_goodput_rps_at_measured_rates": sim_goodput}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -71,6 +105,7 @@ def main() -> None:
         out[f"{name}_bracketed"] = res["bracketed"]
         keep = ("rate", "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
         out[f"{name}_points"] = [{k: round(pt[k], 3) for k in keep} for pt in res["points"]]
+        out.update(simulated_side_by_side(name, res["points"], args))
     print(f"plots and results in {tmp}", file=sys.stderr)
     emit(out)
 

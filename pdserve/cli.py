@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+    m = sub.add_parser("simulate", help="discrete-event simulation of a cluster (the real schedulers)")
+    from simulator.run import add_simulate_args, cmd_simulate
+
+    add_simulate_args(m)
+    m.set_defaults(func=cmd_simulate)
     return parser
 
 

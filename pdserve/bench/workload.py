@@ -50,7 +50,7 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) ->
 def random_prompt(n: int, vocab: int, rng: random.Random) -> tuple[int, ...]:
     # Avoid the lowest ids, where small vocabularies keep their special tokens.
     low = min(16, vocab - 1)
-    return tuple(rng.randrange(low, vocab) for _ in range(n))
+    return tuple(rng.choices(range(low, vocab), k=n))
 
 
 def length_pairs_random(
