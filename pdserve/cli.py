@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_args(m)
     m.set_defaults(func=cmd_simulate)
+    pl = sub.add_parser("plan", help="the layout of N GPUs with the most goodput per GPU (simulated)")
+    from simulator.plan import add_plan_args, cmd_plan
+
+    add_plan_args(pl)
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -69,3 +69,26 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
         assert m["completed"] == 60 and m["total_output_tokens"] == 60 * 400
     finally:
         del PROFILES[small.name]
+
+
+def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from simulator.plan import add_plan_args, candidates, cmd_plan
+
+    c = candidates(4)
+    assert sum(1 for x in c if x.colocated == 4) == 3
+    assert {(x.prefill, x.decode) for x in c if not x.colocated} == {(1, 3), (2, 2), (3, 1)}
+    assert all(x.gpus == 4 for x in c)
+    assert len({(x.prefill, x.decode) for x in candidates(64, max_splits=16) if not x.colocated}) <= 21
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    lengths = ["--random-input-len", "500", "--random-output-len", "40"]
+    slo = ["--goodput", "ttft:250", "tpot:100"]
+    a = p.parse_args(["--gpus", "2", "--num-prompts", "60", *lengths, *slo, "--sweep-steps", "2"])
+    assert cmd_plan(a) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "per GPU" in ln and "goodput" in ln]
+    best = max(float(ln.split()[-3]) for ln in lines)
+    assert f"{best:.3f} req/s per GPU" in out.split("recommended:")[1]
+    assert "pdserve serve" in out
