@@ -14,6 +14,7 @@ from typing import Any
 from model_runtime.latency import load_profile
 from model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
 from router.policy import POLICIES, make_policy
 from simulator.cluster import Cluster
@@ -26,13 +27,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=0, help="K colocated engines instead")
     p.add_argument("--profile", default="h100-llama3-8b", help="built-in name or JSON file")
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="mean rate (a trace: its pattern)")
-    p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    add_workload_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill / colocated step budget")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
@@ -41,14 +36,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=64,
         help="KV block tokens (coarser than a GPU engine: 4x fewer blocks to track)",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
     p.add_argument("--save-result", type=Path, default=None, help="JSON path")
 
 
 def workload(args: argparse.Namespace) -> list[RequestSpec]:
-    from pdserve.bench.runner import build_workload
-
     ns = argparse.Namespace(
         seed=args.seed,
         num_prompts=args.num_prompts,
@@ -125,8 +117,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve simulate: error: {e}", file=sys.stderr)
         return 2
-    from pdserve.bench.runner import print_summary
-
     print_summary(m, Slo.parse(args.goodput))
     print(f"simulated {m['num_prompts']} requests on {m['layout']} in {m['simulation_wall_s']:.1f}s")
     if args.save_result:

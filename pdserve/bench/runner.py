@@ -30,6 +30,23 @@ from pdserve.bench.workload import (
 DATASETS = ("random", "sharegpt", "trace")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Lengths, arrivals and replay speed: shared by ``pdserve bench`` and ``pdserve simulate``."""
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="trace replay speed-up (with --request-rate: derived, the trace's pattern at that mean rate)",
+    )
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="openai")
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (openai backend)")
@@ -40,20 +57,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="sharegpt lengths CSV or trace file")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    add_workload_args(p)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="trace replay speed-up (with --request-rate: derived, the trace's pattern at that mean rate)",
-    )
     p.add_argument("--vocab-size", type=int, default=256, help="token ids of random prompts stay below this")
     p.add_argument("--block-size", type=int, default=16, help="tokens per hash id in JSONL traces")
     p.add_argument("--temperature", type=float, default=0.0)
