@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from model_runtime.sampling_params import SamplingParams
 from router.auth import ApiKeyMiddleware
@@ -70,6 +71,10 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
                 }
             ],
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/status")
     async def cluster_status() -> dict[str, Any]:

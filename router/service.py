@@ -30,6 +30,7 @@ from model_runtime.validation import RequestLimits, validate_request
 from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
 from router.config import RouterConfig
 from router.errors import Code, RouterError
+from router.metrics import RouterMetrics
 from router.outputs import OutputListener
 from router.policy import RouteRequest, make_policy
 from router.stream import Event, RequestStream
@@ -110,6 +111,7 @@ class Router:
             max_prompt_tokens=caps.max_prompt_tokens,
             max_tokens_cap=caps.max_tokens,
         )
+        self.metrics = RouterMetrics(self._loads)
         name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.model = ModelInfo(
             model_id=name,
@@ -137,6 +139,10 @@ class Router:
         if self.outputs is not None:
             await self.outputs.close()
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
+
+    def _loads(self) -> list[WorkerLoad]:
+        unhealthy = WorkerHealth.UNHEALTHY
+        return [w.load if w.healthy else replace(w.load, health=unhealthy) for w in self.workers.values()]
 
     def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role is role and w.healthy]
@@ -219,6 +225,10 @@ class Router:
             if not stream.done:
                 stream.abort()
             self._release(stream)
+            if stream.final_event is not None:
+                self.metrics.observe(stream.final_event, stream.itls)
+            elif stream.error is not None:
+                self.metrics.failed(stream.error.code.name)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         return self.run(self.admit(inp))

@@ -87,6 +87,10 @@ class RequestStream:
         self.cached_tokens = 0
         self.prefill_worker = ""
         self.decode_worker = ""
+        self.last_token: float | None = None
+        self.itls: list[float] = []  # gaps between token arrivals at the router
+        self.final_event: Final | None = None
+        self.error: RouterError | None = None
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
 
@@ -102,6 +106,10 @@ class RequestStream:
         if delta.token_ids and self.first_token is None:
             self.first_token = now
             self.state = StreamState.STREAMING
+        elif delta.token_ids and self.last_token is not None:
+            self.itls.append(now - self.last_token)
+        if delta.token_ids:
+            self.last_token = now
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         text, taken = self.text.add(delta.token_ids)
         ids = delta.token_ids[:taken]
@@ -127,11 +135,13 @@ class RequestStream:
     def fail(self, error: RouterError) -> None:
         if not self.done:
             self.state = StreamState.DONE
+            self.error = error
             self._queue.put_nowait(error)
 
     def _end(self, reason: str, stop_reason: str | int | None) -> None:
         self.state = StreamState.DONE
-        self._queue.put_nowait(self.final(reason, stop_reason))
+        self.final_event = self.final(reason, stop_reason)
+        self._queue.put_nowait(self.final_event)
 
     def final(self, reason: str, stop_reason: str | int | None) -> Final:
         now = time.perf_counter()

@@ -289,7 +289,7 @@ def test_api_key_on_every_route() -> None:
     try:
         good = {"Authorization": "Bearer s3cret-key"}
         assert httpx.get(f"{ep.http}/health").status_code == 200
-        for path in ("/v1/models", "/cluster/status", "/openapi.json", "/docs"):
+        for path in ("/v1/models", "/cluster/status", "/metrics", "/openapi.json", "/docs"):
             assert httpx.get(f"{ep.http}{path}").status_code == 401, path
             assert httpx.get(f"{ep.http}{path}", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(f"{ep.http}/v1/models", headers=good).status_code == 200
@@ -373,3 +373,24 @@ def test_pdserve_bench_sweep_writes_result_and_plot(svc, tmp_path) -> None:
     assert res["goodput_rate"] in measured or res["goodput_rate"] == 0.0
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert main(["bench", "--port", port, "--sweep"]) == 2  # no SLO, no goodput
+
+
+def test_metrics_endpoint_exposes_the_slo_metrics(svc) -> None:
+    assert complete(svc, prompt="metrics", max_tokens=5, temperature=0, ignore_eos=True).status_code == 200
+    assert complete(svc, prompt="x", max_tokens=0).status_code == 400  # rejected before admission
+    text = httpx.get(f"{svc.http}/metrics").text
+    for name in (
+        "pdserve:time_to_first_token_seconds_bucket",
+        "pdserve:inter_token_latency_seconds_count",
+        "pdserve:request_time_per_output_token_seconds_sum",
+        "pdserve:e2e_request_latency_seconds_count",
+        "pdserve:request_queue_time_seconds_count",
+        "pdserve:request_prompt_tokens_count",
+        "pdserve:request_generation_tokens_sum",
+        'pdserve:request_success_total{finished_reason="length"}',
+        'pdserve:num_requests_running{role="decode",worker="decode-0"}',
+        'pdserve:kv_cache_usage_perc{role="prefill",worker="prefill-0"}',
+    ):
+        assert name in text, name
+    count = next(ln for ln in text.splitlines() if ln.startswith("pdserve:e2e_request_latency_seconds_count"))
+    assert float(count.split()[-1]) >= 1
