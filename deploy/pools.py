@@ -35,6 +35,10 @@ class PoolSpec:
     def is_colocated(self) -> bool:
         return self.colocated > 0
 
+    @property
+    def num_workers(self) -> int:
+        return self.colocated if self.is_colocated else self.prefill + self.decode
+
     def worker_specs(self, secret: bytes | None = None, router_address: str = "") -> list[WorkerSpec]:
         """One spec per worker, all sharing ``secret`` (fresh if not given)."""
         secret = secret or secrets.token_bytes(32)

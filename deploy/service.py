@@ -51,9 +51,8 @@ class Service:
         if self.use_ray:
             from deploy.ray_pools import launch_ray, start_ray
 
-            workers = len(self.spec.worker_specs())
             self._owns_ray = await asyncio.to_thread(
-                start_ray, self.ray_address, workers * self.spec.cpus_per_worker
+                start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
             )
             self.handles, self._placement = await asyncio.to_thread(
                 launch_ray, self.spec, 300.0, progress, secret, address
@@ -64,9 +63,7 @@ class Service:
             self.handles = await asyncio.to_thread(launch_local, self.spec, secret, address)
         model_dir = resolve_model(self.spec.engine.model)
         tokenizer = TextTokenizer.load(model_dir)
-        self.router = Router(
-            self.config, self.handles, tokenizer, colocated=self.spec.is_colocated, outputs=outputs
-        )
+        self.router = Router(self.config, self.handles, tokenizer, outputs, colocated=self.spec.is_colocated)
         self.router.start()
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
         self.frontends = Frontends(self.router, self.config, chat_template_for(model_dir, tokenizer))

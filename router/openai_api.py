@@ -32,6 +32,7 @@ from router.status import cluster_status_json
 from router.stream import Event, Final
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STARTED = time.time()
 
 
 def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | None = None) -> FastAPI:
@@ -110,9 +111,6 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
     return app
 
 
-STARTED = time.time()
-
-
 def _check_model(router: Router, model: str) -> None:
     if model != router.model.model_id:
         raise RouterError(
@@ -148,7 +146,7 @@ async def respond(
     builder = ChoiceBuilder(router.tokenizer, rid, chat, body.return_token_ids, body.model, len(admitted))
     events = merged(router, admitted)
     if not body.stream:
-        return await _until_disconnected(request, collect(builder, events, body.include_usage))
+        return await _until_disconnected(request, collect(builder, events))
     try:
         first = await anext(events)
     except StopAsyncIteration:
@@ -197,9 +195,7 @@ async def merged(router: Router, admitted: Sequence[Admitted]) -> AsyncGenerator
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(
-    builder: ChoiceBuilder, events: AsyncIterator[tuple[int, Event]], include_usage: bool
-) -> dict[str, Any]:
+async def collect(builder: ChoiceBuilder, events: AsyncIterator[tuple[int, Event]]) -> dict[str, Any]:
     async for i, ev in events:
         builder.add(i, ev)
     return builder.response()

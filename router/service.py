@@ -1,14 +1,15 @@
 """The router's core, shared by the gRPC and HTTP front ends.
 
-``Router.generate`` turns a validated request into a stream of events::
+``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events::
 
     tokenize + validate (caps) -> policy picks decode (+ prefill) worker
-    disaggregated: decode.reserve(blocks) -> prefill.prefill(KV target) -> first token from
-                   prefill -> decode.start(first token) -> decode's tokens
+    disaggregated: prefill.prefill and decode.reserve(blocks) at once -> prefill.set_target(KV
+                   target) -> first token from prefill -> decode.start(first token) -> decode's
+                   tokens (all worker outputs arrive over ``router.outputs``)
     colocated:     decode.add_local -> decode's tokens
     client gone / deadline / stop string -> abort on every worker that holds the request
 
-Contract: when ``generate``'s iterator ends, however it ends, no worker still works on the
+Contract: when ``run``'s iterator ends, however it ends, no worker still works on the
 request (aborts are sent; workers free the blocks). A worker that dies fails exactly the
 requests it held, with UNAVAILABLE; later requests go to the survivors.
 """
@@ -83,8 +84,8 @@ class Router:
         config: RouterConfig,
         workers: Sequence[WorkerHandle],
         tokenizer: TextTokenizer | None,
+        outputs: OutputListener,
         colocated: bool = False,
-        outputs: OutputListener | None = None,
     ) -> None:
         if not workers:
             raise ValueError("a router needs workers")
@@ -127,18 +128,12 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        if self.outputs is not None:
-            self.outputs.bind(self.workers, self._on_deltas, self._on_lost)
-            return
-        for w in self.workers.values():
-            w.start_polling(self._on_deltas, self._on_lost)
+        self.outputs.bind(self.workers, self._on_deltas, self._on_lost)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):
             s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
-        if self.outputs is not None:
-            await self.outputs.close()
-        await asyncio.gather(*(w.stop() for w in self.workers.values()))
+        await self.outputs.close()
 
     def _loads(self) -> list[WorkerLoad]:
         unhealthy = WorkerHealth.UNHEALTHY
@@ -384,7 +379,6 @@ class Router:
         loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
         mode = "colocated" if self.colocated else "disaggregated"
         return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
-
 
 
 def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:

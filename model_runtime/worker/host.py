@@ -11,8 +11,9 @@ commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from kvtransfer.transport import KVTransport, TransportConfig
 from model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
 from model_runtime.worker.loop import EngineLoop, RoleEngine
-from model_runtime.worker.messages import OutputBatch, WorkerHealth, WorkerLoad, WorkerRole
+from model_runtime.worker.messages import OutputBatch, WorkerLoad, WorkerRole
 from model_runtime.worker.push import OutputPusher
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,6 @@ def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
 
 class WorkerHost:
     def __init__(self, spec: WorkerSpec) -> None:
-        import os
-        import socket
-
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
@@ -102,7 +100,6 @@ class WorkerHost:
         self.pusher: OutputPusher | None = None
         if spec.router_address:
             self.pusher = OutputPusher(self.loop, self.load, spec.worker_id, spec.router_address, spec.secret)
-        self.health = WorkerHealth.HEALTHY
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
             role=spec.role,
@@ -129,7 +126,7 @@ class WorkerHost:
 
     def load(self) -> WorkerLoad:
         """The load as of the last step or command (no wait on a running step)."""
-        return dataclasses.replace(self.loop.load, health=self.health)
+        return self.loop.load
 
     def collect(self, timeout_s: float = 1.0) -> OutputBatch:
         """Long poll: all deltas since the last call (waits up to ``timeout_s`` for one). Only
@@ -144,16 +141,13 @@ class WorkerHost:
         self.loop.call(self.engine.check_integrity)
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """True once no request is in flight (used by drain and by tests)."""
+        """True once no request is held (tests use it to wait for cleanup to settle)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.loop.call(lambda: self.engine.idle):
                 return True
             time.sleep(0.01)
         return False
-
-    def set_draining(self) -> None:
-        self.health = WorkerHealth.DRAINING
 
     def shutdown(self) -> None:
         if self.pusher is not None:
