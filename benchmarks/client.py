@@ -1,20 +1,16 @@
-"""Benchmark client pieces: a pdserve server in a subprocess, and timed streaming requests."""
+"""A pdserve server in a subprocess for benchmark scripts (requests go through ``pdserve.bench.client``)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
-
-from pdserve.v1 import inference_pb2 as pb
 
 
 def free_port() -> int:
@@ -64,43 +60,3 @@ def start_pdserve(*serve_args: str) -> Server:
         proc.kill()
         raise
     return Server(proc, f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}")
-
-
-@dataclass
-class Timed:
-    """One streamed request as the client saw it (seconds, perf_counter clock)."""
-
-    sent: float
-    token_times: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.sent
-
-    @property
-    def tpot(self) -> float:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-    @property
-    def itls(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in itertools.pairwise(t)]
-
-
-async def grpc_timed(stub: Any, prompt: list[int], max_tokens: int) -> Timed:
-    """Stream one greedy request; every token gets the arrival time of the message carrying it."""
-    req = pb.GenerateRequest(stream=True)
-    req.token_ids.ids.extend(prompt)
-    req.sampling.max_tokens = max_tokens
-    req.sampling.temperature = 0.0
-    req.sampling.ignore_eos = True
-    out = Timed(time.perf_counter())
-    try:
-        async for msg in stub.Generate(req):
-            now = time.perf_counter()
-            out.token_times.extend([now] * len(msg.chunk.token_ids))
-    except Exception as e:  # a failed request counts against attainment, it does not stop the run
-        out.error = str(e)
-    return out

@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc
-
-from benchmarks.client import Server, Timed, grpc_timed, start_pdserve
+from benchmarks.client import Server, start_pdserve
 from benchmarks.common import emit
-from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.bench.client import PdserveGrpcBackend
+from pdserve.bench.metrics import RequestResult, Slo
+from pdserve.bench.workload import RequestSpec
 
 VOCAB = 32000
 
@@ -49,24 +49,33 @@ def workload(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
     return out
 
 
-async def drive(server: Server, work: list[tuple[float, list[int], int]]) -> list[Timed]:
-    async with grpc.aio.insecure_channel(server.grpc) as ch:
-        stub = pb_grpc.InferenceStub(ch)
-        await grpc_timed(stub, [5, 6, 7], 4)  # warm-up
+def spec(prompt: list[int], n: int, at: float = 0.0) -> RequestSpec:
+    return RequestSpec(at, tuple(prompt), len(prompt), n)
+
+
+async def drive(server: Server, work: list[tuple[float, list[int], int]]) -> list[RequestResult]:
+    backend = PdserveGrpcBackend(server.grpc, None, temperature=0.0)
+    try:
+        await backend.send(spec([5, 6, 7], 4))  # warm-up
         t0 = time.perf_counter()
 
-        async def one(at: float, prompt: list[int], n: int) -> Timed:
+        async def one(at: float, prompt: list[int], n: int) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            return await grpc_timed(stub, prompt, n)
+            return await backend.send(spec(prompt, n))
 
         return list(await asyncio.gather(*(one(*w) for w in work)))
+    finally:
+        await backend.close()
 
 
 async def decode_floor(server: Server, output_len: int) -> float:
     """Median inter-token time of a lone request: the configuration's decode-step floor."""
-    async with grpc.aio.insecure_channel(server.grpc) as ch:
-        t = await grpc_timed(pb_grpc.InferenceStub(ch), list(range(3, 131)), output_len)
-    return statistics.median(t.itls)
+    backend = PdserveGrpcBackend(server.grpc, None, temperature=0.0)
+    try:
+        r = await backend.send(spec(list(range(3, 131)), output_len))
+    finally:
+        await backend.close()
+    return statistics.median(r.itls)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,12 +83,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def summarize(runs: list[Timed], ttft_slo: float, tpot_slo: float, floor: float) -> dict[str, Any]:
-    ok = [r for r in runs if r.error is None and r.token_times]
+def summarize(runs: list[RequestResult], ttft_slo: float, tpot_slo: float, floor: float) -> dict[str, Any]:
+    ok = [r for r in runs if r.success]
+    slo = Slo(ttft_ms=ttft_slo, tpot_ms=tpot_slo)
     ttft = [r.ttft * 1000 for r in ok]
-    tpot = [r.tpot * 1000 for r in ok]
+    tpot = [(r.tpot or 0.0) * 1000 for r in ok]
     itl = [x * 1000 for r in ok for x in r.itls]
-    met = sum(1 for r in ok if r.ttft * 1000 <= ttft_slo and r.tpot * 1000 <= tpot_slo)
+    met = sum(1 for r in ok if slo.met(r))
     out: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(runs) - len(ok),

@@ -36,6 +36,8 @@ from fastapi.responses import StreamingResponse
 
 from benchmarks.client import free_port, start_pdserve, wait_ready
 from benchmarks.common import emit
+from pdserve.bench.client import PdserveGrpcBackend
+from pdserve.bench.workload import RequestSpec
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -120,20 +122,11 @@ async def http_stream(client: httpx.AsyncClient, base: str, tokens: int) -> tupl
     return ttft, n
 
 
-async def grpc_stream(stub: Any, tokens: int) -> tuple[float, int]:
-    req = pb.GenerateRequest(stream=True)
-    req.token_ids.ids.extend(PROMPT)
-    req.sampling.max_tokens = tokens
-    req.sampling.ignore_eos = True
-    t0 = time.perf_counter()
-    ttft = 0.0
-    n = 0
-    async for msg in stub.Generate(req):
-        got = len(msg.chunk.token_ids)
-        if got and not n:
-            ttft = time.perf_counter() - t0
-        n += got
-    return ttft, n
+async def grpc_stream(backend: PdserveGrpcBackend, tokens: int) -> tuple[float, int]:
+    r = await backend.send(RequestSpec(0.0, tuple(PROMPT), len(PROMPT), tokens))
+    if not r.success:
+        raise RuntimeError(r.error)
+    return r.ttft, r.output_len
 
 
 async def load(
@@ -163,7 +156,8 @@ async def load(
     }
 
 
-async def measure(http_base: str, grpc_addr: str, levels: list[int], tokens: int) -> dict[str, Any]:
+async def measure(http_base: str, grpc_addr: str | None, levels: list[int], tokens: int) -> dict[str, Any]:
+    """Every level over HTTP, then (given an address) over gRPC."""
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -171,16 +165,20 @@ async def measure(http_base: str, grpc_addr: str, levels: list[int], tokens: int
             per = max(1, 32 // c)
             out[f"http_{c}"] = await load(lambda: http_stream(client, http_base, tokens), c, per)
             print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
-    async with grpc.aio.insecure_channel(grpc_addr) as ch:
-        stub = pb_grpc.InferenceStub(ch)
+    if grpc_addr is None:
+        return out
+    backend = PdserveGrpcBackend(grpc_addr, None, temperature=1.0)
+    try:
         for c in levels:
             per = max(1, 32 // c)
-            out[f"grpc_{c}"] = await load(lambda: grpc_stream(stub, tokens), c, per)
+            out[f"grpc_{c}"] = await load(lambda: grpc_stream(backend, tokens), c, per)
             print(f"  grpc  {c:4d} streams: {out[f'grpc_{c}']}", file=sys.stderr, flush=True)
+    finally:
+        await backend.close()
     return out
 
 
-def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str) -> dict[str, Any]:
+def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str | None) -> dict[str, Any]:
     import uvloop
 
     levels = [int(x) for x in args.streams.split(",")]
@@ -202,21 +200,7 @@ def measure_peer(args: argparse.Namespace, here: Path) -> dict[str, Any]:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_ready(f"http://127.0.0.1:{rp}/health", router)
-        levels = [int(x) for x in args.streams.split(",")]
-        import uvloop
-
-        async def http_only() -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-                for c in levels:
-                    out[f"http_{c}"] = await load(
-                        lambda: http_stream(client, f"http://127.0.0.1:{rp}", args.tokens), c, max(1, 32 // c)
-                    )
-                    print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
-            return out
-
-        return uvloop.run(http_only())
+        return run_levels(args, f"http://127.0.0.1:{rp}", None)
     finally:
         for pr in (router, bare):
             if pr is not None:
