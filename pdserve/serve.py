@@ -13,11 +13,13 @@ from deploy.service import Service
 from kvtransfer.transport import BACKENDS, TransportConfig
 from model_runtime.config import CacheConfig
 from model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
+from model_runtime.latency import load_profile
 from model_runtime.presets import PRESETS
-from model_runtime.scheduler.plan import SchedulerConfig
+from model_runtime.scheduler.plan import QueuePolicy, SchedulerConfig
 from router.config import Caps, RouterConfig
 from router.policy import POLICIES
 from router.server import serve_until_signal
+from router.slo import SloClass
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="goodput", help="routing policy")
+    p.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="NAME:ttft=MS,tpot=MS[,admission=reject|best-effort|none]",
+        help="an SLO class (repeatable; the first is the default unless --default-slo-class)",
+    )
+    p.add_argument("--default-slo-class", default="", help="class of requests that name none")
+    p.add_argument(
+        "--latency-profile",
+        default="",
+        help="goodput policy's prior: built-in name or `pdserve profile` JSON (default: the emulated "
+        "profile, else h100-llama3-8b; corrected online from observed latencies either way)",
+    )
+    p.add_argument(
+        "--no-local-prefill",
+        dest="local_prefill",
+        action="store_false",
+        help="goodput policy: never prefill on a decode worker (no conditional disaggregation)",
+    )
     p.add_argument("--served-model-name", default="", help="model id in the API (default: directory name)")
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="cap (0: the context length)")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens accepted")
@@ -71,8 +93,10 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         device="cuda" if gpus else args.device,
         dtype=args.dtype,
         cache=CacheConfig(block_size=args.block_size, memory_budget_bytes=args.kv_cache_mib << 20),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        scheduler=SchedulerConfig(  # priority order: best-effort admissions run last
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=QueuePolicy.PRIORITY,
         ),
         max_logprobs=args.max_logprobs,
         compute=args.compute,
@@ -99,11 +123,19 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
             max_logprobs=args.max_logprobs,
         ),
         policy=args.policy,
+        latency_profile=load_profile(args.latency_profile or _emulated(args.compute) or "h100-llama3-8b"),
+        local_prefill=args.local_prefill,
+        slo_classes=tuple(SloClass.parse(c) for c in args.slo),
+        default_slo_class=args.default_slo_class,
         model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
         drain_timeout_s=args.drain_timeout,
         worker_channel_host=args.kv_host,
     )
     return spec, config
+
+
+def _emulated(compute: str) -> str:
+    return compute.partition(":")[2] if compute.startswith("emulated:") else ""
 
 
 async def _run(service: Service, started: float) -> bool:
@@ -137,7 +169,11 @@ async def _run(service: Service, started: float) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    spec, config = build(args)
+    try:
+        spec, config = build(args)
+    except ValueError as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
     if config.host == "0.0.0.0" and not config.api_key:
         print("pdserve: warning: serving on all interfaces without an API key", file=sys.stderr)
     service = Service(spec, config, use_ray=not args.local, ray_address=args.address)

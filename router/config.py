@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.latency_model import StepModel
+from router.slo import SloClass
+
 
 @dataclass(frozen=True)
 class Caps:
@@ -30,7 +33,11 @@ class RouterConfig:
     grpc_port: int = 50051
     api_key: str | None = None
     caps: Caps = Caps()
-    policy: str = "least_loaded"
+    policy: str = "goodput"  # goodput | least_loaded | round_robin
+    latency_profile: StepModel | None = None  # goodput prior (None: h100-llama3-8b); corrected online
+    local_prefill: bool = True  # goodput: decode workers may prefill (conditional disaggregation)
+    slo_classes: tuple[SloClass, ...] = ()  # none: one class "default" without targets
+    default_slo_class: str = ""  # "": the first class
     model_name: str = ""  # the id /v1/models lists; "" uses the model directory's name
     reserve_timeout_s: float = 30.0  # waiting for decode KV room before RESOURCE_EXHAUSTED
     call_timeout_s: float = 30.0  # any single router -> worker call

@@ -23,13 +23,18 @@ class Code(enum.Enum):
 
 
 class RouterError(Exception):
-    """A request-level failure; ``field`` names the offending request field when there is one."""
+    """A request-level failure; ``field`` names the offending request field when there is one;
+    ``retry_after_s`` tells a refused client when to come back (HTTP Retry-After, gRPC
+    ``retry-after-ms`` trailing metadata)."""
 
-    def __init__(self, code: Code, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, code: Code, message: str, field: str | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return self.message

@@ -126,9 +126,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
         try:
             params = sampling_params(request.sampling, self.router.config.caps.default_max_tokens)
-            slo = SloHint(request.slo.ttft_ms, request.slo.tpot_ms, request.slo.priority)
+            hint = request.slo
+            slo = SloHint(hint.ttft_ms, hint.tpot_ms, hint.priority, hint.slo_class)
             admitted = self.router.admit(GenerateInput(prompt, params, request.request_id, slo))
         except RouterError as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(STATUS[e.code], e.message)
         with_prompt = request.return_prompt_token_ids
         ids: list[int] = []
@@ -153,9 +156,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         except RouterError as e:
             await context.abort(STATUS[e.code], e.message)
 
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def GetModelInfo(

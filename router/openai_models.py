@@ -2,7 +2,8 @@
 
 Standard fields follow the OpenAI API; the vLLM-compatible extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``return_token_ids``, ``priority``) arrive as top-level JSON
+``include_stop_str_in_output``, ``return_token_ids``, ``priority``) and pdserve's SLO fields
+(``slo_class``, ``slo_ttft_ms``, ``slo_tpot_ms``) arrive as top-level JSON
 fields (the ``openai`` client's ``extra_body``). Unknown fields are ignored, as OpenAI does.
 Range checks live in one place (``SamplingParams.validate`` via the router), so the HTTP and
 gRPC APIs reject exactly the same requests with the same messages.
@@ -17,6 +18,7 @@ from pydantic import BaseModel, Field, StrictInt
 from model_runtime.sampling_params import SamplingParams
 from router.config import Caps
 from router.errors import Code, RouterError
+from router.slo import SloHint
 
 TokenIds = list[StrictInt]
 
@@ -48,6 +50,12 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = Field(False, description="add prompt and completion token ids to choices")
     priority: int = Field(0, description="lower is served first")
+    slo_class: str = Field("", max_length=64, description="SLO class configured on the server ('': default)")
+    slo_ttft_ms: float = Field(0.0, ge=0, description="this request's TTFT target (0: its class's)")
+    slo_tpot_ms: float = Field(0.0, ge=0, description="this request's TPOT target (0: its class's)")
+
+    def slo_hint(self) -> SloHint:
+        return SloHint(self.slo_ttft_ms, self.slo_tpot_ms, self.priority, self.slo_class)
 
     def sampling_params(self, caps: Caps, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if not 1 <= self.n <= caps.max_n:
@@ -122,8 +130,6 @@ class ChatCompletionRequest(SamplingFields):
     def requested_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
-                raise RouterError(
-                    Code.INVALID_ARGUMENT, "top_logprobs: needs logprobs=true", "top_logprobs"
-                )
+                raise RouterError(Code.INVALID_ARGUMENT, "top_logprobs: needs logprobs=true", "top_logprobs")
             return None
         return self.top_logprobs or 0

@@ -1,19 +1,27 @@
-"""Routing policies: which prefill and which decode worker serve a request (pure Python).
+"""Routing: which workers serve a request, and whether to serve it at all (pure Python).
 
-A policy sees only ``WorkerLoad`` snapshots (refreshed with every output batch a worker sends)
-and the request's size, and returns a worker id. It never blocks and never does I/O, so it
-can be unit-tested directly and reused by the simulator. The goodput-aware policy is another
-implementation of the same interface.
+A ``Dispatcher`` sees the request (size, prefix block keys, SLO class) and the workers'
+``WorkerLoad`` snapshots, and returns a ``Decision``: a decode worker, and a prefill worker or
+``None`` for prefill on the decode worker itself (colocated deployments, and conditional
+disaggregation). It never blocks and never does I/O, so it is unit-tested directly and the
+simulator drives exactly the same objects. Feedback hooks (first token, hand-off, end, load
+report, lost worker) let a dispatcher keep its own account and correct its predictions.
+
+``round_robin`` and ``least_loaded`` pick each pool's worker independently (``PairPolicy``);
+``goodput`` (``router.goodput``) picks the pair, prefill placement and admission jointly.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from model_runtime.worker.messages import WorkerLoad
+from router.slo import SloClass
 
 
 @dataclass(frozen=True)
@@ -21,9 +29,62 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     priority: int = 0
+    request_id: str = ""
+    block_keys: tuple[int, ...] = ()  # ``router.prefix.block_keys`` of the prompt
+    slo: SloClass | None = None
+
+
+class Outcome(enum.Enum):
+    REMOTE_PREFILL = "remote_prefill"  # prefill worker computes the KV and ships it to decode
+    LOCAL_PREFILL = "local_prefill"  # the decode worker prefills it in its own steps
+    BEST_EFFORT = "best_effort"  # no pair meets the SLO; admitted at low priority
+    REJECTED = "rejected"  # no pair meets the SLO; refused with a retry hint
+
+
+BEST_EFFORT_PRIORITY = 1 << 20  # after every normally admitted request (lower is served first)
+
+
+@dataclass(frozen=True)
+class Decision:
+    decode_worker: str
+    prefill_worker: str | None  # None: the decode worker prefills the request itself
+    outcome: Outcome
+    reason: str  # why, in a word or two (a metric label)
+    predicted_ttft_s: float = math.nan
+    predicted_tpot_s: float = math.nan
+    retry_after_s: float = 0.0  # REJECTED: when the pair is predicted to have room again
+    priority: int = 0  # the priority to run it at (BEST_EFFORT lowers it)
+
+
+class Dispatcher(Protocol):
+    name: str
+
+    def decide(
+        self, request: RouteRequest, prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad], now: float
+    ) -> Decision:
+        """Route ``request``; ``decode`` is non-empty and healthy, ``prefill`` may be empty
+        (colocated). A REJECTED decision places nothing; any other is placed at once."""
+        ...
+
+    def on_report(self, worker_id: str) -> None:
+        """A fresh ``WorkerLoad`` of ``worker_id`` arrived."""
+
+    def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
+        """The request's first token reached the router (its prefill is done)."""
+
+    def on_handoff(self, request_id: str, gap_s: float) -> None:
+        """Decode's first token came ``gap_s`` after prefill's (KV hand-off + one step)."""
+
+    def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:
+        """The request ended (finished, failed or aborted); ``median_itl_s`` if it decoded."""
+
+    def on_worker_lost(self, worker_id: str) -> None:
+        """The worker died; forget what was placed on it."""
 
 
 class RoutingPolicy(Protocol):
+    """Picks one worker of one pool (the building block of ``PairPolicy``)."""
+
     name: str
 
     def choose(self, candidates: Sequence[WorkerLoad], request: RouteRequest) -> str:
@@ -69,14 +130,42 @@ class LeastLoaded:
         return best.worker_id
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoaded]] = {
+class PairPolicy:
+    """A load-only dispatcher: one ``RoutingPolicy`` per pool, no prediction, no admission."""
+
+    def __init__(self, make: type[RoundRobin] | type[LeastLoaded]) -> None:
+        self.name = make.name
+        self.prefill, self.decode = make(), make()
+
+    def decide(
+        self, request: RouteRequest, prefill: Sequence[WorkerLoad], decode: Sequence[WorkerLoad], now: float
+    ) -> Decision:
+        d = self.decode.choose(decode, request)
+        if not prefill:
+            return Decision(d, None, Outcome.LOCAL_PREFILL, "colocated", priority=request.priority)
+        p = self.prefill.choose(prefill, request)
+        return Decision(d, p, Outcome.REMOTE_PREFILL, "policy", priority=request.priority)
+
+    def on_report(self, worker_id: str) -> None:
+        for pol in (self.prefill, self.decode):
+            if isinstance(pol, LeastLoaded):
+                pol.note_report(worker_id)
+
+    def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
+        pass
+
+    def on_handoff(self, request_id: str, gap_s: float) -> None:
+        pass
+
+    def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:
+        pass
+
+    def on_worker_lost(self, worker_id: str) -> None:
+        self.on_report(worker_id)
+
+
+LOAD_POLICIES: dict[str, type[RoundRobin] | type[LeastLoaded]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
 }
-
-
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}") from None
+POLICIES = ("goodput", *LOAD_POLICIES)

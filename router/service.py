@@ -2,12 +2,14 @@
 
 ``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events::
 
-    tokenize + validate (caps) -> policy picks decode (+ prefill) worker
-    disaggregated: prefill.prefill and decode.reserve(blocks) at once -> prefill.set_target(KV
+    tokenize + validate (caps) -> SLO class -> dispatcher decides (decode worker, prefill worker
+                   or local prefill, or REJECTED -> RESOURCE_EXHAUSTED with a retry hint)
+    remote prefill: prefill.prefill and decode.reserve(blocks) at once -> prefill.set_target(KV
                    target) -> first token from prefill -> decode.start(first token) -> decode's
                    tokens (all worker outputs arrive over ``router.outputs``)
-    colocated:     decode.add_local -> decode's tokens
+    local prefill (colocated, or conditional disaggregation): decode.add_local -> decode's tokens
     client gone / deadline / stop string -> abort on every worker that holds the request
+    end -> judged against its SLO class (metrics, /dashboard), dispatcher told
 
 Contract: when ``run``'s iterator ends, however it ends, no worker still works on the
 request (aborts are sent; workers free the blocks). A worker that dies fails exactly the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -30,21 +33,19 @@ from model_runtime.tokenizer import TextTokenizer
 from model_runtime.validation import RequestLimits, validate_request
 from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
 from router.config import RouterConfig
+from router.dispatchers import make_dispatcher
 from router.errors import Code, RouterError
+from router.latency_model import Phase
 from router.metrics import RouterMetrics
 from router.outputs import OutputListener
-from router.policy import RouteRequest, make_policy
-from router.stream import Event, RequestStream
+from router.policy import Decision, Outcome, RouteRequest
+from router.prefix import block_keys
+from router.slo import SloBook, SloClass, SloHint, SloResult, SloTracker
+from router.stream import Event, RequestStream, Timing
 from router.workers import WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SloHint:
-    ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    priority: int = 0
+__all__ = ["Admitted", "GenerateInput", "ModelInfo", "Router", "SloHint"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ModelInfo:
 class Admitted:
     stream: RequestStream
     work: WorkItem
+    decision: Decision
+    slo: SloClass
 
     @property
     def request_id(self) -> str:
@@ -94,8 +97,6 @@ class Router:
         self.outputs = outputs
         self.workers = {w.worker_id: w for w in workers}
         self.tokenizer = tokenizer
-        self.prefill_policy = make_policy(config.policy)
-        self.decode_policy = make_policy(config.policy)
         self._streams: dict[str, RequestStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining = False
@@ -112,7 +113,17 @@ class Router:
             max_prompt_tokens=caps.max_prompt_tokens,
             max_tokens_cap=caps.max_tokens,
         )
-        self.metrics = RouterMetrics(self._loads)
+        self.slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
+        self.slo_tracker = SloTracker()
+        self.metrics = RouterMetrics(self._loads, self.slos, self.slo_tracker)
+        self.dispatcher = make_dispatcher(
+            config.policy, config.latency_profile, info.block_size, config.local_prefill,
+            on_error=self.metrics.prediction_error,
+        )  # fmt: skip
+        model = getattr(self.dispatcher, "model", None)
+        if model is not None:
+            self.metrics.corrections = lambda: [(k, ph.value, f) for k, ph, f in model.corrections()
+                                                if ph is not Phase.TRANSFER]  # fmt: skip
         name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.model = ModelInfo(
             model_id=name,
@@ -189,26 +200,55 @@ class Router:
         return rid, ids
 
     def admit(self, inp: GenerateInput) -> Admitted:
-        """Check a request and take it in (raises ``RouterError`` before anything is sent)."""
+        """Check a request, route it and take it in (raises ``RouterError`` before anything is
+        sent: INVALID_ARGUMENT, UNAVAILABLE, or RESOURCE_EXHAUSTED with ``retry_after_s``)."""
         rid, ids = self.prepare(inp)
         if self.draining:
             raise RouterError(Code.UNAVAILABLE, "the server is draining")
         if len(self._streams) >= self.config.max_inflight:
-            raise RouterError(Code.RESOURCE_EXHAUSTED, "too many requests in flight; retry later")
+            raise RouterError(
+                Code.RESOURCE_EXHAUSTED, "too many requests in flight; retry later", retry_after_s=1.0
+            )
+        try:
+            slo = self.slos.resolve(inp.slo.slo_class, inp.slo.ttft_ms, inp.slo.tpot_ms)
+        except ValueError as e:
+            raise RouterError(Code.INVALID_ARGUMENT, f"slo_class: {e}", "slo_class") from None
+        keys = block_keys(ids, self.limits.block_size) if self.config.policy == "goodput" else ()
+        route = RouteRequest(len(ids), inp.params.max_tokens, inp.slo.priority, rid, keys, slo)
+        decision = self._decide(route)
+        self.metrics.decided(self.dispatcher.name, decision.outcome.value, decision.reason)
+        if decision.outcome is Outcome.REJECTED:
+            self._judge(slo, None)
+            raise RouterError(
+                Code.RESOURCE_EXHAUSTED,
+                f"no worker is predicted to meet SLO class {slo.name!r} ({decision.reason}: predicted TTFT"
+                f" {decision.predicted_ttft_s * 1e3:.0f} ms, TPOT {decision.predicted_tpot_s * 1e3:.1f} ms);"
+                " retry later",
+                retry_after_s=decision.retry_after_s,
+            )
         stream = RequestStream(rid, ids, inp.params, self.tokenizer)
         self._streams[rid] = stream
-        return Admitted(stream, WorkItem(rid, ids, inp.params, inp.slo.priority))
+        return Admitted(stream, WorkItem(rid, ids, inp.params, decision.priority), decision, slo)
+
+    def _decide(self, route: RouteRequest) -> Decision:
+        decode_role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        decode = [w.load for w in self._pool(decode_role)]
+        if not decode:
+            raise RouterError(Code.UNAVAILABLE, f"no healthy {decode_role.value} worker")
+        prefill = [] if self.colocated else [w.load for w in self._pool(WorkerRole.PREFILL)]
+        return self.dispatcher.decide(route, prefill, decode, time.perf_counter())
 
     def discard(self, admitted: Admitted) -> None:
         """Forget an admitted request that will not be run (nothing was sent for it)."""
         self._streams.pop(admitted.request_id, None)
+        self.dispatcher.on_end(admitted.request_id, time.perf_counter(), None)
 
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
         stream = admitted.stream
         # Dispatch runs beside the reader: the first token may arrive before the last dispatch
         # call (the KV target) returns, and must not wait for it.
-        dispatch = asyncio.create_task(self._dispatch(stream, admitted.work))
+        dispatch = asyncio.create_task(self._dispatch(stream, admitted.work, admitted.decision))
         dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
         try:
             async for ev in stream.events():
@@ -220,25 +260,21 @@ class Router:
             if not stream.done:
                 stream.abort()
             self._release(stream)
-            if stream.final_event is not None:
-                self.metrics.observe(stream.final_event, stream.itls)
-            elif stream.error is not None:
-                self.metrics.failed(stream.error.code.name)
+            self._ended(admitted, stream)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         return self.run(self.admit(inp))
 
-    async def _dispatch(self, stream: RequestStream, work: WorkItem) -> None:
-        route = RouteRequest(len(work.prompt_token_ids), work.params.max_tokens, work.priority)
+    async def _dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
         timeout = self.config.call_timeout_s
         try:
-            if self.colocated:
-                decode = self._choose(WorkerRole.COLOCATED, route)
+            decode = self.workers[decision.decode_worker]
+            if decision.prefill_worker is None:
                 stream.decode_worker = decode.worker_id
                 decode.inflight.add(stream.request_id)
                 await decode.call("add_local", work, timeout_s=timeout)
             else:
-                await self._dispatch_pair(stream, work, route)
+                await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
         except WorkerLost as e:
             raise RouterError(Code.UNAVAILABLE, str(e)) from None
         except asyncio.TimeoutError:
@@ -247,11 +283,11 @@ class Router:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
         stream.dispatched = time.perf_counter()
 
-    async def _dispatch_pair(self, stream: RequestStream, work: WorkItem, route: RouteRequest) -> None:
+    async def _dispatch_pair(
+        self, stream: RequestStream, work: WorkItem, prefill: WorkerHandle, decode: WorkerHandle
+    ) -> None:
         """Prefill starts at once while decode reserves blocks (the reservation stays off the
         TTFT path); the KV target follows, and decode starts once both sides are set."""
-        decode = self._choose(WorkerRole.DECODE, route)
-        prefill = self._choose(WorkerRole.PREFILL, route)
         rid = stream.request_id
         stream.decode_worker, stream.prefill_worker = decode.worker_id, prefill.worker_id
         decode.inflight.add(rid)
@@ -277,12 +313,31 @@ class Router:
         if not stream.done:
             await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)
 
-    def _choose(self, role: WorkerRole, route: RouteRequest) -> WorkerHandle:
-        pool = self._pool(role)
-        if not pool:
-            raise RouterError(Code.UNAVAILABLE, f"no healthy {role.value} worker")
-        policy = self.prefill_policy if role is WorkerRole.PREFILL else self.decode_policy
-        return self.workers[policy.choose([w.load for w in pool], route)]
+    def _ended(self, admitted: Admitted, stream: RequestStream) -> None:
+        """Metrics, SLO judgement and dispatcher feedback for a request that is over."""
+        now = time.perf_counter()
+        itls = stream.itls[1:] if stream.prefill_worker else stream.itls  # less the hand-off gap
+        self.dispatcher.on_end(stream.request_id, now, statistics.median(itls) if itls else None)
+        if stream.final_event is not None:
+            self.metrics.observe(stream.final_event, stream.itls)
+            if stream.final_event.finish_reason != "abort":  # a client that left is no verdict
+                self._judge(admitted.slo, stream.final_event.timing)
+        elif stream.error is not None:
+            self.metrics.failed(stream.error.code.name)
+            if stream.error.code is not Code.CANCELLED:
+                self._judge(admitted.slo, None)
+
+    def _judge(self, slo: SloClass, timing: Timing | None) -> None:
+        """One request against its class; ``None``: it failed or was refused (a miss)."""
+        if timing is None:
+            result = SloResult(time.monotonic(), slo.name, 0.0, 0.0, False, False, ok=False)
+        else:
+            ttft_met, tpot_met = slo.met(timing.ttft_ms, timing.tpot_ms)
+            result = SloResult(
+                time.monotonic(), slo.name, timing.ttft_ms, timing.tpot_ms, ttft_met, tpot_met, True
+            )
+        self.slo_tracker.record(result)
+        self.metrics.judged(result)
 
     def _release(self, stream: RequestStream) -> None:
         """Abort the request on every worker still holding it (fire and forget)."""
@@ -313,10 +368,12 @@ class Router:
 
     # -- worker events -----------------------------------------------------------------------
     def _on_deltas(self, worker: WorkerHandle, deltas: tuple[TokenDelta, ...]) -> None:
+        self.dispatcher.on_report(worker.worker_id)
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is None or stream.done:
                 continue
+            self._feedback(worker, stream, d)
             if d.error is not None:
                 stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
                 continue
@@ -337,6 +394,20 @@ class Router:
                 if stream.feed(d) and d.finished:
                     worker.inflight.discard(d.request_id)
 
+    def _feedback(self, worker: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
+        """Tell the dispatcher what this delta reveals: the first token (TTFT), or decode's first
+        token after a remote prefill (the KV hand-off gap)."""
+        if not d.token_ids:
+            return
+        now = time.perf_counter()
+        if stream.first_token is None:
+            self.dispatcher.on_first_token(stream.request_id, now, now - stream.arrival)
+        elif worker.role is not WorkerRole.PREFILL and stream.prefill_worker and not stream.handed_off:
+            stream.handed_off = True
+            gap = now - stream.first_token
+            self.metrics.handoff.observe(gap)
+            self.dispatcher.on_handoff(stream.request_id, gap)
+
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
         try:
             await asyncio.sleep(0)  # the first token goes to the client before this call goes out
@@ -354,6 +425,7 @@ class Router:
             stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e}"))
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        self.dispatcher.on_worker_lost(worker.worker_id)
         for rid in list(worker.inflight):
             stream = self._streams.get(rid)
             if stream is None:

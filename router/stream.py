@@ -89,6 +89,7 @@ class RequestStream:
         self.decode_worker = ""
         self.last_token: float | None = None
         self.itls: list[float] = []  # gaps between token arrivals at the router
+        self.handed_off = False  # decode's first token after a remote prefill has arrived
         self.final_event: Final | None = None
         self.error: RouterError | None = None
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()

@@ -2,16 +2,20 @@
 
 A worker steps whenever it has work: it asks its real scheduler for a plan, the latency model
 for the plan's duration, and applies the plan when that time has passed (every sampled token is
-a fixed id; lengths come from the workload, and every request ignores EOS). Disaggregated
-requests follow the service's path: the decode worker reserves blocks (waiting for room when
-full), the prefill worker computes and emits the first token, the KV takes the profile's link
-time, then the request joins the decode batch.
+a fixed id; lengths come from the workload, and every request ignores EOS). The router's real
+dispatcher decides each request, with the same feedback the service gives it (first token,
+hand-off, end). Remotely prefilled requests follow the service's path: the decode worker
+reserves blocks (waiting for room when full), the prefill worker computes and emits the first
+token, the KV takes the profile's link time, then the request joins the decode batch. Locally
+prefilled ones (colocated, or conditional disaggregation) join the decode worker's scheduler as
+new prompts; rejected ones end at once as failures.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +28,9 @@ from model_runtime.scheduler.colocated import ColocatedScheduler
 from model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig
 from model_runtime.scheduler.prefill import PrefillScheduler
 from model_runtime.worker.messages import WorkerLoad, WorkerRole
-from router.policy import RouteRequest, RoutingPolicy
+from router.policy import Dispatcher, Outcome, RouteRequest
+from router.prefix import block_keys
+from router.slo import SloClass
 
 TOKEN = 1  # every sampled token: content does not matter to scheduling
 
@@ -55,6 +61,7 @@ class SimRequest:
     reserved: bool = False
     prefilled: bool = False
     done: bool = False
+    rejected: bool = False
 
 
 class SimWorker:
@@ -138,6 +145,7 @@ class SimWorker:
                 running = self.requests.get(rid)
                 if running is not None:
                     running.token_times.append(now)
+                    self.cluster.on_token(running)
             for r in update.finished:
                 self.cluster.finish(self.requests.pop(r.request_id))
             self.try_reserve()
@@ -179,14 +187,16 @@ class Cluster:
         prefill: int,
         decode: int,
         colocated: int,
-        policy: Callable[[], RoutingPolicy],
+        dispatcher: Dispatcher,
         prefill_config: SchedulerConfig,
         decode_config: SchedulerConfig,
         block_size: int = 16,
+        slo: SloClass | None = None,
     ) -> None:
         self.clock = Clock()
         self.profile = profile
         self.colocated = colocated > 0
+
         def mk(i: int, role: WorkerRole, cfg: SchedulerConfig) -> SimWorker:
             return SimWorker(f"{role.value}-{i}", role, profile, cfg, block_size, self.clock, self)
 
@@ -197,8 +207,11 @@ class Cluster:
             self.prefillers = [mk(i, WorkerRole.PREFILL, prefill_config) for i in range(prefill)]
             self.decoders = [mk(i, WorkerRole.DECODE, decode_config) for i in range(decode)]
         self.by_id = {w.wid: w for w in (*self.prefillers, *self.decoders)}
-        self.prefill_policy, self.decode_policy = policy(), policy()
+        self.dispatcher = dispatcher
+        self.slo = slo
+        self.block_size = block_size
         self.finished: list[SimRequest] = []
+        self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
         self.max_model_len = profile.max_model_len
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
@@ -207,23 +220,36 @@ class Cluster:
         self.clock.at(arrival, lambda: self._arrive(sr))
         return sr
 
-    def _choose(self, pool: list[SimWorker], policy: RoutingPolicy, sr: SimRequest) -> SimWorker:
-        route = RouteRequest(sr.req.num_prompt_tokens, sr.req.params.max_tokens)
-        return self.by_id[policy.choose([w.load() for w in pool], route)]
-
     def _arrive(self, sr: SimRequest) -> None:
-        d = self._choose(self.decoders, self.decode_policy, sr)
-        sr.decode_worker = d
-        if self.colocated:
-            d.requests[sr.req.request_id] = sr
-            assert isinstance(d.sched, ColocatedScheduler)
-            d.sched.add_request(sr.req)
-            d.kick()
+        req = sr.req
+        route = RouteRequest(
+            req.num_prompt_tokens, req.params.max_tokens, request_id=req.request_id,
+            block_keys=block_keys(req.prompt_token_ids, self.block_size), slo=self.slo,
+        )  # fmt: skip
+        now = self.clock.now
+        decision = self.dispatcher.decide(
+            route, [w.load() for w in self.prefillers], [w.load() for w in self.decoders], now
+        )
+        key = f"{decision.outcome.value}/{decision.reason}"
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        if decision.outcome is Outcome.REJECTED:
+            sr.rejected = True
+            self.finish(sr)
             return
-        p = self._choose(self.prefillers, self.prefill_policy, sr)
+        req.priority = decision.priority
+        d = self.by_id[decision.decode_worker]
+        sr.decode_worker = d
+        if decision.prefill_worker is None:
+            d.requests[req.request_id] = sr
+            assert isinstance(d.sched, ColocatedScheduler)
+            d.sched.add_request(req)
+            d.kick()
+            self.dispatcher.on_report(d.wid)  # simulated loads are always fresh
+            return
+        p = self.by_id[decision.prefill_worker]
         sr.prefill_worker = p
         # The prefill side works on its own copy of the request; decode reserves for the original.
-        twin = Request(sr.req.request_id, sr.req.prompt_token_ids, sr.req.params)
+        twin = Request(req.request_id, req.prompt_token_ids, req.params, priority=decision.priority)
         p.requests[twin.request_id] = sr
         sr.twin = twin
         assert isinstance(p.sched, PrefillScheduler)
@@ -232,9 +258,20 @@ class Cluster:
         d.reservations.append(sr)
         d.changed()
         d.try_reserve()
+        self.dispatcher.on_report(d.wid)
+        self.dispatcher.on_report(p.wid)
+
+    def on_token(self, sr: SimRequest) -> None:
+        """A decode worker sampled a token of ``sr`` (its ``token_times`` has it)."""
+        t = sr.token_times
+        if len(t) == 1:  # prefilled locally: that was the first token
+            self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, t[0] - sr.arrival)
+        elif len(t) == 2 and sr.prefill_worker is not None:
+            self.dispatcher.on_handoff(sr.req.request_id, t[1] - t[0])
 
     def on_prefilled(self, p: SimWorker, sr: SimRequest) -> None:
         sr.token_times.append(self.clock.now)  # the first token leaves now (TTFT)
+        self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, self.clock.now - sr.arrival)
         sr.prefilled = True
         p.sending += 1
         p.changed()
@@ -258,6 +295,9 @@ class Cluster:
     def finish(self, sr: SimRequest) -> None:
         sr.done = True
         self.finished.append(sr)
+        t = sr.token_times
+        gaps = [b - a for a, b in itertools.pairwise(t[1:])]  # without the hand-off gap
+        self.dispatcher.on_end(sr.req.request_id, self.clock.now, statistics.median(gaps) if gaps else None)
 
     def finish_before_decode(self, sr: SimRequest) -> None:
         """Prefill's first token ended the request: decode gives its reservation back."""

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from model_runtime.latency import load_profile
-from model_runtime.scheduler.plan import SchedulerConfig
+from model_runtime.scheduler.plan import QueuePolicy, SchedulerConfig
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
-from router.policy import POLICIES, make_policy
+from router.dispatchers import make_dispatcher
+from router.policy import POLICIES
+from router.slo import Admission, SloClass
 from simulator.cluster import Cluster
 
 
@@ -27,6 +29,18 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=0, help="K colocated engines instead")
     p.add_argument("--profile", default="h100-llama3-8b", help="built-in name or JSON file")
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded")
+    p.add_argument(
+        "--admission",
+        choices=[a.value for a in Admission],
+        default="none",
+        help="goodput policy: what to do with a request predicted to miss the --goodput SLO",
+    )
+    p.add_argument(
+        "--no-local-prefill",
+        dest="local_prefill",
+        action="store_false",
+        help="goodput policy: never prefill on a decode worker (static disaggregation)",
+    )
     add_workload_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill / colocated step budget")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -61,10 +75,14 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
 def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -> dict[str, Any]:
     profile = load_profile(args.profile)
     specs = specs if specs is not None else workload(args)
-    cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          policy=QueuePolicy.PRIORITY)  # fmt: skip
+    slo = Slo.parse(args.goodput)
+    admission = Admission(getattr(args, "admission", "none"))
+    slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
+    dispatcher = make_dispatcher(args.policy, profile, args.block_size, getattr(args, "local_prefill", True))
     cluster = Cluster(
-        profile, args.prefill, args.decode, args.colocated, lambda: make_policy(args.policy), cfg, cfg,
-        args.block_size,
+        profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, cfg, args.block_size, slo_class,
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []
@@ -81,6 +99,9 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     end = 0.0
     for sr in tracked:
         t = sr.token_times
+        if sr.rejected:
+            results.append(RequestResult(sr.req.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected"))
+            continue
         if not sr.done or not t:
             results.append(RequestResult(sr.req.num_prompt_tokens, error="not finished"))
             continue
@@ -103,6 +124,8 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
             "profile": profile.name,
             "layout": f"{args.colocated} colocated" if args.colocated else f"{args.prefill}P+{args.decode}D",
             "policy": args.policy,
+            "admission": admission.value,
+            "decisions": dict(sorted(cluster.decisions.items())),
             "num_prompts": len(specs),
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "simulation_wall_s": wall,

@@ -23,6 +23,7 @@ from model_runtime.worker.messages import (
     Logprob,
     OutputBatch,
     TokenDelta,
+    TransferCounters,
     WorkerHealth,
     WorkerLoad,
     WorkerRole,
@@ -33,6 +34,7 @@ LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
 MAX_HELLO_BYTES = 4096
+MAX_FAILURE_CAUSES = 32
 
 
 class ChannelError(ValueError):
@@ -113,9 +115,32 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                 ld.kv_free,
                 ld.kv_cached,
                 ld.health.value,
+                None
+                if ld.transfers is None
+                else [
+                    ld.transfers.bytes,
+                    float(ld.transfers.seconds),
+                    ld.transfers.count,
+                    [[c, n] for c, n in ld.transfers.failures],
+                ],
             ],
         }
     )
+
+
+def _transfers(x: Any) -> TransferCounters | None:
+    if x is None:
+        return None
+    if not isinstance(x, list) or len(x) != 4 or not isinstance(x[1], float) or not isinstance(x[3], list):
+        raise ChannelError("bad transfer counters")
+    if len(x[3]) > MAX_FAILURE_CAUSES or not x[1] >= 0.0:
+        raise ChannelError("bad transfer counters")
+    failures = []
+    for item in x[3]:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or len(item[0]) > 64:
+            raise ChannelError("bad transfer failure count")
+        failures.append((item[0], _int(item[1])))
+    return TransferCounters(_int(x[0]), x[1], _int(x[2]), tuple(failures))
 
 
 def _int(x: Any) -> int:
@@ -170,12 +195,13 @@ def decode_batch(body: bytes, worker_id: str) -> OutputBatch:
     if msg["w"] != worker_id or not isinstance(msg["d"], list):
         raise ChannelError("bad output frame")
     ld = msg["l"]
-    if not isinstance(ld, list) or len(ld) != 8 or not isinstance(ld[1], str):
+    if not isinstance(ld, list) or len(ld) != 9 or not isinstance(ld[1], str):
         raise ChannelError("bad load")
     try:
         role, health = WorkerRole(ld[0]), WorkerHealth(ld[7])
     except ValueError:
         raise ChannelError("bad load") from None
     running, waiting, total, free, cached = (_int(v) for v in ld[2:7])
-    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health)
+    transfers = _transfers(ld[8])
+    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers)
     return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)

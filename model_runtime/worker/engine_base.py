@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.worker.messages import WorkerLoad, WorkerRole
+from model_runtime.worker.messages import TransferCounters, WorkerLoad, WorkerRole
 
 # Transfers in flight: the transport wakes the loop on every completion; this poll only bounds
 # the delay should a wake-up ever be missed.
@@ -14,6 +16,7 @@ class RoleEngineBase:
     worker_id: str
     role: WorkerRole
     kv: KVCacheManager
+    transport: Any  # a KVTransport, or None (colocated); typed loosely to keep this module pure
 
     @property
     def idle(self) -> bool:
@@ -41,6 +44,19 @@ class RoleEngineBase:
             kv_total=s.total,
             kv_free=s.free + s.cached,  # what allocation can use: cached blocks are evictable
             kv_cached=s.cached,
+            transfers=self._transfer_counters(),
+        )
+
+    def _transfer_counters(self) -> TransferCounters | None:
+        stats = getattr(self.transport, "stats", None)
+        if stats is None:
+            return None
+        sent = self.role is WorkerRole.PREFILL
+        return TransferCounters(
+            bytes=stats.bytes_sent if sent else stats.bytes_received,
+            seconds=stats.send_seconds if sent else stats.receive_seconds,
+            count=stats.transfers_sent if sent else stats.transfers_received,
+            failures=tuple(sorted(stats.failures.items())),
         )
 
     def check_integrity(self) -> None:

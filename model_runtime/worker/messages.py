@@ -85,6 +85,16 @@ class TokenDelta:
 
 
 @dataclass(frozen=True)
+class TransferCounters:
+    """A worker's KV transfers since it started: sent (prefill) or received (decode)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    count: int = 0
+    failures: tuple[tuple[str, int], ...] = ()  # (cause, count)
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load and KV usage, sent with every output batch (the router's view of it)."""
 
@@ -97,6 +107,7 @@ class WorkerLoad:
     kv_free: int
     kv_cached: int
     health: WorkerHealth = WorkerHealth.HEALTHY
+    transfers: TransferCounters | None = None
 
     @property
     def kv_usage(self) -> float:

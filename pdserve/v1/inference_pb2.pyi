@@ -105,14 +105,16 @@ class SamplingParameters(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SloHint(_message.Message):
-    __slots__ = ("ttft_ms", "tpot_ms", "priority")
+    __slots__ = ("ttft_ms", "tpot_ms", "priority", "slo_class")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     tpot_ms: float
     priority: int
-    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    slo_class: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., priority: _Optional[int] = ..., slo_class: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "result")

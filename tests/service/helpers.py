@@ -18,6 +18,7 @@ from model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from router.config import Caps, RouterConfig
+from router.slo import SloClass
 
 MODEL = "tiny"
 
@@ -40,8 +41,12 @@ def start_service(
     api_key: str | None = None,
     caps: Caps | None = None,
     transport: str = "auto",
+    local_prefill: bool = False,
+    slo_classes: tuple[SloClass, ...] = (),
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
+    """A running service. ``local_prefill`` defaults off so that every request takes the
+    disaggregated path (KV transfer) that most tests check; the product default is on."""
     spec = PoolSpec(
         prefill=prefill,
         decode=decode,
@@ -50,8 +55,9 @@ def start_service(
         transport=TransportConfig(backend=transport),
     )
     config = RouterConfig(
-        http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL
-    )
+        http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL,
+        local_prefill=local_prefill, slo_classes=slo_classes,
+    )  # fmt: skip
     if use_ray:
         from deploy.ray_pools import start_ray
 

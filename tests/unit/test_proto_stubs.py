@@ -75,7 +75,7 @@ def test_generate_request_round_trip() -> None:
         token_ids=pb.TokenIds(ids=[1, 15043, 2**32 - 1]),
         sampling=_full_sampling(),
         stream=True,
-        slo=pb.SloHint(ttft_ms=250.0, tpot_ms=50.0, priority=-1),
+        slo=pb.SloHint(ttft_ms=250.0, tpot_ms=50.0, priority=-1, slo_class="chat"),
         return_prompt_token_ids=True,
     )
     # The test must cover every field: a field added to the .proto has to be set here too.

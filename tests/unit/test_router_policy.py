@@ -8,8 +8,9 @@ import pytest
 
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from router.dispatchers import make_dispatcher
 from router.errors import Code, RouterError
-from router.policy import LeastLoaded, RoundRobin, RouteRequest, make_policy
+from router.policy import LeastLoaded, RoundRobin, RouteRequest
 from router.stream import Chunk, Final, RequestStream
 
 REQ = RouteRequest(prompt_tokens=10, max_tokens=5)
@@ -36,7 +37,7 @@ def test_least_loaded_prefers_idle_then_free_kv_and_counts_unreported_sends() ->
 
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="round_robin"):
-        make_policy("fastest")
+        make_dispatcher("fastest")
 
 
 def drain(stream: RequestStream) -> list[Chunk | Final]:

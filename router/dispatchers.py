@@ -1,0 +1,26 @@
+"""Build a dispatcher by name (pure Python): ``goodput`` (the default), ``least_loaded``,
+``round_robin``."""
+
+from __future__ import annotations
+
+from model_runtime.latency import H100_LLAMA3_8B
+from router.goodput import ErrorSink, GoodputConfig, GoodputPolicy
+from router.latency_model import LatencyModel, StepModel
+from router.policy import LOAD_POLICIES, POLICIES, Dispatcher, PairPolicy
+
+
+def make_dispatcher(
+    name: str,
+    profile: StepModel | None = None,
+    block_size: int = 16,
+    local_prefill: bool = True,
+    on_error: ErrorSink | None = None,
+) -> Dispatcher:
+    if name in LOAD_POLICIES:
+        return PairPolicy(LOAD_POLICIES[name])
+    if name == "goodput":
+        # Without a profile the built-in one is the prior: online correction rescales it per
+        # worker from the first observed request on.
+        model = LatencyModel(profile or H100_LLAMA3_8B)
+        return GoodputPolicy(model, GoodputConfig(block_size, local_prefill), on_error)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")

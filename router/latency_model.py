@@ -1,0 +1,148 @@
+"""Per-worker latency predictions, corrected online from what the router observes (pure Python).
+
+Predictions start from a latency profile (``model_runtime.latency``: the roofline built-ins,
+a ``pdserve profile`` fit of this machine, or any object with the same methods) and are scaled
+by one correction factor per (worker, phase) and per link. Each observation moves the factor
+toward ``observed / predicted`` with exponential decay — the ratio correction Dynamo's planner
+applies to its TTFT/ITL profiles — so a worker that runs slower than its profile (another
+tenant, a throttled GPU, a CPU run of a GPU profile) is predicted slower within a few requests,
+and an old observation fades.
+
+What the router can observe, and which factor it corrects:
+
+- prefill: a request's TTFT against the TTFT predicted when it was routed (queue + compute);
+- decode: the median gap between a request's tokens against the step time predicted for the
+  batch it joined (the median ignores the KV hand-off gap and prefill stalls);
+- transfer: the hand-off gap (prefill's first token to decode's first token, less one decode
+  step) against the link time predicted for the request's KV.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StepModel(Protocol):
+    """What the router needs of a latency profile (``LatencyProfile`` has it)."""
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float: ...
+
+    def transfer_time(self, tokens: int) -> float: ...
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    TRANSFER = "transfer"
+
+
+@dataclass
+class Correction:
+    factor: float = 1.0
+    samples: int = 0
+
+    def update(self, observed: float, predicted: float, decay: float, lo: float, hi: float) -> None:
+        if not (predicted > 0 and observed > 0 and math.isfinite(observed)):
+            return
+        ratio = min(hi, max(lo, observed / predicted))
+        # The first sample replaces the prior outright: a profile can be off by orders of
+        # magnitude (a GPU profile on a CPU), and decaying toward that would take dozens of requests.
+        self.factor = ratio if self.samples == 0 else (1 - decay) * self.factor + decay * ratio
+        self.samples += 1
+
+
+@dataclass(frozen=True)
+class Link:
+    """A measured or configured link between two workers (overrides the profile's)."""
+
+    bandwidth: float  # bytes/s
+    latency_s: float = 0.0
+
+
+class LatencyModel:
+    def __init__(
+        self,
+        profile: StepModel,
+        decay: float = 0.2,
+        bounds: tuple[float, float] = (1e-3, 1e4),
+    ) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError("decay must be in (0, 1]")
+        self.profile = profile
+        self.decay = decay
+        self.bounds = bounds
+        self._corr: dict[tuple[str, Phase], Correction] = {}
+        self._links: dict[tuple[str, str], Link] = {}
+        self._prior: dict[Phase, tuple[int, float]] = {p: (0, 0.0) for p in Phase}  # (keys, factor sum)
+
+    # -- configuration -----------------------------------------------------------------------
+    def set_link(self, src: str, dst: str, link: Link) -> None:
+        self._links[(src, dst)] = link
+
+    @property
+    def has_link_overrides(self) -> bool:
+        return bool(self._links)
+
+    # -- predictions (seconds) ---------------------------------------------------------------
+    def factor(self, key: str, phase: Phase) -> float:
+        """``key``'s factor; for a worker or link not observed yet, the mean of its phase's
+        observed factors (its peers run the same hardware and model), else 1."""
+        c = self._corr.get((key, phase))
+        if c is not None:
+            return c.factor
+        n, total = self._prior[phase]
+        return total / n if n else 1.0
+
+    def step_s(self, worker: str, chunks: Iterable[tuple[int, int]], phase: Phase = Phase.DECODE) -> float:
+        """One forward pass on ``worker`` over ``(new tokens, cached tokens)`` chunks."""
+        return self.profile.step_time(chunks) * self.factor(worker, phase)
+
+    def prefill_s(self, worker: str, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.step_s(worker, [(max(1, new_tokens), cached_tokens)], Phase.PREFILL)
+
+    def decode_step_s(self, worker: str, batch: int, total_context: int) -> float:
+        if batch <= 0:
+            return 0.0
+        avg = max(1, total_context // batch)
+        return self.step_s(worker, [(1, avg)] * batch)
+
+    def transfer_s(self, src: str, dst: str, tokens: int) -> float:
+        link = self._links.get((src, dst))
+        if link is None:
+            base = self.profile.transfer_time(tokens)
+        else:
+            base = link.latency_s + tokens * self.profile.kv_bytes_per_token / link.bandwidth
+        return base * self.factor(link_key(src, dst), Phase.TRANSFER)
+
+    # -- observations ------------------------------------------------------------------------
+    def observe(self, key: str, phase: Phase, observed_s: float, predicted_s: float) -> None:
+        """Fold one observation into ``key``'s factor (``key``: a worker id, or ``link_key``)."""
+        corr = self._corr.get((key, phase))
+        if corr is None:
+            corr = self._corr[(key, phase)] = Correction(self.factor(key, phase))
+        n, total = self._prior[phase]
+        old = corr.factor if corr.samples else 0.0
+        corr.update(observed_s, predicted_s, self.decay, *self.bounds)
+        if corr.samples:
+            self._prior[phase] = (n + (old == 0.0), total - old + corr.factor)
+
+    def forget(self, worker: str) -> None:
+        for key in [k for k in self._corr if k[0] == worker]:
+            c = self._corr.pop(key)
+            if c.samples:
+                n, total = self._prior[key[1]]
+                self._prior[key[1]] = (n - 1, total - c.factor)
+
+    def corrections(self) -> list[tuple[str, Phase, float]]:
+        return [(k, phase, c.factor) for (k, phase), c in sorted(self._corr.items(), key=lambda i: i[0][0])]
+
+
+def link_key(src: str, dst: str) -> str:
+    return f"{src}->{dst}"

@@ -1,0 +1,196 @@
+"""The goodput dispatcher on synthetic worker states (no Ray, no servers)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from model_runtime.latency import H100_LLAMA3_8B
+from model_runtime.worker.messages import WorkerLoad, WorkerRole
+from router.dispatchers import make_dispatcher
+from router.goodput import GoodputConfig, GoodputPolicy
+from router.latency_model import LatencyModel, Link, Phase
+from router.policy import BEST_EFFORT_PRIORITY, LOAD_POLICIES, Outcome, PairPolicy, RouteRequest
+from router.prefix import block_keys
+from router.slo import Admission, SloClass
+
+CHAT = SloClass("chat", ttft_ms=250, tpot_ms=100)
+BS = 16
+
+
+def load(wid: str, role: WorkerRole, free: int = 100_000) -> WorkerLoad:
+    return WorkerLoad(wid, role, "", 0, 0, 100_000, free, 0)
+
+
+P = [load("p0", WorkerRole.PREFILL), load("p1", WorkerRole.PREFILL)]
+D = [load("d0", WorkerRole.DECODE), load("d1", WorkerRole.DECODE)]
+
+
+def policy(local: bool = True) -> GoodputPolicy:
+    return GoodputPolicy(LatencyModel(H100_LLAMA3_8B), GoodputConfig(BS, local_prefill=local))
+
+
+def req(
+    rid: str, n: int = 2048, m: int = 64, slo: SloClass = CHAT, prompt: list[int] | None = None
+) -> RouteRequest:
+    keys = block_keys(prompt, BS) if prompt is not None else ()
+    return RouteRequest(n, m, request_id=rid, slo=slo, block_keys=keys)
+
+
+def fill_prefill(pol: GoodputPolicy, worker: str, count: int, tokens: int = 4096) -> None:
+    """Queue ``count`` prefills on ``worker`` (as if placed earlier and still running)."""
+    q = pol.ledger.prefill_queue(worker)
+    for i in range(count):
+        q.add(f"old-{worker}-{i}", pol.model.prefill_s(worker, tokens), now=0.0)
+
+
+def test_picks_the_pair_that_meets_the_slo_where_round_robin_would_not() -> None:
+    pol = policy(local=False)
+    fill_prefill(pol, "p0", 8)  # ≈ 8 × 0.1 s of queued prefill: TTFT 250 ms is out of reach
+    d = pol.decide(req("r"), P, D, now=0.0)
+    assert d.prefill_worker == "p1" and d.outcome is Outcome.REMOTE_PREFILL
+    assert d.predicted_ttft_s <= 0.25
+    rr = PairPolicy(LOAD_POLICIES["round_robin"]).decide(req("r"), P, D, now=0.0)
+    assert rr.prefill_worker == "p0"  # round-robin sends it into the queue
+
+
+def test_a_slow_link_flips_the_choice() -> None:
+    pol = policy(local=False)
+    fill_prefill(pol, "p1", 1, tokens=512)  # p1 slightly busier: p0 wins on equal links
+    tight = SloClass("tight", ttft_ms=500, tpot_ms=20)
+    assert pol.decide(req("a", slo=tight), P, D[:1], now=0.0).prefill_worker == "p0"
+    pol = policy(local=False)
+    fill_prefill(pol, "p1", 1, tokens=512)
+    pol.model.set_link("p0", "d0", Link(bandwidth=1e9, latency_s=1e-3))  # 2k-token KV: ≈ 0.27 s
+    d = pol.decide(req("a", slo=tight), P, D[:1], now=0.0)
+    assert d.prefill_worker == "p1"
+    assert pol.model.transfer_s("p0", "d0", 2048) > 10 * pol.model.transfer_s("p1", "d0", 2048)
+
+
+@pytest.mark.parametrize("admission", list(Admission))
+def test_admission_when_nothing_fits(admission: Admission) -> None:
+    pol = policy()
+    for w in ("p0", "p1", "d0", "d1"):
+        fill_prefill(pol, w, 10)
+    slo = SloClass("strict", ttft_ms=250, tpot_ms=100, admission=admission)
+    d = pol.decide(req("r", slo=slo), P, D, now=0.0)
+    if admission is Admission.REJECT:
+        assert d.outcome is Outcome.REJECTED and d.reason == "ttft"
+        assert 0.1 <= d.retry_after_s <= 30 and d.predicted_ttft_s > 0.25
+        assert "r" not in pol.ledger  # nothing placed
+    elif admission is Admission.BEST_EFFORT:
+        assert d.outcome is Outcome.BEST_EFFORT and d.priority == BEST_EFFORT_PRIORITY
+        assert "r" in pol.ledger
+    else:
+        assert d.outcome in (Outcome.REMOTE_PREFILL, Outcome.LOCAL_PREFILL) and d.priority == 0
+
+
+def test_a_request_without_targets_is_never_rejected() -> None:
+    pol = policy()
+    for w in ("p0", "p1", "d0", "d1"):
+        fill_prefill(pol, w, 10)
+    d = pol.decide(req("r", slo=SloClass("none", admission=Admission.REJECT)), P, D, now=0.0)
+    assert d.outcome is not Outcome.REJECTED
+
+
+def test_prefers_the_prefill_worker_holding_the_prefix() -> None:
+    pol = policy(local=False)
+    shared = list(range(1024))
+    pol.prefix.record("p1", block_keys(shared, BS))
+    d = pol.decide(req("r", n=1100, prompt=[*shared, *range(5000, 5076)]), P, D, now=0.0)
+    assert d.prefill_worker == "p1" and d.reason == "prefix"
+    assert d.predicted_ttft_s < pol.model.prefill_s("p0", 1100)  # 1,024 cached tokens are skipped
+
+
+def test_local_prefill_for_short_prompts_remote_for_long_ones() -> None:
+    pol = policy()
+    short = pol.decide(req("s", n=64), P, D, now=0.0)
+    assert short.prefill_worker is None and short.outcome is Outcome.LOCAL_PREFILL
+    assert short.reason == "short_prompt"
+    pol.on_end("s", 0.0, None)
+    long = pol.decide(req("l", n=4096), P, D, now=0.0)
+    assert long.prefill_worker is not None and long.outcome is Outcome.REMOTE_PREFILL
+
+
+def test_a_slow_link_makes_a_long_prompt_local() -> None:
+    pol = policy()
+    for p in ("p0", "p1"):
+        pol.model.set_link(p, "d0", Link(bandwidth=0.5e9, latency_s=5e-3))
+    d = pol.decide(req("l", n=2048, slo=SloClass("x", ttft_ms=1000, tpot_ms=30)), P, D[:1], now=0.0)
+    assert d.prefill_worker is None and d.reason == "slow_link"
+
+
+def test_avoids_the_decode_worker_where_it_would_make_others_miss() -> None:
+    pol = policy(local=False)
+    # d0 runs 40 requests whose TPOT target sits just above its current step time.
+    tight = SloClass("tight", tpot_ms=1000 * pol.model.decode_step_s("d0", 40, 40 * 4048) * 1.001)
+    for i in range(40):
+        pol.decide(RouteRequest(2048, 4000, request_id=f"old{i}", slo=tight), P, D[:1], now=0.0)
+    assert pol.ledger.batch("d0").size == 40
+    d = pol.decide(req("new", n=2048, m=4000, slo=SloClass("loose", tpot_ms=200)), P, D, now=0.0)
+    assert d.decode_worker == "d1"
+
+
+def test_colocated_pool_is_all_local() -> None:
+    pol = policy()
+    d = pol.decide(req("r"), [], [load("c0", WorkerRole.COLOCATED)], now=0.0)
+    assert d.prefill_worker is None and d.reason == "colocated"
+
+
+def test_online_correction_and_prediction_errors() -> None:
+    errors: list[tuple[str, float]] = []
+    pol = make_dispatcher("goodput", H100_LLAMA3_8B, BS, local_prefill=False,
+                          on_error=lambda k, r: errors.append((k, r)))  # fmt: skip
+    assert isinstance(pol, GoodputPolicy)
+    d = pol.decide(req("r"), P, D, now=0.0)
+    assert d.prefill_worker is not None
+    pol.on_first_token("r", 1.0, ttft_s=3 * d.predicted_ttft_s)  # the worker runs 3x slower
+    assert pol.model.factor(d.prefill_worker, Phase.PREFILL) == pytest.approx(3.0)
+    pol.on_end("r", 2.0, median_itl_s=0.5 * d.predicted_tpot_s)
+    assert errors[0] == ("ttft", pytest.approx(3.0)) and errors[1][0] == "tpot"
+    other = "p1" if d.prefill_worker == "p0" else "p0"
+    assert pol.model.factor(other, Phase.PREFILL) == pytest.approx(3.0)  # peers' prior
+    pol.model.observe(other, Phase.PREFILL, 1.0, 1.0)  # ... until it is seen running at speed
+    again = pol.decide(req("r2"), P, D, now=3.0)
+    assert again.prefill_worker == other  # the slow one is now predicted slow
+    pol.on_end("r2", 3.0, None)
+    assert len(pol.ledger) == 0
+
+
+def test_ledger_forgets_a_lost_worker_and_ends_empty() -> None:
+    pol = policy(local=False)
+    placed = [pol.decide(req(f"r{i}"), P, D, now=0.0) for i in range(6)]
+    pol.on_worker_lost("d0")
+    for i, d in enumerate(placed):
+        if d.decode_worker != "d0":
+            pol.on_first_token(f"r{i}", 1.0, 0.1)
+            pol.on_end(f"r{i}", 2.0, 0.01)
+    assert len(pol.ledger) == 0
+    assert all(len(q) == 0 for q in pol.ledger.prefills.values())
+    assert all(b.size == 0 for b in pol.ledger.decodes.values())
+    assert all(math.isclose(q.total_s, 0.0) for q in pol.ledger.prefills.values())
+
+
+def test_unknown_policy_name() -> None:
+    with pytest.raises(ValueError, match="goodput"):
+        make_dispatcher("fastest")
+
+
+def test_spreads_load_when_every_option_meets_the_slo() -> None:
+    pol = policy(local=False)
+    placed = [pol.decide(req(f"r{i}", m=256), P, D, now=0.0) for i in range(8)]
+    assert sorted(d.decode_worker for d in placed).count("d0") == 4
+    assert {d.prefill_worker for d in placed} == {"p0", "p1"}
+
+
+def test_an_unobserved_worker_starts_from_its_peers_correction() -> None:
+    m = LatencyModel(H100_LLAMA3_8B)
+    m.observe("p0", Phase.PREFILL, 2.0, 0.002)  # a CPU run of a GPU profile: 1000x slower
+    assert m.factor("p0", Phase.PREFILL) == pytest.approx(1000)
+    assert m.factor("p1", Phase.PREFILL) == pytest.approx(1000)  # p1 not seen yet: peers' mean
+    m.observe("p1", Phase.PREFILL, 1.0, 0.002)
+    assert m.factor("p2", Phase.PREFILL) == pytest.approx(750)
+    m.forget("p0")
+    assert m.factor("p2", Phase.PREFILL) == pytest.approx(500)
+    assert m.factor("d0", Phase.DECODE) == 1.0
