@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from model_runtime.sampling_params import SamplingParams
 from router.auth import ApiKeyMiddleware
 from router.chat import ChatMessage, ChatTemplate
+from router.dashboard import install_dashboard
 from router.errors import Code, RouterError
 from router.openai_format import ChoiceBuilder, error_body, usage_json
 from router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -108,6 +109,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await respond(router, request, body, inputs, rid, chat=True)
 
+    install_dashboard(app, router)
     return app
 
 

@@ -1,0 +1,144 @@
+"""``/dashboard``: its JSON (NaN as null, behind the API key) and the page drawn by headless Chromium."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from matplotlib.image import imread
+
+from tests.monitoring.helpers import require_tool, send_traffic
+
+
+def fake_router(tracker: Any) -> Any:
+    """What the dashboard reads of a router: its SLO classes and tracker, workers and model id."""
+    from model_runtime.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
+    from router.slo import SloBook, SloClass
+
+    def worker(wid: str, role: WorkerRole, free: int, health: WorkerHealth) -> Any:
+        load = WorkerLoad(wid, role, "", 1, 2, 100, free, 0)
+        return SimpleNamespace(worker_id=wid, role=role, load=load, healthy=health is WorkerHealth.HEALTHY)
+
+    workers = [
+        worker("decode-0", WorkerRole.DECODE, 25, WorkerHealth.HEALTHY),
+        worker("prefill-0", WorkerRole.PREFILL, 100, WorkerHealth.UNHEALTHY),
+    ]
+    return SimpleNamespace(
+        slos=SloBook.of(SloClass("chat", ttft_ms=250, tpot_ms=100), SloClass("batch", ttft_ms=2000)),
+        slo_tracker=tracker,
+        workers={w.worker_id: w for w in workers},
+        model=SimpleNamespace(model_id="tiny"),
+        ready=True,
+    )
+
+
+def test_data_json_nan_is_null_and_behind_the_key() -> None:
+    from router.chat import ChatTemplate
+    from router.openai_api import build_http_app
+    from router.slo import SloResult, SloTracker
+
+    tracker = SloTracker()
+    now = time.monotonic()
+    for i in range(10):  # 'chat' ended requests in the last minute; the first 30 s of the horizon are empty
+        tracker.record(SloResult(now - 50 + i, "chat", 80.0 + i, 20.0, True, i % 5 != 0, True))
+    app = build_http_app(fake_router(tracker), ChatTemplate(None), api_key="sekrit")
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200
+    assert client.get("/dashboard").status_code == 401
+    assert client.get("/dashboard/data").status_code == 401
+    auth = {"Authorization": "Bearer sekrit"}
+    page = client.get("/dashboard", headers=auth)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="goodput"' in page.text and "dataset.ready" in page.text
+    external = re.search(r"""(src|href)=["']?(https?:)?//""", page.text)
+    assert not external, "the page loads nothing from elsewhere"
+
+    r = client.get("/dashboard/data", params={"horizon_s": 120, "step_s": 10}, headers=auth)
+    assert r.status_code == 200
+    assert "NaN" not in r.text and "Infinity" not in r.text
+    d = r.json()
+    assert len(d["series"]) == 12 and d["series"][-1]["t"] == 0
+    assert d["series"][0]["attainment"] is None  # no request ended 110-120 s ago
+    assert d["series"][0]["ttft_p50_ms"] is None and d["series"][0]["requests"] == 0
+    chat, batch = d["classes"]["chat"], d["classes"]["batch"]
+    assert chat["requests"] == 10 and chat["good"] == 8 and chat["attainment"] == pytest.approx(0.8)
+    assert chat["goodput_rps"] == pytest.approx(8 / 60)
+    assert chat["targets"] == {"ttft_ms": 250, "tpot_ms": 100}
+    assert batch["targets"] == {"ttft_ms": 2000, "tpot_ms": None}
+    assert batch["requests"] == 0 and batch["attainment"] is None  # configured, no traffic yet
+    assert {k: v for k, v in chat.items() if k != "targets"} == d["current"]
+    load = {"running": 1, "waiting": 2}
+    assert d["workers"] == [
+        {"worker": "decode-0", "role": "decode", "healthy": True, **load, "kv_usage": 0.75},
+        {"worker": "prefill-0", "role": "prefill", "healthy": False, **load, "kv_usage": 0.0},
+    ]
+    assert client.get("/dashboard/data", params={"step_s": 0}, headers=auth).status_code == 400
+
+
+def chromium(binary: str, tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """One headless Chromium run (offline flags, its own profile), killed with its children on timeout."""
+    cmd = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        f"--user-data-dir={tmp / 'profile'}",
+        "--window-size=1280,900",
+        "--virtual-time-budget=8000",
+        *args,
+        url,
+    ]
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"chromium did not finish in 60 s: {err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_dashboard_renders_in_chromium(service: Any, tmp_path: Path) -> None:
+    binary = require_tool("chromium", "chromium-browser", package="chromium")
+    send_traffic(service.http, 6)
+    url = f"{service.http}/dashboard"
+
+    dom = chromium(binary, tmp_path, url, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert re.search(r'<body[^>]*data-ready="1"', dom.stdout), "the page never rendered its data"
+    goodput = re.search(r'id="goodput">([^<]*)<', dom.stdout)
+    assert goodput and goodput.group(1).strip() not in ("", "–"), "no goodput value"
+    assert float(goodput.group(1)) > 0
+    paths = re.findall(r'<path d="M[^"]+"', dom.stdout)
+    assert len(paths) >= 4, "charts without lines"
+
+    shot = tmp_path / "dashboard.png"
+    run = chromium(binary, tmp_path, url, f"--screenshot={shot}")
+    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    assert shot.stat().st_size > 20_000
+    img = imread(shot)
+    assert img.shape[:2] == (900, 1280)
+    rgb = (img[..., :3] * 255).round().astype(np.uint8).reshape(-1, 3)
+    colours = np.unique(rgb, axis=0)
+    assert len(colours) > 50, "a near-uniform screenshot"
+    # the goodput line (#1a9e55) is drawn
+    green = np.all(np.abs(rgb.astype(int) - (0x1A, 0x9E, 0x55)) <= 8, axis=1).sum()
+    assert green > 100, f"only {green} pixels of the goodput line"
+    assert not math.isnan(float(img.mean()))
