@@ -6,21 +6,27 @@ prefilling locally (conditional disaggregation) — it predicts, from ``LatencyM
 ``Ledger`` of placed work:
 
 - TTFT: the prefill queue ahead of the request on ``p`` (or on ``d``) plus its own prefill,
-  less what ``p``'s cache is believed to hold (``PrefixIndex``). In this design the first
+  less what the worker's cache is believed to hold (``PrefixIndex``). In this design the first
   token leaves the prefill worker, so the KV transfer is not on the TTFT path;
-- TPOT: ``d``'s decode step with the request in its batch, plus the KV hand-off over the
-  ``p -> d`` link spread over the request's tokens (the hand-off is its first token gap);
-- harm: the requests already on ``d`` whose TPOT target the bigger batch (and, for a local
-  prefill, the prefill's stall spread over their remaining tokens) would push out of reach.
+- TPOT on ``d``: its decode step with the request in the batch, stretched by the share of
+  ``d``'s recent time that went to local prefills (``step / (1 - share)``: those steps emit no
+  token for the batch), plus, for a remote prefill, the KV hand-off over the ``p -> d`` link
+  spread over the request's tokens (the hand-off is its first token gap);
+- harm: the requests already on ``d`` whose TPOT target that stretched step would miss.
 
-Options are ranked by (requests newly meeting their SLO minus requests it makes miss, cached
-prefix tokens, -cost). The cost is the latency the option adds across requests, in
-request-seconds: the request's own TTFT, hand-off and decode steps, the slower step every
-request already on ``d`` takes for the rest of its output (so load spreads), and for a local
-prefill the time the prefill adds to ``d``'s steps, charged to every request sharing ``d`` (its
-batch and the next one to arrive). A short prompt rides in a memory-bound decode step almost for free,
-so it stays local; a long one would stall the batch, so it goes to a prefill worker — unless
-the link is slow enough or the decode worker's cache holds enough of it to change the sum.
+Options are ranked by (requests newly meeting their SLO minus requests it makes miss, -risk,
+cached prefix tokens, -cost). Risk is how close the option runs to the targets it touches:
+the largest, then the sum, of predicted/target for the request's TTFT and TPOT and for the
+tightest TPOT target already on ``d`` — so load spreads before anything misses, and a prefill
+worker's queue, a slow link or a decode worker busy with local prefills all weigh in the same
+currency. A short prompt rides in a memory-bound decode step almost for free (it barely
+stretches ``d``'s step), so it stays local; a long one would take a visible share of ``d``'s
+time, so it goes to a prefill worker unless the prefill queue or the link costs more. The cost
+(request-seconds added: own TTFT, hand-off and decode steps, and the slower step every request
+already on ``d`` takes) breaks the remaining ties, e.g. for requests without targets.
+
+The step model does not let a prefill chunk hide under the decodes riding with it: the
+profile charges the chunk's attention on top of the shared GEMMs (``model_runtime.latency``).
 
 Admission: when the best option does not meet the request's SLO (or meets it only by making
 others miss theirs), its class decides: ``reject`` (a REJECTED decision with a retry hint),
@@ -48,6 +54,8 @@ class GoodputConfig:
     block_size: int
     local_prefill: bool = True  # conditional disaggregation: may a decode worker prefill itself
     prefill_candidates: int = 4  # best prefill workers (by TTFT) paired with every decode worker
+    local_window_s: float = 2.0  # horizon over which a decode worker's prefill share is counted
+    max_prefill_share: float = 0.9  # beyond this a decode worker is taken as saturated
     min_retry_s: float = 0.1
     max_retry_s: float = 30.0
 
@@ -64,14 +72,16 @@ class _Option:
     cached: int
     new_ok: bool
     flips: int
+    risk: tuple[float, float]  # (largest, sum of) predicted / target over the targets it touches
     cost: float
+    extra: float = 0.0  # local prefill: seconds it adds to d's steps
 
     @property
     def gain(self) -> int:
         return int(self.new_ok) - self.flips
 
-    def key(self) -> tuple[int, int, float]:
-        return (self.gain, self.cached, -self.cost)
+    def key(self) -> tuple[int, float, float, int, float]:
+        return (self.gain, -self.risk[0], -self.risk[1], self.cached, -self.cost)
 
 
 @dataclass
@@ -109,7 +119,7 @@ class GoodputPolicy:
         best: _Option | None = None
         for d in decode:
             batch = self.ledger.batch(d.worker_id)
-            opts = [self._remote(request, d, batch, p, ttft, comp, cached, ttft_slo, tpot_slo)
+            opts = [self._remote(request, d, batch, p, ttft, comp, cached, ttft_slo, tpot_slo, now)
                     for p, ttft, comp, cached in remote]  # fmt: skip
             if self.config.local_prefill or not prefill:
                 opts.append(self._local(request, d, batch, now, ttft_slo, tpot_slo))
@@ -154,16 +164,17 @@ class GoodputPolicy:
 
     def _remote(
         self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, p: str, ttft: float, comp: float,
-        cached: int, ttft_slo: float, tpot_slo: float,
+        cached: int, ttft_slo: float, tpot_slo: float, now: float,
     ) -> _Option:  # fmt: skip
         n, m = request.prompt_tokens, request.max_tokens
-        step_now, step = self._steps(d.worker_id, batch, request)
+        step, eff_now, eff = self._tpot_on(d.worker_id, batch, request, now, 0.0)
         handoff = self.model.transfer_s(p, d.worker_id, n)
-        tpot = step + handoff / (m - 1) if m > 1 else 0.0
+        tpot = eff + handoff / (m - 1) if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
-        flips = batch.misses_between(step_now, step)
-        cost = ttft + handoff + self._decode_cost(batch, request, step_now, step)
-        return _Option(p, d.worker_id, ttft, tpot, step, handoff, comp, cached, new_ok, flips, cost)
+        flips = batch.misses_between(eff_now, eff)
+        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
+        cost = ttft + handoff + self._decode_cost(batch, request, eff_now, eff)
+        return _Option(p, d.worker_id, ttft, tpot, step, handoff, comp, cached, new_ok, flips, risk, cost)
 
     def _local(
         self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, now: float, ttft_slo: float,
@@ -171,27 +182,35 @@ class GoodputPolicy:
     ) -> _Option:  # fmt: skip
         did, n, m = d.worker_id, request.prompt_tokens, request.max_tokens
         cached = min(self.prefix.cached_blocks(did, request.block_keys) * self.config.block_size, n - 1)
-        step_now, step = self._steps(did, batch, request)
         # The prefill rides in d's steps beside its decodes (at least one: the next request to
-        # share d); what it adds to those steps is what every sharer waits.
+        # share d); what it adds to those steps is time no decode token comes out.
         sharers = max(1, batch.size)
-        decodes = [(1, max(1, batch.context // max(1, batch.size) or request.prompt_tokens))] * sharers
-        chunk = (n - cached, cached)
-        with_chunk = self.model.step_s(did, [chunk, *decodes], Phase.PREFILL)
+        avg_ctx = batch.context // batch.size if batch.size else request.prompt_tokens
+        decodes = [(1, max(1, avg_ctx))] * sharers
+        with_chunk = self.model.step_s(did, [(n - cached, cached), *decodes], Phase.PREFILL)
         extra = max(0.0, with_chunk - self.model.step_s(did, decodes, Phase.PREFILL))
         ttft = self.ledger.prefill_queue(did).wait_s(now) + with_chunk
-        tpot = step if m > 1 else 0.0
+        step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
+        tpot = eff if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
-        stall = extra / max(1.0, batch.mean_remaining())
-        flips = batch.misses_between(step_now, step + stall)
-        cost = ttft + extra * (batch.size + 1) + self._decode_cost(batch, request, step_now, step)
-        return _Option(None, did, ttft, tpot, step, 0.0, with_chunk, cached, new_ok, flips, cost)
+        flips = batch.misses_between(eff_now, eff)
+        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
+        cost = ttft + extra * (batch.size + 1) + self._decode_cost(batch, request, eff_now, eff)
+        return _Option(None, did, ttft, tpot, step, 0.0, with_chunk, cached, new_ok, flips, risk, cost, extra)
 
-    def _steps(self, did: str, batch: DecodeBatch, request: RouteRequest) -> tuple[float, float]:
-        """d's decode step now, and with this request added to its batch."""
+    def _tpot_on(
+        self, did: str, batch: DecodeBatch, request: RouteRequest, now: float, extra: float
+    ) -> tuple[float, float, float]:
+        """d's decode step with the request in its batch, and d's effective time per token
+        before and after placing it (steps stretched by d's share of time spent prefilling)."""
         ctx = request.prompt_tokens + request.max_tokens // 2
-        now = self.model.decode_step_s(did, batch.size, batch.context)
-        return now, self.model.decode_step_s(did, batch.size + 1, batch.context + ctx)
+        step_now = self.model.decode_step_s(did, batch.size, batch.context)
+        step = self.model.decode_step_s(did, batch.size + 1, batch.context + ctx)
+        cap, window = self.config.max_prefill_share, self.config.local_window_s
+        share = batch.prefill_share(now, window)
+        eff_now = step_now / (1 - min(cap, share))
+        eff = step / (1 - min(cap, share + extra / window))
+        return step, eff_now, eff
 
     @staticmethod
     def _decode_cost(batch: DecodeBatch, request: RouteRequest, step_now: float, step: float) -> float:
@@ -235,6 +254,8 @@ class GoodputPolicy:
         ctx = request.prompt_tokens + request.max_tokens // 2
         entry = DecodeEntry(ctx, max(1, request.max_tokens // 2), tpot_slo)
         self.ledger.add(rid, pkey, o.prefill_s, o.decode, entry, now)
+        if o.prefill is None:
+            self.ledger.batch(o.decode).add_local_prefill(now, o.extra)
         self.prefix.record(pkey, request.block_keys)
         link = link_key(o.prefill, o.decode) if o.prefill is not None else None
         self._placed[rid] = _Placed(pkey, o.decode, link, o.ttft, o.step, o.handoff)
@@ -271,6 +292,12 @@ class GoodputPolicy:
         self.ledger.drop_worker(worker_id)
         self.prefix.forget(worker_id)
         self.model.forget(worker_id)
+
+
+def _risk(*pairs: tuple[float, float]) -> tuple[float, float]:
+    """(largest, sum of) predicted / target, over the pairs that have a target."""
+    ratios = [pred / target for pred, target in pairs if math.isfinite(target) and target > 0]
+    return (max(ratios), sum(ratios)) if ratios else (0.0, 0.0)
 
 
 def _miss_reason(o: _Option, ttft_slo: float) -> str:

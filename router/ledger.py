@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+NO_TARGET = math.inf
 
 
 class PrefillQueue:
@@ -73,6 +75,25 @@ class DecodeBatch:
     context: int = 0
     remaining: int = 0
     _slos: list[float] = field(default_factory=list)
+    _local: deque[tuple[float, float]] = field(default_factory=deque)  # (when, step seconds added)
+    _local_sum: float = 0.0
+
+    def add_local_prefill(self, now: float, extra_s: float) -> None:
+        """A prefill placed on this decode worker adds ``extra_s`` to its steps."""
+        self._local.append((now, extra_s))
+        self._local_sum += extra_s
+
+    def prefill_share(self, now: float, window_s: float) -> float:
+        """Fraction of the last ``window_s`` this worker spends on local prefills (its steps'
+        share that produces no decode token)."""
+        while self._local and self._local[0][0] <= now - window_s:
+            self._local_sum -= self._local.popleft()[1]
+        if not self._local:
+            self._local_sum = 0.0
+        return max(0.0, self._local_sum) / window_s
+
+    def tightest_slo(self) -> float:
+        return self._slos[0] if self._slos else NO_TARGET
 
     def add(self, rid: str, entry: DecodeEntry) -> None:
         self.entries[rid] = entry
@@ -160,6 +181,3 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._where)
-
-
-NO_TARGET = math.inf
