@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -28,7 +29,7 @@ from router.dashboard import install_dashboard
 from router.errors import Code, RouterError
 from router.openai_format import ChoiceBuilder, error_body, usage_json
 from router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
-from router.service import Admitted, GenerateInput, Router, SloHint
+from router.service import Admitted, GenerateInput, Router
 from router.status import cluster_status_json
 from router.stream import Event, Final
 
@@ -43,7 +44,10 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
 
     @app.exception_handler(RouterError)
     async def router_error(_: Request, e: RouterError) -> JSONResponse:
-        return JSONResponse(error_body(e), status_code=e.code.http)
+        headers = None
+        if e.retry_after_s is not None:  # whole seconds, rounded up (RFC 9110)
+            headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}
+        return JSONResponse(error_body(e), status_code=e.code.http, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -88,7 +92,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
         params = body.sampling_params(router.config.caps, body.max_tokens, body.logprobs)
         prompts = body.prompts()
         inputs = [
-            GenerateInput(p, params_for(params, i, body.n), slo=SloHint(priority=body.priority))
+            GenerateInput(p, params_for(params, i, body.n), slo=body.slo_hint())
             for p in prompts
             for i in range(body.n)
         ]
@@ -103,8 +107,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
         )
         prompt = chat_template.render([ChatMessage(m.role, m.text()) for m in body.messages])
         inputs = [
-            GenerateInput(prompt, params_for(params, i, body.n), slo=SloHint(priority=body.priority))
-            for i in range(body.n)
+            GenerateInput(prompt, params_for(params, i, body.n), slo=body.slo_hint()) for i in range(body.n)
         ]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await respond(router, request, body, inputs, rid, chat=True)
@@ -258,5 +261,3 @@ async def _until_disconnected(request: Request, work: Any) -> Response:
     finally:
         watcher.cancel()
     return JSONResponse(body)
-
-
