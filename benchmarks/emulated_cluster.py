@@ -7,6 +7,7 @@ arrival pattern at bisected mean rates (the trace's own lengths, ``--num-prompts
 finds the highest rate with >= 90 % joint TTFT/TPOT attainment.
 
     .venv/bin/python benchmarks/emulated_cluster.py        # ~15 minutes on 2 cores
+    .venv/bin/python benchmarks/emulated_cluster.py --layouts 4p4d --policies goodput,least_loaded,round_robin
 
 The ceiling in the same run: each layout's attainment at the lowest rate (an unloaded cluster).
 Limits: router, workers' Python and client share this VM's 2 cores, which cap the serving path
@@ -36,7 +37,7 @@ LAYOUTS = {
 }
 
 
-def simulate_layout(name: str, rate: float, args: argparse.Namespace) -> dict[str, float]:
+def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespace) -> dict[str, float]:
     """The simulator on the same layout, trace, requests and rate (no processes, virtual time)."""
     from simulator.run import add_simulate_args, simulate
 
@@ -47,17 +48,18 @@ def simulate_layout(name: str, rate: float, args: argparse.Namespace) -> dict[st
     layout = flags[: flags.index("--max-num-batched-tokens")]
     ns = p.parse_args(
         [*layout, "--trace", str(args.trace), "--num-prompts", str(args.num_prompts),
-         "--request-rate", str(rate), "--max-num-batched-tokens", budget, "--goodput", *args.goodput]
+         "--request-rate", str(rate), "--max-num-batched-tokens", budget, "--goodput", *args.goodput,
+         "--policy", policy]
     )  # fmt: skip
     return simulate(ns)
 
 
 def simulated_side_by_side(
-    name: str, points: list[dict[str, float]], args: argparse.Namespace
+    name: str, policy: str, points: list[dict[str, float]], args: argparse.Namespace
 ) -> dict[str, object]:
     rows = []
     for pt in sorted(points, key=lambda r: r["rate"]):
-        sim = simulate_layout(name, pt["rate"], args)
+        sim = simulate_layout(name, policy, pt["rate"], args)
         rows.append(
             {
                 "rate": pt["rate"],
@@ -67,12 +69,42 @@ def simulated_side_by_side(
             }
         )
     sim_goodput = max((r["rate"] for r in rows if r["attainment"][1] >= 0.9), default=0.0)
-    return {f"{name}_emulated_vs_simulated": rows, f"{name}_sim_goodput_rps_at_measured_rates": sim_goodput}
+    key = name if policy == "least_loaded" else f"{name}_{policy}"
+    return {f"{key}_emulated_vs_simulated": rows, f"{key}_sim_goodput_rps_at_measured_rates": sim_goodput}
+
+
+def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Namespace) -> dict[str, object]:
+    serve = ["--model", "tiny", "--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "256",
+             "--policy", policy, *LAYOUTS[name]]  # fmt: skip
+    print(f"{name}: pdserve serve {' '.join(serve)}", file=sys.stderr, flush=True)
+    key = name if policy == "least_loaded" else f"{name}_{policy}"
+    server = start_pdserve(*serve)
+    try:
+        port = server.grpc.rsplit(":", 1)[1]
+        cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
+               "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--sweep",
+               "--goodput", *args.goodput, "--sweep-min-rate", str(args.min_rate), "--sweep-seeds", "1",
+               "--sweep-steps", str(args.steps), "--result-dir", str(tmp), "--result-filename",
+               f"{key}.json"]  # fmt: skip
+        subprocess.run(cmd, check=True)
+    finally:
+        server.stop()
+    res = json.loads((tmp / f"{key}.json").read_text())
+    out: dict[str, object] = {
+        f"{key}_goodput_rps": round(res["goodput_rate"], 2),
+        f"{key}_goodput_rps_per_gpu": round(res["goodput_rate"] / 8, 3),
+        f"{key}_bracketed": res["bracketed"],
+    }
+    keep = ("rate", "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+    out[f"{key}_points"] = [{k: round(pt[k], 3) for k in keep} for pt in res["points"]]
+    out.update(simulated_side_by_side(name, policy, res["points"], args))
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--policies", default="least_loaded", help="routing policies, comma-separated")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--num-prompts", type=int, default=300)
     p.add_argument("--goodput", nargs="+", default=["ttft:250", "tpot:100"])
@@ -85,27 +117,8 @@ def main() -> None:
     out: dict[str, object] = {"trace": args.trace.name, "goodput_slo": " ".join(args.goodput)}
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-emulated-"))
     for name in args.layouts.split(","):
-        serve = ["--model", "tiny", "--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "256",
-                 *LAYOUTS[name]]  # fmt: skip
-        print(f"{name}: pdserve serve {' '.join(serve)}", file=sys.stderr, flush=True)
-        server = start_pdserve(*serve)
-        try:
-            port = server.grpc.rsplit(":", 1)[1]
-            cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
-                   "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--sweep",
-                   "--goodput", *args.goodput, "--sweep-min-rate", str(args.min_rate), "--sweep-seeds", "1",
-                   "--sweep-steps", str(args.steps), "--result-dir", str(tmp), "--result-filename",
-                   f"{name}.json"]  # fmt: skip
-            subprocess.run(cmd, check=True)
-        finally:
-            server.stop()
-        res = json.loads((tmp / f"{name}.json").read_text())
-        out[f"{name}_goodput_rps"] = round(res["goodput_rate"], 2)
-        out[f"{name}_goodput_rps_per_gpu"] = round(res["goodput_rate"] / 8, 3)
-        out[f"{name}_bracketed"] = res["bracketed"]
-        keep = ("rate", "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-        out[f"{name}_points"] = [{k: round(pt[k], 3) for k in keep} for pt in res["points"]]
-        out.update(simulated_side_by_side(name, res["points"], args))
+        for policy in args.policies.split(","):
+            out.update(run_layout(name, policy, exe, tmp, args))
     print(f"plots and results in {tmp}", file=sys.stderr)
     emit(out)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -32,16 +31,14 @@ from model_runtime.sampling_params import SamplingParams
 from model_runtime.tokenizer import TextTokenizer
 from model_runtime.validation import RequestLimits, validate_request
 from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
+from router.accounting import Accounting
 from router.config import RouterConfig
-from router.dispatchers import make_dispatcher
 from router.errors import Code, RouterError
-from router.latency_model import Phase
-from router.metrics import RouterMetrics
 from router.outputs import OutputListener
 from router.policy import Decision, Outcome, RouteRequest
 from router.prefix import block_keys
-from router.slo import SloBook, SloClass, SloHint, SloResult, SloTracker
-from router.stream import Event, RequestStream, Timing
+from router.slo import SloClass, SloHint
+from router.stream import Event, RequestStream
 from router.workers import WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -113,17 +110,11 @@ class Router:
             max_prompt_tokens=caps.max_prompt_tokens,
             max_tokens_cap=caps.max_tokens,
         )
-        self.slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
-        self.slo_tracker = SloTracker()
-        self.metrics = RouterMetrics(self._loads, self.slos, self.slo_tracker)
-        self.dispatcher = make_dispatcher(
-            config.policy, config.latency_profile, info.block_size, config.local_prefill,
-            on_error=self.metrics.prediction_error,
-        )  # fmt: skip
-        model = getattr(self.dispatcher, "model", None)
-        if model is not None:
-            self.metrics.corrections = lambda: [(k, ph.value, f) for k, ph, f in model.corrections()
-                                                if ph is not Phase.TRANSFER]  # fmt: skip
+        self.accounting = Accounting(config, info.block_size, self._loads)
+        self.metrics = self.accounting.metrics
+        self.dispatcher = self.accounting.dispatcher
+        self.slos = self.accounting.slos
+        self.slo_tracker = self.accounting.tracker
         name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.model = ModelInfo(
             model_id=name,
@@ -216,9 +207,9 @@ class Router:
         keys = block_keys(ids, self.limits.block_size) if self.config.policy == "goodput" else ()
         route = RouteRequest(len(ids), inp.params.max_tokens, inp.slo.priority, rid, keys, slo)
         decision = self._decide(route)
-        self.metrics.decided(self.dispatcher.name, decision.outcome.value, decision.reason)
+        self.accounting.decided(decision)
         if decision.outcome is Outcome.REJECTED:
-            self._judge(slo, None)
+            self.accounting.judge(slo, None)
             raise RouterError(
                 Code.RESOURCE_EXHAUSTED,
                 f"no worker is predicted to meet SLO class {slo.name!r} ({decision.reason}: predicted TTFT"
@@ -241,7 +232,7 @@ class Router:
     def discard(self, admitted: Admitted) -> None:
         """Forget an admitted request that will not be run (nothing was sent for it)."""
         self._streams.pop(admitted.request_id, None)
-        self.dispatcher.on_end(admitted.request_id, time.perf_counter(), None)
+        self.accounting.dropped(admitted.request_id)
 
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
@@ -260,7 +251,7 @@ class Router:
             if not stream.done:
                 stream.abort()
             self._release(stream)
-            self._ended(admitted, stream)
+            self.accounting.ended(admitted.slo, stream)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         return self.run(self.admit(inp))
@@ -313,32 +304,6 @@ class Router:
         if not stream.done:
             await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)
 
-    def _ended(self, admitted: Admitted, stream: RequestStream) -> None:
-        """Metrics, SLO judgement and dispatcher feedback for a request that is over."""
-        now = time.perf_counter()
-        itls = stream.itls[1:] if stream.prefill_worker else stream.itls  # less the hand-off gap
-        self.dispatcher.on_end(stream.request_id, now, statistics.median(itls) if itls else None)
-        if stream.final_event is not None:
-            self.metrics.observe(stream.final_event, stream.itls)
-            if stream.final_event.finish_reason != "abort":  # a client that left is no verdict
-                self._judge(admitted.slo, stream.final_event.timing)
-        elif stream.error is not None:
-            self.metrics.failed(stream.error.code.name)
-            if stream.error.code is not Code.CANCELLED:
-                self._judge(admitted.slo, None)
-
-    def _judge(self, slo: SloClass, timing: Timing | None) -> None:
-        """One request against its class; ``None``: it failed or was refused (a miss)."""
-        if timing is None:
-            result = SloResult(time.monotonic(), slo.name, 0.0, 0.0, False, False, ok=False)
-        else:
-            ttft_met, tpot_met = slo.met(timing.ttft_ms, timing.tpot_ms)
-            result = SloResult(
-                time.monotonic(), slo.name, timing.ttft_ms, timing.tpot_ms, ttft_met, tpot_met, True
-            )
-        self.slo_tracker.record(result)
-        self.metrics.judged(result)
-
     def _release(self, stream: RequestStream) -> None:
         """Abort the request on every worker still holding it (fire and forget)."""
         for wid in (stream.prefill_worker, stream.decode_worker):
@@ -373,7 +338,7 @@ class Router:
             stream = self._streams.get(d.request_id)
             if stream is None or stream.done:
                 continue
-            self._feedback(worker, stream, d)
+            self.accounting.on_delta(worker.role, stream, d)
             if d.error is not None:
                 stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
                 continue
@@ -393,20 +358,6 @@ class Router:
                         prefill.inflight.discard(d.request_id)  # the KV arrived: prefill is done
                 if stream.feed(d) and d.finished:
                     worker.inflight.discard(d.request_id)
-
-    def _feedback(self, worker: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
-        """Tell the dispatcher what this delta reveals: the first token (TTFT), or decode's first
-        token after a remote prefill (the KV hand-off gap)."""
-        if not d.token_ids:
-            return
-        now = time.perf_counter()
-        if stream.first_token is None:
-            self.dispatcher.on_first_token(stream.request_id, now, now - stream.arrival)
-        elif worker.role is not WorkerRole.PREFILL and stream.prefill_worker and not stream.handed_off:
-            stream.handed_off = True
-            gap = now - stream.first_token
-            self.metrics.handoff.observe(gap)
-            self.dispatcher.on_handoff(stream.request_id, gap)
 
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
         try:

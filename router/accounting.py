@@ -1,0 +1,88 @@
+"""What the router learns from each request's life, and who it tells (no I/O).
+
+The dispatcher hears about first tokens, KV hand-offs and ends (its ledger and latency
+corrections depend on them); Prometheus metrics observe every decision and every end; and
+each request that ends — or is refused — is judged against its SLO class, for the
+``slo_*`` counters and the live window behind ``/dashboard``. A client that went away
+(abort, CANCELLED) gets no verdict: it is neither good nor bad service.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+from model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from router.config import RouterConfig
+from router.dispatchers import make_dispatcher
+from router.errors import Code
+from router.latency_model import Phase
+from router.metrics import RouterMetrics
+from router.policy import Decision
+from router.slo import SloBook, SloClass, SloResult, SloTracker
+from router.stream import RequestStream, Timing
+
+
+class Accounting:
+    def __init__(
+        self, config: RouterConfig, block_size: int, loads: Callable[[], Iterable[WorkerLoad]]
+    ) -> None:
+        self.slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
+        self.tracker = SloTracker()
+        self.metrics = RouterMetrics(loads, self.slos, self.tracker)
+        self.dispatcher = make_dispatcher(
+            config.policy, config.latency_profile, block_size, config.local_prefill,
+            on_error=self.metrics.prediction_error,
+        )  # fmt: skip
+        model = getattr(self.dispatcher, "model", None)
+        if model is not None:
+            self.metrics.corrections = lambda: [
+                (key, phase.value, f) for key, phase, f in model.corrections() if phase is not Phase.TRANSFER
+            ]
+
+    def decided(self, decision: Decision) -> None:
+        self.metrics.decided(self.dispatcher.name, decision.outcome.value, decision.reason)
+
+    def on_delta(self, role: WorkerRole, stream: RequestStream, d: TokenDelta) -> None:
+        """Before ``stream`` takes ``d``: the first token (TTFT), or decode's first token after
+        a remote prefill (the KV hand-off gap), goes to the dispatcher."""
+        if not d.token_ids:
+            return
+        now = time.perf_counter()
+        if stream.first_token is None:
+            self.dispatcher.on_first_token(stream.request_id, now, now - stream.arrival)
+        elif role is not WorkerRole.PREFILL and stream.prefill_worker and not stream.handed_off:
+            stream.handed_off = True
+            gap = now - stream.first_token
+            self.metrics.handoff.observe(gap)
+            self.dispatcher.on_handoff(stream.request_id, gap)
+
+    def ended(self, slo: SloClass, stream: RequestStream) -> None:
+        now = time.perf_counter()
+        itls = stream.itls[1:] if stream.prefill_worker else stream.itls  # less the hand-off gap
+        self.dispatcher.on_end(stream.request_id, now, statistics.median(itls) if itls else None)
+        if stream.final_event is not None:
+            self.metrics.observe(stream.final_event, stream.itls)
+            if stream.final_event.finish_reason != "abort":
+                self.judge(slo, stream.final_event.timing)
+        elif stream.error is not None:
+            self.metrics.failed(stream.error.code.name)
+            if stream.error.code is not Code.CANCELLED:
+                self.judge(slo, None)
+
+    def dropped(self, request_id: str) -> None:
+        """An admitted request that will not run (nothing was sent for it)."""
+        self.dispatcher.on_end(request_id, time.perf_counter(), None)
+
+    def judge(self, slo: SloClass, timing: Timing | None) -> None:
+        """One request against its class; ``None``: it failed or was refused (a miss)."""
+        if timing is None:
+            result = SloResult(time.monotonic(), slo.name, 0.0, 0.0, False, False, ok=False)
+        else:
+            ttft_met, tpot_met = slo.met(timing.ttft_ms, timing.tpot_ms)
+            result = SloResult(
+                time.monotonic(), slo.name, timing.ttft_ms, timing.tpot_ms, ttft_met, tpot_met, True
+            )
+        self.tracker.record(result)
+        self.metrics.judged(result)
