@@ -22,13 +22,17 @@ from model_runtime.worker.messages import (
     Logprob,
     OutputBatch,
     TokenDelta,
+    TransferCounters,
     WorkerHealth,
     WorkerLoad,
     WorkerRole,
 )
 
 SECRET = b"0123456789abcdef-secret"
-LOAD = WorkerLoad("decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING)
+LOAD = WorkerLoad(
+    "decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING,
+    TransferCounters(123456, 0.5, 7, (("peer_died", 1), ("timeout", 2))),
+)  # fmt: skip
 
 
 def body(frame: bytes) -> bytes:
@@ -74,11 +78,29 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
         msgpack.packb(
             {"v": 1, "w": "decode-0", "d": [["a", [-1], None, False, None, None, 0, False, None]], "l": []}
         ),
-        msgpack.packb({"v": 1, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy"]}),
-        msgpack.packb({"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy"]}),
-        msgpack.packb({"v": 1, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy"]}),
+        msgpack.packb(
+            {"v": 1, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+        ),
+        msgpack.packb(
+            {"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+        ),
+        msgpack.packb({"v": 1, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
+        *(  # transfer counters: wrong shape, negative, oversized cause list
+            msgpack.packb(
+                {"v": 1, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
+            )
+            for t in (
+                [1, 2.0],
+                [-1, 0.0, 0, []],
+                [1, -0.5, 0, []],
+                [1, 0.0, 0, [["x", 1]] * 33],
+                [1, 0.0, 0, [["x", -1]]],
+                [1, 0.0, 0, [[7, 1]]],
+                [1, 1, 0, []],
+            )
+        ),
     ],
 )
 def test_malformed_frames_raise_channel_error(payload: bytes) -> None:

@@ -1,0 +1,182 @@
+"""Goodput of the routing policies, of conditional disaggregation and of SLO admission, in the
+simulator (the router's real dispatchers and the runtime's real schedulers, H100 timing).
+
+Three experiments, each a goodput bisection (joint TTFT/TPOT attainment >= 90 %, Poisson
+arrivals at the trace's mean-rate-scaled timestamps, ``--num-prompts`` requests per point, two
+seeds) per configuration:
+
+* ``policies``: ``goodput`` vs ``least_loaded`` vs ``round_robin`` on static splits of
+  ``--gpus`` GPUs, Azure conversation trace and ShareGPT lengths, TTFT 250 ms / TPOT 100 ms;
+* ``conditional``: at TPOT 20, 50 and 100 ms (TTFT 250 ms), the best chunked colocated layout,
+  the best static split (least-loaded, no local prefill) and the best split under the
+  ``goodput`` policy with conditional disaggregation, on the same GPUs;
+* ``overload``: twice the goodput rate of a layout, with and without ``--admission reject``:
+  attainment over all requests, over admitted requests, and the share rejected.
+
+    .venv/bin/python benchmarks/routing_goodput.py --experiment all      # minutes on 2 cores
+
+The ceiling measured in the same run is each configuration's attainment at its lowest rate.
+Final line: JSON with every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdserve.bench.sweep import sweep
+from simulator.run import add_simulate_args, simulate
+
+DATA = Path(__file__).resolve().parents[2] / "shared/data/traces"
+DATASETS = {
+    "azure-conv": ["--trace", str(DATA / "AzureLLMInferenceTrace_conv_2023.csv")],
+    "sharegpt": ["--sharegpt", str(DATA / "sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv")],
+}
+COLOCATED_BUDGETS = (512, 2048, 8192)
+
+
+def parse(flags: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    return p.parse_args(flags)
+
+
+def point(flags: list[str], rate: float, seed: int) -> dict[str, Any]:
+    return simulate(parse([*flags, "--request-rate", str(rate), "--seed", str(seed)]))
+
+
+def goodput(flags: list[str], gpus: int, args: argparse.Namespace) -> dict[str, Any]:
+    async def one(rate: float, seed: int) -> dict[str, Any]:
+        return point(flags, rate, seed)
+
+    sw = argparse.Namespace(sweep_target=0.9, sweep_min_rate=float(gpus), sweep_max_doublings=12,
+                            sweep_steps=args.steps, sweep_seeds=args.seeds, seed=0)  # fmt: skip
+    t0 = time.perf_counter()
+    res = asyncio.run(sweep(one, sw))
+    lowest = min(res["points"], key=lambda r: r["rate"])
+    out = {
+        "goodput": res["goodput_rate"],
+        "per_gpu": res["goodput_rate"] / gpus,
+        "bracketed": res["bracketed"],
+        "ceiling_attainment": lowest["slo_attainment"],
+        "wall_s": time.perf_counter() - t0,
+    }
+    print(f"    {' '.join(flags[-12:])}: {out['per_gpu']:.2f} req/s/GPU", file=sys.stderr, flush=True)
+    return out
+
+
+def splits(gpus: int, count: int) -> list[int]:
+    """``count`` prefill-worker counts spread evenly over 1..gpus-1."""
+    if gpus < 2:
+        return []
+    count = min(count, gpus - 1)
+    return sorted({round(1 + i * (gpus - 2) / max(1, count - 1)) for i in range(count)})
+
+
+def base(dataset: str, args: argparse.Namespace, ttft: int, tpot: int) -> list[str]:
+    return [*DATASETS[dataset], "--num-prompts", str(args.num_prompts), "--goodput", f"ttft:{ttft}",
+            f"tpot:{tpot}"]  # fmt: skip
+
+
+def exp_policies(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dataset in DATASETS:
+        counts = [int(x) for x in args.prefill_counts.split(",")] if args.prefill_counts else None
+        for p in counts or splits(args.gpus, args.policy_splits):
+            layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
+            for policy in ("goodput", "least_loaded", "round_robin"):
+                flags = [*base(dataset, args, 250, 100), *layout, "--policy", policy]
+                out[f"{dataset}/{p}P+{args.gpus - p}D/{policy}"] = goodput(flags, args.gpus, args)
+        best = {pol: max(v["per_gpu"] for k, v in out.items() if k.startswith(dataset) and k.endswith(pol))
+                for pol in ("goodput", "least_loaded", "round_robin")}  # fmt: skip
+        out[f"{dataset}/best_per_gpu"] = best
+        out[f"{dataset}/goodput_over_best_baseline"] = best["goodput"] / max(
+            best["least_loaded"], best["round_robin"]
+        )
+    return out
+
+
+def exp_conditional(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dataset = "azure-conv"
+    for tpot in (20, 50, 100):
+        common = base(dataset, args, 250, tpot)
+        coloc = {b: goodput([*common, "--colocated", str(args.gpus), "--max-num-batched-tokens", str(b)],
+                            args.gpus, args)["per_gpu"] for b in COLOCATED_BUDGETS}  # fmt: skip
+        static: dict[int, float] = {}
+        conditional: dict[int, float] = {}
+        for p in splits(args.gpus, args.splits):
+            layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
+            static[p] = goodput([*common, *layout, "--policy", "least_loaded"], args.gpus, args)["per_gpu"]
+            conditional[p] = goodput([*common, *layout, "--policy", "goodput"], args.gpus, args)["per_gpu"]
+        best_c, best_s, best_g = max(coloc.values()), max(static.values()), max(conditional.values())
+        out[f"tpot{tpot}"] = {
+            "colocated_by_budget": coloc,
+            "static_by_prefill": static,
+            "conditional_by_prefill": conditional,
+            "best_colocated": best_c,
+            "best_static": best_s,
+            "best_conditional": best_g,
+            "conditional_over_better": best_g / max(best_c, best_s),
+        }
+    return out
+
+
+def exp_overload(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dataset in DATASETS:
+        p = args.overload_prefill
+        layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
+        common = [*base(dataset, args, 250, 100), *layout, "--policy", "goodput"]
+        rate = 2 * goodput(common, args.gpus, args)["goodput"]
+        row: dict[str, Any] = {"rate": rate}
+        for admission in ("none", "reject"):
+            m = point([*common, "--admission", admission], rate, 0)
+            rejected = sum(n for k, n in m["decisions"].items() if k.startswith("rejected"))
+            served = m["completed"]
+            good = m["slo_attainment"] * m["num_prompts"]
+            row[admission] = {
+                "attainment_all": m["slo_attainment"],
+                "attainment_admitted": good / served if served else 0.0,
+                "rejected_share": rejected / m["num_prompts"],
+                "goodput_rps": m["request_goodput"],
+                "p99_ttft_ms": m["p99_ttft_ms"],
+                "p99_tpot_ms": m["p99_tpot_ms"],
+            }
+        out[dataset] = row
+    return out
+
+
+EXPERIMENTS = {"policies": exp_policies, "conditional": exp_conditional, "overload": exp_overload}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experiment", choices=[*EXPERIMENTS, "all"], default="all")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--splits", type=int, default=7, help="prefill:decode splits tried (conditional)")
+    p.add_argument("--policy-splits", type=int, default=3, help="prefill:decode splits tried (policies)")
+    p.add_argument("--prefill-counts", default="", help="policies: these prefill-worker counts instead")
+    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="bisection steps")
+    p.add_argument("--overload-prefill", type=int, default=6)
+    args = p.parse_args()
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    results = {"gpus": args.gpus, "num_prompts": args.num_prompts, "seeds": args.seeds}
+    for name in names:
+        print(f"== {name}", file=sys.stderr, flush=True)
+        results[name] = EXPERIMENTS[name](args)
+        print(json.dumps({name: results[name]}, indent=1), file=sys.stderr, flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""SLO classes, the live attainment window, the router's ledger and prefix index (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.ledger import DecodeBatch, DecodeEntry, Ledger, PrefillQueue
+from router.prefix import PrefixIndex, block_keys
+from router.slo import Admission, SloBook, SloClass, SloResult, SloTracker
+
+
+def test_slo_class_parse_and_errors() -> None:
+    c = SloClass.parse("chat:ttft=250,tpot=100,admission=reject")
+    assert c == SloClass("chat", 250.0, 100.0, Admission.REJECT)
+    assert SloClass.parse("batch:tpot=500").admission is Admission.NONE
+    assert c.met(250, 100.5) == (True, False)
+    assert SloClass("free").met(1e9, 1e9) == (True, True)
+    for bad in ("chat:ttft", "chat:ttft=abc", "chat:speed=3", ":ttft=3", "x:admission=maybe", "x:ttft=-1"):
+        with pytest.raises(ValueError):
+            SloClass.parse(bad)
+
+
+def test_book_resolves_classes_and_request_overrides() -> None:
+    book = SloBook.of(SloClass("chat", 250, 100, Admission.REJECT), SloClass("batch", 5000, 500))
+    assert book.resolve().name == "chat"
+    assert book.resolve("batch").tpot_ms == 500
+    own = book.resolve("", ttft_ms=100)
+    assert (own.ttft_ms, own.tpot_ms, own.admission) == (100, 100, Admission.REJECT)
+    with pytest.raises(ValueError, match="unknown SLO class"):
+        book.resolve("gold")
+    assert book.thresholds_s() == ([0.25, 5.0], [0.1, 0.5])
+    assert SloBook.of().resolve().empty
+    with pytest.raises(ValueError):
+        SloBook.of(SloClass("a"), default="b")
+
+
+def result(t: float, cls: str = "chat", good: bool = True, ok: bool = True) -> SloResult:
+    return SloResult(t, cls, 100.0 if good else 900.0, 10.0, good, True, ok)
+
+
+def test_tracker_windows_series_and_horizon() -> None:
+    tr = SloTracker(horizon_s=100)
+    for i in range(10):
+        tr.record(result(float(i), good=i % 2 == 0))
+    tr.record(result(9.5, cls="batch", ok=False))
+    w = tr.window(now=10.0, span_s=11.0)  # (-1, 10]: all of them
+    assert (w.requests, w.good) == (11, 5) and w.goodput_rps == pytest.approx(5 / 11)
+    assert w.attainment == pytest.approx(5 / 11)
+    assert w.ttft_p50_ms == 100.0 and w.ttft_p99_ms == 900.0  # failed requests have no latency
+    chat = tr.window(now=10.0, span_s=11.0, slo_class="chat")
+    assert chat.requests == 10 and chat.attainment == pytest.approx(0.5)
+    assert tr.window(now=10.0, span_s=10.0).requests == 10  # (0, 10]: t=0 is out
+    assert math.isnan(tr.window(now=100.0, span_s=5.0).attainment)
+    series = tr.series(now=10.0, horizon_s=10.0, step_s=5.0)
+    assert [s.requests for s in series] == [5, 5]  # (0, 5] and (5, 10]
+    tr.record(result(200.0))  # beyond the horizon: the old ones are dropped
+    assert tr.window(now=200.0, span_s=1000.0).requests == 1
+    assert tr.classes() == ["chat"]
+
+
+def test_prefill_queue_predicts_the_wait() -> None:
+    q = PrefillQueue()
+    assert q.wait_s(0.0) == 0.0
+    q.add("a", 1.0, now=0.0)
+    q.add("b", 2.0, now=0.5)
+    assert q.wait_s(0.5) == pytest.approx(2.5)  # a has 0.5 s left, then b's 2 s
+    q.done("a", now=1.2)
+    assert q.wait_s(1.2) == pytest.approx(2.0)
+    q.discard("b")
+    assert q.wait_s(1.2) == 0.0 and len(q) == 0
+
+
+def test_decode_batch_counts_misses_and_prefill_share() -> None:
+    b = DecodeBatch()
+    for i, slo in enumerate((0.010, 0.020, 0.030, math.inf)):
+        b.add(f"r{i}", DecodeEntry(100, 10, slo))
+    assert b.size == 4 and b.context == 400 and b.tightest_slo() == 0.010
+    assert b.misses_between(0.005, 0.025) == 2
+    assert b.misses_between(0.025, 0.005) == 0
+    b.remove("r0")
+    assert b.tightest_slo() == 0.020 and b.misses_between(0.005, 0.025) == 1
+    b.add_local_prefill(0.0, 0.2)
+    b.add_local_prefill(1.0, 0.2)
+    assert b.prefill_share(1.5, window_s=2.0) == pytest.approx(0.2)
+    assert b.prefill_share(2.5, window_s=2.0) == pytest.approx(0.1)
+    assert b.prefill_share(10.0, window_s=2.0) == 0.0
+
+
+def test_ledger_moves_requests_through_their_life() -> None:
+    led = Ledger()
+    led.add("r", "p0", 0.1, "d0", DecodeEntry(100, 10, 0.05), now=0.0)
+    assert "r" in led and len(led.prefill_queue("p0")) == 1 and led.batch("d0").size == 1
+    led.prefill_done("r", 0.1)
+    assert len(led.prefill_queue("p0")) == 0 and led.batch("d0").size == 1
+    led.decode_done("r", 1.0)
+    assert len(led) == 0 and led.batch("d0").size == 0
+    led.add("s", "p0", 0.1, "d0", DecodeEntry(100, 10, 0.05), now=2.0)
+    led.drop_worker("d0")
+    assert len(led) == 0 and len(led.prefill_queue("p0")) == 0
+
+
+def test_block_keys_chain_and_index_lru() -> None:
+    a = block_keys(list(range(40)), 16)
+    b = block_keys([*range(32), 99, 98], 16)
+    assert len(a) == 2 and a == b[:2]  # same 32-token prefix; partial blocks never count
+    assert block_keys([*range(16, 32), *range(16)], 16)[1] != a[1]  # keys chain: order matters
+    idx = PrefixIndex(16)
+    idx.set_capacity("p0", 3)
+    idx.record("p0", block_keys(list(range(64)), 16))  # 4 blocks into room for 3: oldest forgotten
+    assert idx.cached_blocks("p0", block_keys(list(range(64)), 16)) == 0
+    idx.record("p0", a)
+    assert idx.cached_blocks("p0", block_keys(list(range(48)), 16)) == 2
+    assert idx.cached_blocks("p1", a) == 0
+    idx.forget("p0")
+    assert idx.cached_blocks("p0", a) == 0
