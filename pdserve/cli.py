@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_args(pl)
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("profile", help="measure the engine on this machine and fit a latency profile (JSON)")
+    from pdserve.profile import add_profile_args, cmd_profile
+
+    add_profile_args(pr)
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 

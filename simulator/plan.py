@@ -1,25 +1,41 @@
 """``pdserve plan``: which layout of N GPUs serves a workload with the most goodput per GPU.
 
-Candidates: colocated engines with a few chunked-prefill budgets, and every prefill:decode split
-(a stride of them on large clusters) with a few prefill budgets. Each candidate's goodput comes
-from the simulator (``simulator.run.simulate``) and the same bisection ``pdserve bench --sweep``
-uses. Colocated layouts are candidates like any other, so the answer may be "do not split".
+Candidate families, each judged by the simulator (``simulator.run.simulate``) and a goodput
+bisection (the rate doubled until joint attainment falls below 90 %, then bisected):
+
+* **chunked colocation** (Sarathi-Serve / vLLM v1): N colocated engines, decode tokens first
+  and prefill chunks filling the step's token budget — one candidate per budget in
+  ``--colocated-budgets``, so the best is a tuned chunk budget;
+* **prefill-priority colocation** (vLLM v0, DistServe's baseline): N colocated engines whose
+  steps are whole prompts or decodes, prompts first — one candidate per ``--priority-budgets``;
+* **static splits**: P prefill + (N − P) decode workers. ``--max-splits`` splits spread evenly
+  over 1..N−1 with every ``--prefill-budgets`` budget, then a local search around the best
+  (its neighbours at half the stride, then a quarter, ... down to 1; ``--no-refine`` skips it).
+
+Colocated layouts are candidates like any other, so the answer may be "do not split". A
+candidate whose bisection can no longer beat the best of its family so far stops early
+(``pruned``: its goodput is below the rate where it failed); ``--no-prune`` measures all.
+The recommendation is the best chunked-colocated or split layout (what ``pdserve serve`` runs);
+prefill-priority colocation is reported beside it as the baseline DistServe measured against.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.metrics import Slo
-from pdserve.bench.sweep import sweep
 from simulator.run import add_simulate_args, simulate
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
+PRIORITY_BUDGETS = (2048, 8192)
 PREFILL_BUDGETS = (2048, 8192)
+CHUNKED, PRIORITY = "chunked", "prefill-priority"
+POINT_KEYS = ("slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
 @dataclass(frozen=True)
@@ -28,17 +44,26 @@ class Candidate:
     decode: int
     colocated: int
     budget: int  # tokens per step: the colocated chunk budget, or the prefill workers' budget
+    schedule: str = CHUNKED  # colocated only: "chunked" or "prefill-priority"
 
     @property
     def gpus(self) -> int:
         return self.colocated or self.prefill + self.decode
 
     @property
+    def family(self) -> str:
+        return self.schedule if self.colocated else "split"
+
+    @property
     def label(self) -> str:
-        shape = f"{self.colocated} colocated" if self.colocated else f"{self.prefill}P+{self.decode}D"
-        return f"{shape}, budget {self.budget}"
+        if self.colocated:
+            kind = "" if self.schedule == CHUNKED else f" {self.schedule}"
+            return f"{self.colocated} colocated{kind}, budget {self.budget}"
+        return f"{self.prefill}P+{self.decode}D, budget {self.budget}"
 
     def serve_flags(self, profile: str) -> str:
+        if self.colocated and self.schedule != CHUNKED:
+            return f"(a baseline: pdserve serve colocates with chunked prefill)  # profile {profile}"
         shape = (
             f"--colocated {self.colocated}"
             if self.colocated
@@ -47,34 +72,92 @@ class Candidate:
         return f"pdserve serve {shape} --max-num-batched-tokens {self.budget}  # profile {profile}"
 
 
-def candidates(gpus: int, max_splits: int = 16) -> list[Candidate]:
-    out = [Candidate(0, 0, gpus, b) for b in COLOCATED_BUDGETS]
-    if gpus >= 2:
-        stride = max(1, (gpus - 1) // max_splits)
-        for p in range(1, gpus, stride):
-            out += [Candidate(p, gpus - p, 0, b) for b in PREFILL_BUDGETS]
+def splits(gpus: int, max_splits: int) -> list[int]:
+    """Prefill worker counts to try: 1..gpus-1 with a stride that keeps about ``max_splits``."""
+    stride = max(1, (gpus - 1) // max(1, max_splits))
+    return list(range(1, gpus, stride))
+
+
+def candidates(
+    gpus: int,
+    max_splits: int = 16,
+    colocated_budgets: Sequence[int] = COLOCATED_BUDGETS,
+    priority_budgets: Sequence[int] = (),
+    prefill_budgets: Sequence[int] = PREFILL_BUDGETS,
+) -> list[Candidate]:
+    out = [Candidate(0, 0, gpus, b) for b in colocated_budgets]
+    out += [Candidate(0, 0, gpus, b, PRIORITY) for b in priority_budgets]
+    for p in splits(gpus, max_splits):
+        out += [Candidate(p, gpus - p, 0, b) for b in prefill_budgets]
     return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_simulate_args(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs (workers) to lay out")
-    p.add_argument("--max-splits", type=int, default=16, help="prefill:decode splits tried at most")
-    p.add_argument("--sweep-steps", type=int, default=5)
+    p.add_argument("--max-splits", type=int, default=16, help="prefill:decode splits in the first pass")
+    p.add_argument("--no-refine", dest="refine", action="store_false", help="no second pass of splits")
+    p.add_argument("--colocated-budgets", type=_ints, default=list(COLOCATED_BUDGETS), help="e.g. 512,2048")
+    p.add_argument(
+        "--priority-budgets",
+        type=_ints,
+        default=list(PRIORITY_BUDGETS),
+        help="prefill-priority colocation budgets ('' for none)",
+    )
+    p.add_argument("--prefill-budgets", type=_ints, default=list(PREFILL_BUDGETS))
+    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+    p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
+    p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
 
 
-async def goodput(c: Candidate, args: argparse.Namespace) -> dict[str, Any]:
-    async def point(rate: float, seed: int) -> dict[str, Any]:
-        ns = argparse.Namespace(**{**vars(args), "prefill": c.prefill, "decode": c.decode,
-                                   "colocated": c.colocated, "max_num_batched_tokens": c.budget,
-                                   "request_rate": rate, "seed": seed})  # fmt: skip
-        return simulate(ns)
+def goodput(
+    c: Candidate,
+    args: argparse.Namespace,
+    bound: float = 0.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
+    × GPUs until a miss, then ``--sweep-steps`` bisections. Stops as soon as the bracket's
+    failing end is <= ``bound`` (it cannot beat that): ``pruned``, goodput a lower bound."""
 
-    sw = argparse.Namespace(
-        sweep_target=0.9, sweep_min_rate=float(c.gpus), sweep_max_doublings=12, sweep_steps=args.sweep_steps,
-        sweep_seeds=1, seed=args.seed,
-    )  # fmt: skip
-    return await sweep(point, sw)
+    def attainment(rate: float) -> float:
+        shape = {"prefill": c.prefill, "decode": c.decode, "colocated": c.colocated}
+        step = {"max_num_batched_tokens": c.budget, "colocated_schedule": c.schedule}
+        m = simulate(argparse.Namespace(**{**vars(args), **shape, **step, "request_rate": rate}))
+        points.append({"rate": rate, **{k: m[k] for k in POINT_KEYS}})
+        if progress:
+            progress(f"    {c.label}: {rate:9.2f} req/s -> attainment {m['slo_attainment']:.3f}")
+        return float(m["slo_attainment"])
+
+    points: list[dict[str, Any]] = []
+    lo, hi = 0.0, args.min_rate_per_gpu * c.gpus
+    bracketed = pruned = False
+    for _ in range(12):
+        if attainment(hi) < 0.9:
+            bracketed = True
+            break
+        lo, hi = hi, hi * 2
+    if bracketed:
+        for _ in range(args.sweep_steps):
+            if hi <= bound:
+                pruned = True
+                break
+            mid = (lo + hi) / 2 if lo else hi / 2
+            if attainment(mid) >= 0.9:
+                lo = mid
+            else:
+                hi = mid
+    return {
+        "goodput_rate": lo,
+        "failed_at": hi if bracketed else None,
+        "bracketed": bracketed,
+        "pruned": pruned,
+        "points": sorted(points, key=lambda r: r["rate"]),
+    }
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -84,21 +167,89 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         print("pdserve plan: error: --gpus must be >= 1", file=sys.stderr)
         return 2
-    rows = []
-    for c in candidates(args.gpus, args.max_splits):
-        res = asyncio.run(goodput(c, args))
+    rows: list[tuple[float, Candidate, dict[str, Any]]] = []
+    best: dict[str, float] = {}  # family -> best goodput (req/s) so far
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def run(c: Candidate) -> None:
+        bound = best.get(c.family, 0.0) if args.prune else 0.0
+        res = goodput(c, args, bound, progress)
         per_gpu = res["goodput_rate"] / c.gpus
         rows.append((per_gpu, c, res))
-        bound = "" if res["bracketed"] else " (>=)"
+        best[c.family] = max(best.get(c.family, 0.0), res["goodput_rate"])
+        if res["pruned"]:
+            note = f" (< {res['failed_at']:.2f}, pruned)"
+        else:
+            note = "" if res["bracketed"] else " (>=)"
         print(
-            f"  {c.label:<32} goodput {res['goodput_rate']:8.2f} req/s{bound}  {per_gpu:7.3f} per GPU",
+            f"  {c.label:<40} goodput {res['goodput_rate']:8.2f} req/s{note}  {per_gpu:7.3f} per GPU",
             flush=True,
         )
+
+    first = candidates(
+        args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
+    )
+    for c in first:
+        run(c)
+    tried = {(c.prefill, c.budget) for c in first if not c.colocated}
+    coarse = splits(args.gpus, args.max_splits)
+    step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
+    while step >= 1:  # local search around the best split: halve the step each round
+        top = max((r for r in rows if not r[1].colocated), key=lambda r: r[0])[1].prefill
+        for p in (top - step, top + step):
+            for b in args.prefill_budgets:
+                if 0 < p < args.gpus and (p, b) not in tried:
+                    tried.add((p, b))
+                    run(Candidate(p, args.gpus - p, 0, b))
+        step //= 2
     rows.sort(key=lambda r: -r[0])
-    best_per_gpu, best, _ = rows[0]
-    best_coloc = max((r for r in rows if r[1].colocated), key=lambda r: r[0])
-    ratio = best_per_gpu / best_coloc[0] if best_coloc[0] else float("inf")
-    print(f"\nrecommended: {best.label}: {best_per_gpu:.3f} req/s per GPU")
-    print(f"  {ratio:.2f}x the best colocated layout ({best_coloc[1].label})")
-    print(f"  {best.serve_flags(args.profile)}")
+    # Prefill-priority colocation is the baseline to beat, not something pdserve serve deploys.
+    best_per_gpu, rec, _ = next(r for r in rows if r[1].family != PRIORITY)
+
+    def family_best(name: str) -> tuple[float, Candidate, dict[str, Any]] | None:
+        return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)
+
+    coloc = max((r for r in rows if r[1].colocated), key=lambda r: r[0], default=None)
+    chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best("split")
+    print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")
+    summary: dict[str, Any] = {
+        "gpus": args.gpus,
+        "goodput_slo": " ".join(args.goodput),
+        "recommended": rec.label,
+        "recommended_per_gpu": round(best_per_gpu, 3),
+    }
+    for name, row in (
+        ("best colocated", coloc),
+        ("best chunked colocated", chunked),
+        ("prefill-priority colocated", priority),
+        ("best static split", split),
+    ):
+        if row is None:
+            continue
+        ratio = best_per_gpu / row[0] if row[0] else float("inf")
+        print(f"  {ratio:.2f}x {name} ({row[1].label}: {row[0]:.3f} per GPU)")
+    for key, row in (("best_chunked", chunked), ("best_prefill_priority", priority), ("best_split", split)):
+        if row is not None:
+            summary[key] = row[1].label
+            summary[f"{key}_per_gpu"] = round(row[0], 3)
+            summary[f"recommended_over_{key}"] = round(best_per_gpu / row[0], 3) if row[0] else None
+    print(f"  {rec.serve_flags(args.profile)}")
+    summary["candidates"] = [
+        {
+            "label": c.label,
+            "family": c.family,
+            "per_gpu": round(pg, 3),
+            "goodput_rps": round(r["goodput_rate"], 2),
+            "bracketed": r["bracketed"],
+            "pruned": r["pruned"],
+            "points": r["points"],
+        }
+        for pg, c, r in rows
+    ]
+    if args.save_result:
+        args.save_result.write_text(json.dumps(summary))
+        print(f"saved {args.save_result}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "candidates"}, sort_keys=True))
     return 0

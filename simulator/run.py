@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from model_runtime.latency import load_profile
-from model_runtime.scheduler.plan import QueuePolicy, SchedulerConfig
+from model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
@@ -45,6 +45,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill / colocated step budget")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
+        "--colocated-schedule",
+        choices=[s.value for s in ColocatedSchedule],
+        default=ColocatedSchedule.CHUNKED.value,
+        help="colocated engines: chunked prefill riding along decodes, or whole prompts first (vLLM v0)",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=64,
@@ -75,8 +81,9 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
 def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -> dict[str, Any]:
     profile = load_profile(args.profile)
     specs = specs if specs is not None else workload(args)
+    schedule = ColocatedSchedule(getattr(args, "colocated_schedule", ColocatedSchedule.CHUNKED.value))
     cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          policy=QueuePolicy.PRIORITY)  # fmt: skip
+                          policy=QueuePolicy.PRIORITY, colocated=schedule)  # fmt: skip
     slo = Slo.parse(args.goodput)
     admission = Admission(getattr(args, "admission", "none"))
     slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
@@ -124,6 +131,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
             "profile": profile.name,
             "layout": f"{args.colocated} colocated" if args.colocated else f"{args.prefill}P+{args.decode}D",
             "policy": args.policy,
+            "colocated_schedule": schedule.value,
             "admission": admission.value,
             "decisions": dict(sorted(cluster.decisions.items())),
             "num_prompts": len(specs),

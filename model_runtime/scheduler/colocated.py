@@ -4,6 +4,10 @@ Each step first gives every running decode its token (decode latency is protecte
 the rest of the token budget with prefill chunks (Sarathi-style). Requests preempted on either
 side are recomputed by the prefill side before new arrivals. This is the baseline that
 disaggregation is measured against, and the local-prefill path for short prompts.
+
+With ``SchedulerConfig.colocated = PREFILL_PRIORITY`` a step is instead either whole prompts
+only or decodes only, prompts first whenever one can start (vLLM v0's default, the colocated
+baseline of DistServe's paper): see ``ColocatedSchedule``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 from model_runtime.kv_cache.manager import KVCacheManager
 from model_runtime.request import FinishReason, Request
 from model_runtime.scheduler.decode import DecodeScheduler
-from model_runtime.scheduler.plan import SchedulePlan, SchedulerConfig, StepUpdate
+from model_runtime.scheduler.plan import ColocatedSchedule, SchedulePlan, SchedulerConfig, StepUpdate
 from model_runtime.scheduler.prefill import PrefillScheduler
 
 
@@ -41,6 +45,8 @@ class ColocatedScheduler:
         return self.decode.num_running + self.prefill.num_running
 
     def schedule(self) -> SchedulePlan:
+        if self.config.colocated is ColocatedSchedule.PREFILL_PRIORITY:
+            return self._schedule_prefill_priority()
         decode_chunks, preempted = self.decode.schedule(self.config.max_num_seqs)
         for req in preempted:
             self.prefill.add_preempted(req)
@@ -54,6 +60,21 @@ class ColocatedScheduler:
             chunks=(*decode_chunks, *prefill_chunks),
             preempted=tuple(r.request_id for r in preempted),
         )
+
+    def _schedule_prefill_priority(self) -> SchedulePlan:
+        """Whole waiting prompts if any can start (within the sequence limit and the pool),
+        else one decode token for every running request."""
+        seqs = self.config.max_num_seqs - self.decode.num_running - self.prefill.num_running
+        if seqs > 0 and (self.prefill.num_waiting or self.prefill.num_running):
+            chunks, preempted = self.prefill.schedule(self.config.max_num_batched_tokens, seqs, whole=True)
+            if chunks or preempted:
+                self.num_preemptions += len(preempted)
+                return SchedulePlan(chunks=tuple(chunks), preempted=tuple(r.request_id for r in preempted))
+        decode_chunks, preempted = self.decode.schedule(self.config.max_num_seqs)
+        for req in preempted:
+            self.prefill.add_preempted(req)
+        self.num_preemptions += len(preempted)
+        return SchedulePlan(chunks=tuple(decode_chunks), preempted=tuple(r.request_id for r in preempted))
 
     def update(self, plan: SchedulePlan, sampled: Mapping[str, int]) -> StepUpdate:
         decode_chunks = [c for c in plan.chunks if self.decode.is_scheduled(c.request_id)]

@@ -15,19 +15,37 @@ class QueuePolicy(enum.Enum):
     PRIORITY = "priority"  # lower ``Request.priority`` first, FCFS among equals
 
 
+class ColocatedSchedule(enum.Enum):
+    """How a colocated engine shares its steps between prefill and decode.
+
+    ``CHUNKED``: every step gives each running decode its token first, then fills the rest of
+    the token budget with prefill chunks (Sarathi-Serve, vLLM v1). ``PREFILL_PRIORITY``: a step
+    is either a prefill step — waiting prompts, oldest first, whole (never chunked), as many as
+    fit the token budget (the first always goes, however long) — or, when no prompt can start,
+    a decode step for every running request. Prompts thus interrupt the decode cadence for as
+    long as they take: vLLM v0's default scheduler, DistServe's colocated baseline.
+    """
+
+    CHUNKED = "chunked"
+    PREFILL_PRIORITY = "prefill-priority"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits.
 
     ``max_num_batched_tokens`` is the token budget of one forward pass (decode tokens count one
     each; prefill chunks fill what is left). ``max_prefill_chunk`` caps one request's chunk so a
-    long prompt cannot monopolise a step (0: no cap beyond the budget).
+    long prompt cannot monopolise a step (0: no cap beyond the budget). ``colocated`` says how
+    a colocated engine interleaves prefill and decode (``ColocatedSchedule``); prefill-only and
+    decode-only workers ignore it.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_prefill_chunk: int = 0
     policy: QueuePolicy = QueuePolicy.FCFS
+    colocated: ColocatedSchedule = ColocatedSchedule.CHUNKED
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

@@ -4,6 +4,9 @@ Requests already part-way through their prompt go first (they hold blocks); then
 in queue order, each taking its prefix-cache hit and as many tokens as the budget allows. The
 queue is strict: when the head cannot get blocks, nobody behind it jumps ahead (no starvation).
 If a part-way request cannot grow, the newest part-way request is preempted (recompute).
+With ``whole=True`` prompts are never chunked: a prompt goes only if all of it fits what is
+left of the budget, except the step's first, which goes whatever its length (prefill-priority
+colocation, ``ColocatedSchedule.PREFILL_PRIORITY``).
 """
 
 from __future__ import annotations
@@ -80,16 +83,20 @@ class PrefillScheduler:
         return None
 
     # -- planning ----------------------------------------------------------------------------
-    def _chunk_len(self, remaining: int, budget: int) -> int:
+    def _chunk_len(self, remaining: int, budget: int, whole: bool = False, first: bool = False) -> int:
+        """Tokens to run now of ``remaining``; 0: this request does not fit the step."""
+        if whole:
+            return remaining if first or remaining <= budget else 0
         n = min(remaining, budget)
         if self.config.max_prefill_chunk:
             n = min(n, self.config.max_prefill_chunk)
         return n
 
     def schedule(
-        self, token_budget: int | None = None, seq_budget: int | None = None
+        self, token_budget: int | None = None, seq_budget: int | None = None, whole: bool = False
     ) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Plan this step's prefill chunks. Returns (chunks, requests preempted to make room)."""
+        """Plan this step's prefill chunks. Returns (chunks, requests preempted to make room).
+        ``whole``: whole prompts only (see the module docstring)."""
         budget = self.config.max_num_batched_tokens if token_budget is None else token_budget
         seqs = self.config.max_num_seqs if seq_budget is None else seq_budget
         chunks: list[ScheduledChunk] = []
@@ -99,7 +106,9 @@ class PrefillScheduler:
         idx = 0
         while idx < len(self.running) and budget > 0 and seqs > 0:
             req = self.running[idx]
-            n = self._chunk_len(req.num_uncomputed_tokens, budget)
+            n = self._chunk_len(req.num_uncomputed_tokens, budget, whole, not chunks)
+            if n == 0:
+                break
             if allocate_or_preempt(self.kv, self.running, req, n, preempted):
                 chunks.append(make_chunk(self.kv, req, n))
                 self._scheduled[req.request_id] = req
@@ -118,8 +127,8 @@ class PrefillScheduler:
             req = head
             hits, hit_tokens = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = 0
-            n = self._chunk_len(req.num_tokens - hit_tokens, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            n = self._chunk_len(req.num_tokens - hit_tokens, budget, whole, not chunks)
+            if n == 0 or not self.kv.allocate_slots(req, n, hits):
                 break
             self._pop()
             req.num_computed_tokens = hit_tokens
