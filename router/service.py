@@ -150,7 +150,9 @@ class Router:
             return False
         if self.colocated:
             return bool(self._pool(WorkerRole.COLOCATED))
-        return bool(self._pool(WorkerRole.PREFILL)) and bool(self._pool(WorkerRole.DECODE))
+        # With every prefill worker gone, decode workers prefill requests themselves (slower,
+        # but served): the dispatchers fall back to local prefill.
+        return bool(self._pool(WorkerRole.DECODE))
 
     @property
     def num_inflight(self) -> int:

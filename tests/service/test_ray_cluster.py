@@ -214,5 +214,15 @@ def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
         for i in range(4):
             [msg] = list(s.Generate(grpc_request([7, 8, 9 + i], 4)))
             assert msg.result.decode_worker == "decode-1"
+        # With the only prefill worker gone too, the survivor prefills requests itself.
+        prefill0 = next(h for h in st.service.handles if h.worker_id == "prefill-0")
+        os.kill(prefill0.info.pid, signal.SIGKILL)
+        wait_for(lambda: not next(h for h in st.service.handles if h.worker_id == "prefill-0").healthy, 10,
+                 "prefill-0 seen dead")  # fmt: skip
+        assert status(ep)["ready"]
+        p = list(range(3, 40))
+        [msg] = list(s.Generate(grpc_request(p, 5)))
+        assert msg.result.decode_worker == "decode-1" and msg.result.prefill_worker == ""
+        assert list(msg.chunk.token_ids) == hf_reference(p, 5)
     finally:
         st.stop()
