@@ -146,6 +146,28 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
+def _stats(
+    outs: list[SloResult], times: list[float], now: float, span_s: float, slo_class: str | None
+) -> WindowStats:
+    lo, hi = bisect.bisect_right(times, now - span_s), bisect.bisect_right(times, now)
+    picked = [o for o in outs[lo:hi] if slo_class is None or o.slo_class == slo_class]
+    good = sum(o.good for o in picked)
+    ok = [o for o in picked if o.ok]
+    ttft = sorted(o.ttft_ms for o in ok)
+    tpot = sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
+    return WindowStats(
+        t=now,
+        requests=len(picked),
+        good=good,
+        goodput_rps=good / span_s,
+        attainment=good / len(picked) if picked else math.nan,
+        ttft_p50_ms=_pct(ttft, 0.5),
+        ttft_p99_ms=_pct(ttft, 0.99),
+        tpot_p50_ms=_pct(tpot, 0.5),
+        tpot_p99_ms=_pct(tpot, 0.99),
+    )
+
+
 class SloTracker:
     """Outcomes of the last ``horizon_s`` seconds, kept in end-time order (bounded)."""
 
@@ -161,30 +183,17 @@ class SloTracker:
 
     def window(self, now: float, span_s: float = 60.0, slo_class: str | None = None) -> WindowStats:
         """Stats of the requests that ended in ``(now - span_s, now]`` (one class or all)."""
-        times = [o.t for o in self._outcomes]
-        lo, hi = bisect.bisect_right(times, now - span_s), bisect.bisect_right(times, now)
-        picked = [o for o in list(self._outcomes)[lo:hi] if slo_class is None or o.slo_class == slo_class]
-        good = sum(o.good for o in picked)
-        ok = [o for o in picked if o.ok]
-        ttft = sorted(o.ttft_ms for o in ok)
-        tpot = sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
-        return WindowStats(
-            t=now,
-            requests=len(picked),
-            good=good,
-            goodput_rps=good / span_s,
-            attainment=good / len(picked) if picked else math.nan,
-            ttft_p50_ms=_pct(ttft, 0.5),
-            ttft_p99_ms=_pct(ttft, 0.99),
-            tpot_p50_ms=_pct(tpot, 0.5),
-            tpot_p99_ms=_pct(tpot, 0.99),
-        )
+        outs = list(self._outcomes)
+        return _stats(outs, [o.t for o in outs], now, span_s, slo_class)
 
     def series(self, now: float, horizon_s: float = 300.0, step_s: float = 10.0) -> list[WindowStats]:
         """One ``WindowStats`` per ``step_s`` over the last ``horizon_s`` (oldest first), each
-        over a trailing window of ``step_s`` — what ``/dashboard`` plots."""
+        over a trailing window of ``step_s`` — what ``/dashboard`` plots. One copy of the
+        outcomes for the whole series, then a binary search per window."""
+        outs = list(self._outcomes)
+        times = [o.t for o in outs]
         n = max(1, int(horizon_s // step_s))
-        return [self.window(now - (n - 1 - i) * step_s, step_s) for i in range(n)]
+        return [_stats(outs, times, now - (n - 1 - i) * step_s, step_s, None) for i in range(n)]
 
     def classes(self) -> list[str]:
         return sorted({o.slo_class for o in self._outcomes})
