@@ -1,9 +1,12 @@
 """Goodput of the routing policies, of conditional disaggregation and of SLO admission, in the
 simulator (the router's real dispatchers and the runtime's real schedulers, H100 timing).
 
-Three experiments, each a goodput bisection (joint TTFT/TPOT attainment >= 90 %, Poisson
-arrivals at the trace's mean-rate-scaled timestamps, ``--num-prompts`` requests per point, two
-seeds) per configuration:
+Three experiments, each a goodput bisection (joint TTFT/TPOT attainment >= 90 %, arrivals at
+the trace's timestamps scaled to the mean rate, or Poisson for ShareGPT lengths) per
+configuration. Each point runs ``max(--num-prompts, rate x --duration)`` requests: a fixed
+count at a high rate is a burst that ends before the decode batches reach steady state (a
+single decode worker then "serves" 36 req/s/GPU that it cannot sustain), so every point covers
+``--duration`` seconds of arrivals, several request lifetimes.
 
 * ``policies``: ``goodput`` vs ``least_loaded`` vs ``round_robin`` on static splits of
   ``--gpus`` GPUs, Azure conversation trace and ShareGPT lengths, TTFT 250 ms / TPOT 100 ms;
@@ -39,7 +42,7 @@ DATASETS = {
     "azure-conv": ["--trace", str(DATA / "AzureLLMInferenceTrace_conv_2023.csv")],
     "sharegpt": ["--sharegpt", str(DATA / "sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv")],
 }
-COLOCATED_BUDGETS = (512, 2048, 8192)
+COLOCATED_BUDGETS = (512, 2048)
 
 
 def parse(flags: list[str]) -> argparse.Namespace:
@@ -48,16 +51,24 @@ def parse(flags: list[str]) -> argparse.Namespace:
     return p.parse_args(flags)
 
 
+POINT = {"duration_s": 20.0, "min_prompts": 400}
+
+
 def point(flags: list[str], rate: float, seed: int) -> dict[str, Any]:
-    return simulate(parse([*flags, "--request-rate", str(rate), "--seed", str(seed)]))
+    n = max(int(POINT["min_prompts"]), round(rate * POINT["duration_s"]))
+    return simulate(
+        parse([*flags, "--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed)])
+    )
 
 
 def goodput(flags: list[str], gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     async def one(rate: float, seed: int) -> dict[str, Any]:
         return point(flags, rate, seed)
 
-    sw = argparse.Namespace(sweep_target=0.9, sweep_min_rate=float(gpus), sweep_max_doublings=12,
-                            sweep_steps=args.steps, sweep_seeds=args.seeds, seed=0)  # fmt: skip
+    sw = argparse.Namespace(
+        sweep_target=0.9, sweep_min_rate=args.min_rate_per_gpu * gpus, sweep_max_doublings=12,
+        sweep_steps=args.steps, sweep_seeds=args.seeds, seed=0,
+    )  # fmt: skip
     t0 = time.perf_counter()
     res = asyncio.run(sweep(one, sw))
     lowest = min(res["points"], key=lambda r: r["rate"])
@@ -81,8 +92,7 @@ def splits(gpus: int, count: int) -> list[int]:
 
 
 def base(dataset: str, args: argparse.Namespace, ttft: int, tpot: int) -> list[str]:
-    return [*DATASETS[dataset], "--num-prompts", str(args.num_prompts), "--goodput", f"ttft:{ttft}",
-            f"tpot:{tpot}"]  # fmt: skip
+    return [*DATASETS[dataset], "--goodput", f"ttft:{ttft}", f"tpot:{tpot}"]
 
 
 def exp_policies(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,7 +122,8 @@ def exp_conditional(args: argparse.Namespace) -> dict[str, Any]:
                             args.gpus, args)["per_gpu"] for b in COLOCATED_BUDGETS}  # fmt: skip
         static: dict[int, float] = {}
         conditional: dict[int, float] = {}
-        for p in splits(args.gpus, args.splits):
+        counts = [int(x) for x in args.split_counts.split(",")] if args.split_counts else None
+        for p in counts or splits(args.gpus, args.splits):
             layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
             static[p] = goodput([*common, *layout, "--policy", "least_loaded"], args.gpus, args)["per_gpu"]
             conditional[p] = goodput([*common, *layout, "--policy", "goodput"], args.gpus, args)["per_gpu"]
@@ -138,7 +149,7 @@ def exp_overload(args: argparse.Namespace) -> dict[str, Any]:
         rate = 2 * goodput(common, args.gpus, args)["goodput"]
         row: dict[str, Any] = {"rate": rate}
         for admission in ("none", "reject"):
-            m = point([*common, "--admission", admission], rate, 0)
+            m = point([*common, "--admission", admission], rate, 0)  # the same requests both times
             rejected = sum(n for k, n in m["decisions"].items() if k.startswith("rejected"))
             served = m["completed"]
             good = m["slo_attainment"] * m["num_prompts"]
@@ -164,13 +175,22 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=7, help="prefill:decode splits tried (conditional)")
     p.add_argument("--policy-splits", type=int, default=3, help="prefill:decode splits tried (policies)")
     p.add_argument("--prefill-counts", default="", help="policies: these prefill-worker counts instead")
-    p.add_argument("--num-prompts", type=int, default=400)
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="bisection steps")
+    p.add_argument("--split-counts", default="", help="conditional: these prefill-worker counts instead")
+    p.add_argument("--num-prompts", type=int, default=400, help="requests per point at least")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per point")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="bisection steps")
+    p.add_argument("--min-rate-per-gpu", type=float, default=8.0, help="first rate of each sweep")
     p.add_argument("--overload-prefill", type=int, default=6)
     args = p.parse_args()
+    POINT.update(duration_s=args.duration, min_prompts=args.num_prompts)
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
-    results = {"gpus": args.gpus, "num_prompts": args.num_prompts, "seeds": args.seeds}
+    results = {
+        "gpus": args.gpus,
+        "min_prompts": args.num_prompts,
+        "duration_s": args.duration,
+        "seeds": args.seeds,
+    }
     for name in names:
         print(f"== {name}", file=sys.stderr, flush=True)
         results[name] = EXPERIMENTS[name](args)

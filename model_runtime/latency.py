@@ -133,8 +133,16 @@ class LatencyProfile:
         """A decode step for ``batch`` requests whose contexts sum to ``total_context``."""
         if batch == 0:
             return 0.0
-        avg = total_context / batch
-        return self.step_time([(1, int(avg))] * batch)
+        avg = int(total_context / batch)
+        if avg == 0:
+            return self.step_time([(1, 0)] * batch)
+        # step_time of ``batch`` decode tokens, in closed form (routers call this per option)
+        linear = max(
+            2 * self.params * batch / (self.peak_flops * self.mfu),
+            self.weight_bytes / (self.mem_bw * self.mbu),
+        )
+        kv_read = batch * (avg + 1) * self.kv_bytes_per_token
+        return self.step_overhead_s + linear + kv_read / (self.mem_bw * self.mbu)
 
     def transfer_time(self, tokens: int) -> float:
         return self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bw

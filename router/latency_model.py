@@ -34,6 +34,8 @@ class StepModel(Protocol):
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float: ...
 
+    def decode_time(self, batch: int, total_context: int) -> float: ...
+
     def transfer_time(self, tokens: int) -> float: ...
 
 
@@ -110,8 +112,7 @@ class LatencyModel:
     def decode_step_s(self, worker: str, batch: int, total_context: int) -> float:
         if batch <= 0:
             return 0.0
-        avg = max(1, total_context // batch)
-        return self.step_s(worker, [(1, avg)] * batch)
+        return self.profile.decode_time(batch, max(batch, total_context)) * self.factor(worker, Phase.DECODE)
 
     def transfer_s(self, src: str, dst: str, tokens: int) -> float:
         link = self._links.get((src, dst))

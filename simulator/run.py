@@ -24,6 +24,9 @@ from simulator.cluster import Cluster
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, default=None, help="Azure CSV or JSONL trace (else random lengths)")
+    p.add_argument(
+        "--sharegpt", type=Path, default=None, help="ShareGPT-style lengths CSV, Poisson/gamma arrivals"
+    )
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--colocated", type=int, default=0, help="K colocated engines instead")
@@ -64,8 +67,8 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
     ns = argparse.Namespace(
         seed=args.seed,
         num_prompts=args.num_prompts,
-        dataset_name="trace" if args.trace else "random",
-        dataset_path=args.trace,
+        dataset_name="trace" if args.trace else ("sharegpt" if getattr(args, "sharegpt", None) else "random"),
+        dataset_path=args.trace or getattr(args, "sharegpt", None),
         time_scale=args.time_scale,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
