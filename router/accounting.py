@@ -9,6 +9,7 @@ each request that ends — or is refused — is judged against its SLO class, fo
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -22,6 +23,8 @@ from router.metrics import RouterMetrics
 from router.policy import Decision
 from router.slo import SloBook, SloClass, SloResult, SloTracker
 from router.stream import RequestStream, Timing
+
+log = logging.getLogger(__name__)
 
 
 class Accounting:
@@ -41,8 +44,14 @@ class Accounting:
                 (key, phase.value, f) for key, phase, f in model.corrections() if phase is not Phase.TRANSFER
             ]
 
-    def decided(self, decision: Decision) -> None:
+    def decided(self, request_id: str, decision: Decision) -> None:
         self.metrics.decided(self.dispatcher.name, decision.outcome.value, decision.reason)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: %s (%s) prefill=%s decode=%s predicted ttft=%.1fms tpot=%.2fms",
+                request_id, decision.outcome.value, decision.reason, decision.prefill_worker or "-",
+                decision.decode_worker, decision.predicted_ttft_s * 1e3, decision.predicted_tpot_s * 1e3,
+            )  # fmt: skip
 
     def on_delta(self, role: WorkerRole, stream: RequestStream, d: TokenDelta) -> None:
         """Before ``stream`` takes ``d``: the first token (TTFT), or decode's first token after

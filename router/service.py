@@ -209,7 +209,7 @@ class Router:
         keys = block_keys(ids, self.limits.block_size) if self.config.policy == "goodput" else ()
         route = RouteRequest(len(ids), inp.params.max_tokens, inp.slo.priority, rid, keys, slo)
         decision = self._decide(route)
-        self.accounting.decided(decision)
+        self.accounting.decided(rid, decision)
         if decision.outcome is Outcome.REJECTED:
             self.accounting.judge(slo, None)
             raise RouterError(
