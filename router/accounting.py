@@ -63,7 +63,9 @@ class Accounting:
             self.dispatcher.on_first_token(stream.request_id, now, now - stream.arrival)
         elif role is not WorkerRole.PREFILL and stream.prefill_worker and not stream.handed_off:
             stream.handed_off = True
-            gap = now - stream.first_token
+            # The KV can move only once prefill is done and decode has reserved room for it: a
+            # wait for room is decode's queue, not the link's.
+            gap = now - max(stream.first_token, stream.reserved_at)
             self.metrics.handoff.observe(gap)
             self.dispatcher.on_handoff(stream.request_id, gap)
 

@@ -12,6 +12,8 @@ prefilling locally (conditional disaggregation) — it predicts, from ``LatencyM
   ``d``'s recent time that went to local prefills (``step / (1 - share)``: those steps emit no
   token for the batch), plus, for a remote prefill, the KV hand-off over the ``p -> d`` link
   spread over the request's tokens (the hand-off is its first token gap);
+- room: when ``d`` already queues requests (no KV room or sequence slot), the wait for a slot
+  to free, added to a local prefill's TTFT or a remote one's first gap;
 - harm: the requests already on ``d`` whose TPOT target that stretched step would miss.
 
 Options are ranked by (requests newly meeting their SLO minus requests it makes miss, -risk,
@@ -169,7 +171,7 @@ class GoodputPolicy:
         n, m = request.prompt_tokens, request.max_tokens
         step, eff_now, eff = self._tpot_on(d.worker_id, batch, request, now, 0.0)
         handoff = self.model.transfer_s(p, d.worker_id, n)
-        tpot = eff + handoff / (m - 1) if m > 1 else 0.0
+        tpot = eff + (handoff + self._room_wait(d, batch, eff_now)) / (m - 1) if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
         flips = batch.misses_between(eff_now, eff)
         risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
@@ -189,8 +191,8 @@ class GoodputPolicy:
         decodes = [(1, max(1, avg_ctx))] * sharers
         with_chunk = self.model.step_s(did, [(n - cached, cached), *decodes], Phase.PREFILL)
         extra = max(0.0, with_chunk - self.model.step_s(did, decodes, Phase.PREFILL))
-        ttft = self.ledger.prefill_queue(did).wait_s(now) + with_chunk
         step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
+        ttft = self.ledger.prefill_queue(did).wait_s(now) + self._room_wait(d, batch, eff_now) + with_chunk
         tpot = eff if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
         flips = batch.misses_between(eff_now, eff)
@@ -211,6 +213,15 @@ class GoodputPolicy:
         eff_now = step_now / (1 - min(cap, share))
         eff = step / (1 - min(cap, share + extra / window))
         return step, eff_now, eff
+
+    @staticmethod
+    def _room_wait(d: WorkerLoad, batch: DecodeBatch, eff_step: float) -> float:
+        """How long a request joining d waits for a slot when d already queues requests (no KV
+        room or no sequence slot): one slot frees every ``eff_step * remaining / batch`` seconds
+        on average, and ``d.waiting`` requests are ahead of it."""
+        if d.waiting <= 0 or batch.size == 0:
+            return 0.0
+        return d.waiting * eff_step * max(1.0, batch.mean_remaining()) / batch.size
 
     @staticmethod
     def _decode_cost(batch: DecodeBatch, request: RouteRequest, step_now: float, step: float) -> float:

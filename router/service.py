@@ -302,6 +302,7 @@ class Router:
                 Code.RESOURCE_EXHAUSTED,
                 f"no KV cache room on decode worker {decode.worker_id} within {wait:g}s; retry later",
             )
+        stream.reserved_at = time.perf_counter()
         stream.reserved.set()
         if not stream.done:
             await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)

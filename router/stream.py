@@ -94,6 +94,7 @@ class RequestStream:
         self.error: RouterError | None = None
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
+        self.reserved_at = 0.0  # when it did (perf_counter)
 
     @property
     def done(self) -> bool:

@@ -59,6 +59,7 @@ class SimRequest:
     decode_worker: SimWorker | None = None
     twin: Request | None = None  # the prefill worker's copy (disaggregated)
     reserved: bool = False
+    reserved_at: float = 0.0
     prefilled: bool = False
     done: bool = False
     rejected: bool = False
@@ -163,6 +164,7 @@ class SimWorker:
             self.reservations.popleft()
             self._load = None
             sr.reserved = True
+            sr.reserved_at = self.clock.now
             self.cluster.maybe_transfer(sr)
 
     def admit_decode(self, sr: SimRequest) -> None:
@@ -266,8 +268,8 @@ class Cluster:
         t = sr.token_times
         if len(t) == 1:  # prefilled locally: that was the first token
             self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, t[0] - sr.arrival)
-        elif len(t) == 2 and sr.prefill_worker is not None:
-            self.dispatcher.on_handoff(sr.req.request_id, t[1] - t[0])
+        elif len(t) == 2 and sr.prefill_worker is not None:  # the KV left once both sides were ready
+            self.dispatcher.on_handoff(sr.req.request_id, t[1] - max(t[0], sr.reserved_at))
 
     def on_prefilled(self, p: SimWorker, sr: SimRequest) -> None:
         sr.token_times.append(self.clock.now)  # the first token leaves now (TTFT)
