@@ -59,29 +59,15 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=64,
         help="KV block tokens (coarser than a GPU engine: 4x fewer blocks to track)",
     )
-    p.add_argument(
-        "--duration",
-        type=float,
-        default=0.0,
-        help="run at least this many seconds of arrivals (more requests at higher rates), so that a "
-        "high rate is a steady load, not a burst that ends before decode batches fill up",
-    )
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
     p.add_argument("--save-result", type=Path, default=None, help="JSON path")
-
-
-def _num_prompts(args: argparse.Namespace) -> int:
-    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate."""
-    duration = getattr(args, "duration", 0.0) or 0.0
-    if duration > 0 and math.isfinite(args.request_rate):
-        return max(args.num_prompts, math.ceil(args.request_rate * duration))
-    return int(args.num_prompts)
 
 
 def workload(args: argparse.Namespace) -> list[RequestSpec]:
     ns = argparse.Namespace(
         seed=args.seed,
-        num_prompts=_num_prompts(args),
+        num_prompts=args.num_prompts,
+        duration=args.duration,
         dataset_name="trace" if args.trace else ("sharegpt" if getattr(args, "sharegpt", None) else "random"),
         dataset_path=args.trace or getattr(args, "sharegpt", None),
         time_scale=args.time_scale,

@@ -38,6 +38,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
     p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=0.0,
+        help="send at least this many seconds of arrivals (more requests at higher rates): a fixed "
+        "count at a high rate is a burst that ends before decode batches reach steady state",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--time-scale",
@@ -70,9 +77,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_sweep_args(p)
 
 
+def num_prompts(args: argparse.Namespace) -> int:
+    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate."""
+    duration = getattr(args, "duration", 0.0) or 0.0
+    if duration > 0 and math.isfinite(args.request_rate):
+        return max(int(args.num_prompts), math.ceil(args.request_rate * duration))
+    return int(args.num_prompts)
+
+
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     rng = random.Random(args.seed)
-    n = args.num_prompts
+    n = num_prompts(args)
     if args.dataset_name == "trace":
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name trace needs --dataset-path")
@@ -201,6 +216,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     result["goodput_slo"] = {k: v for k, v in vars(Slo.parse(args.goodput)).items() if v}
     result["num_prompts_per_point"] = args.num_prompts
+    result["duration_s_per_point"] = args.duration
     result["seeds_per_point"] = args.sweep_seeds
     bound = "" if result["bracketed"] else " (still meeting the target at the highest rate tried)"
     print(f"goodput: {result['goodput_rate']:.3f} req/s at {result['target']:.0%} joint attainment{bound}")

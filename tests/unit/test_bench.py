@@ -171,3 +171,15 @@ def test_trace_replayed_at_a_requested_mean_rate(tmp_path: Path) -> None:
     assert build_workload(args)[-1].arrival_s == pytest.approx(2.0)  # 1 req/s native, replayed at 5
     args.request_rate = math.inf
     assert build_workload(args)[-1].arrival_s == pytest.approx(10.0)  # the trace's own timing
+
+
+def test_duration_scales_the_request_count_with_the_rate() -> None:
+    import argparse
+
+    from pdserve.bench.runner import num_prompts
+
+    ns = argparse.Namespace(num_prompts=300, request_rate=100.0, duration=20.0)
+    assert num_prompts(ns) == 2000
+    assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=5.0, duration=20.0)) == 300
+    assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=float("inf"), duration=20.0)) == 300
+    assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=100.0, duration=0.0)) == 300
