@@ -31,6 +31,7 @@ from benchmarks.common import emit
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
 LAYOUTS = {
+    "2p6d": ["--prefill", "2", "--decode", "6", "--max-num-batched-tokens", "8192"],
     "4p4d": ["--prefill", "4", "--decode", "4", "--max-num-batched-tokens", "8192"],
     "6p2d": ["--prefill", "6", "--decode", "2", "--max-num-batched-tokens", "8192"],
     "8coloc": ["--colocated", "8", "--max-num-batched-tokens", "2048"],
@@ -49,6 +50,7 @@ def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespac
     ns = p.parse_args(
         [*layout, "--trace", str(args.trace), "--num-prompts", str(args.num_prompts),
          "--request-rate", str(rate), "--max-num-batched-tokens", budget, "--goodput", *args.goodput,
+         "--duration", str(args.duration),
          "--policy", policy]
     )  # fmt: skip
     return simulate(ns)
@@ -83,6 +85,7 @@ def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Names
         port = server.grpc.rsplit(":", 1)[1]
         cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
                "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--sweep",
+               "--duration", str(args.duration),
                "--goodput", *args.goodput, "--sweep-min-rate", str(args.min_rate), "--sweep-seeds", "1",
                "--sweep-steps", str(args.steps), "--result-dir", str(tmp), "--result-filename",
                f"{key}.json"]  # fmt: skip
@@ -103,10 +106,11 @@ def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Names
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--layouts", default="4p4d,6p2d,8coloc")
     p.add_argument("--policies", default="least_loaded", help="routing policies, comma-separated")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--num-prompts", type=int, default=300)
+    p.add_argument("--duration", type=float, default=0.0, help="seconds of arrivals per point at least")
     p.add_argument("--goodput", nargs="+", default=["ttft:250", "tpot:100"])
     p.add_argument("--min-rate", type=float, default=8.0)
     p.add_argument("--steps", type=int, default=4)
