@@ -123,13 +123,17 @@ def exp_conditional(args: argparse.Namespace) -> dict[str, Any]:
         static: dict[int, float] = {}
         conditional: dict[int, float] = {}
         counts = [int(x) for x in args.split_counts.split(",")] if args.split_counts else None
+        # Decode workers prefill locally in chunks of the colocated layouts' tuned budget.
+        tuned = max(coloc, key=lambda b: coloc[b])
         for p in counts or splits(args.gpus, args.splits):
             layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
             static[p] = goodput([*common, *layout, "--policy", "least_loaded"], args.gpus, args)["per_gpu"]
-            conditional[p] = goodput([*common, *layout, "--policy", "goodput"], args.gpus, args)["per_gpu"]
+            local = ["--policy", "goodput", "--decode-max-num-batched-tokens", str(tuned)]
+            conditional[p] = goodput([*common, *layout, *local], args.gpus, args)["per_gpu"]
         best_c, best_s, best_g = max(coloc.values()), max(static.values()), max(conditional.values())
         out[f"tpot{tpot}"] = {
             "colocated_by_budget": coloc,
+            "decode_local_budget": tuned,
             "static_by_prefill": static,
             "conditional_by_prefill": conditional,
             "best_colocated": best_c,

@@ -57,6 +57,7 @@ class GoodputConfig:
     local_prefill: bool = True  # conditional disaggregation: may a decode worker prefill itself
     prefill_candidates: int = 4  # best prefill workers (by TTFT) paired with every decode worker
     local_window_s: float = 2.0  # horizon over which a decode worker's prefill share is counted
+    local_step_tokens: int = 0  # decode workers' step budget: local prefills run in chunks of it
     max_prefill_share: float = 0.9  # beyond this a decode worker is taken as saturated
     min_retry_s: float = 0.1
     max_retry_s: float = 30.0
@@ -189,8 +190,15 @@ class GoodputPolicy:
         sharers = max(1, batch.size)
         avg_ctx = batch.context // batch.size if batch.size else request.prompt_tokens
         decodes = [(1, max(1, avg_ctx))] * sharers
-        with_chunk = self.model.step_s(did, [(n - cached, cached), *decodes], Phase.PREFILL)
-        extra = max(0.0, with_chunk - self.model.step_s(did, decodes, Phase.PREFILL))
+        # The prompt goes in ``k`` chunks of what the step budget leaves beside the decodes; each
+        # is charged as a chunk at the prompt's middle (its attention grows along the prompt).
+        new = n - cached
+        room = self.config.local_step_tokens - sharers if self.config.local_step_tokens else new
+        k = math.ceil(new / max(1, room))
+        chunk = math.ceil(new / k)
+        one = self.model.step_s(did, [(chunk, cached + (new - chunk) // 2), *decodes], Phase.PREFILL)
+        with_chunk = k * one
+        extra = k * max(0.0, one - self.model.step_s(did, decodes, Phase.PREFILL))
         step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
         ttft = self.ledger.prefill_queue(did).wait_s(now) + self._room_wait(d, batch, eff_now) + with_chunk
         tpot = eff if m > 1 else 0.0

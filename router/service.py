@@ -110,7 +110,9 @@ class Router:
             max_prompt_tokens=caps.max_prompt_tokens,
             max_tokens_cap=caps.max_tokens,
         )
-        self.accounting = Accounting(config, info.block_size, self._loads)
+        local = [w.info.step_tokens for w in workers if w.role is not WorkerRole.PREFILL]
+        step_tokens = min(local, default=0)
+        self.accounting = Accounting(config, info.block_size, self._loads, step_tokens)
         self.metrics = self.accounting.metrics
         self.dispatcher = self.accounting.dispatcher
         self.slos = self.accounting.slos

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill / colocated step budget")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--decode-max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="decode workers' step budget, which bounds their local prefill chunks (0: as above)",
+    )
     p.add_argument(
         "--colocated-schedule",
         choices=[s.value for s in ColocatedSchedule],
@@ -88,12 +95,20 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     schedule = ColocatedSchedule(getattr(args, "colocated_schedule", ColocatedSchedule.CHUNKED.value))
     cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           policy=QueuePolicy.PRIORITY, colocated=schedule)  # fmt: skip
+    # Decode workers of a split prefill only locally (conditional disaggregation): their own,
+    # usually smaller, chunk budget keeps those chunks from stalling the batch.
+    decode_budget = getattr(args, "decode_max_num_batched_tokens", 0) or args.max_num_batched_tokens
+    decode_cfg = cfg if args.colocated else replace(cfg, max_num_batched_tokens=decode_budget)
     slo = Slo.parse(args.goodput)
     admission = Admission(getattr(args, "admission", "none"))
     slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
-    dispatcher = make_dispatcher(args.policy, profile, args.block_size, getattr(args, "local_prefill", True))
+    dispatcher = make_dispatcher(
+        args.policy, profile, args.block_size, getattr(args, "local_prefill", True),
+        local_step_tokens=decode_cfg.max_num_batched_tokens,
+    )  # fmt: skip
     cluster = Cluster(
-        profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, cfg, args.block_size, slo_class,
+        profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, decode_cfg, args.block_size,
+        slo_class,
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []

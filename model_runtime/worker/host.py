@@ -59,6 +59,7 @@ class WorkerInfo:
     has_tokenizer: bool
     pid: int
     node: str
+    step_tokens: int = 0  # the scheduler's token budget per step (bounds local prefill chunks)
 
 
 def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
@@ -115,6 +116,7 @@ class WorkerHost:
             has_tokenizer=self.rt.tokenizer is not None,
             pid=os.getpid(),
             node=socket.gethostname(),
+            step_tokens=spec.engine.scheduler.max_num_batched_tokens,
         )
 
     def _make_engine(self) -> RoleEngine:
