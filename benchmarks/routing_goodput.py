@@ -95,21 +95,30 @@ def base(dataset: str, args: argparse.Namespace, ttft: int, tpot: int) -> list[s
     return [*DATASETS[dataset], "--goodput", f"ttft:{ttft}", f"tpot:{tpot}"]
 
 
+POLICY_FLAGS = {
+    "goodput": ["--policy", "goodput"],
+    "goodput-no-local": ["--policy", "goodput", "--no-local-prefill"],  # routing alone
+    "least_loaded": ["--policy", "least_loaded"],
+    "round_robin": ["--policy", "round_robin"],
+}
+
+
 def exp_policies(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dataset in DATASETS:
+    policies = args.policies.split(",")
+    for dataset in args.datasets.split(","):
         counts = [int(x) for x in args.prefill_counts.split(",")] if args.prefill_counts else None
         for p in counts or splits(args.gpus, args.policy_splits):
             layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
-            for policy in ("goodput", "least_loaded", "round_robin"):
-                flags = [*base(dataset, args, 250, 100), *layout, "--policy", policy]
+            for policy in policies:
+                flags = [*base(dataset, args, 250, 100), *layout, *POLICY_FLAGS[policy]]
                 out[f"{dataset}/{p}P+{args.gpus - p}D/{policy}"] = goodput(flags, args.gpus, args)
-        best = {pol: max(v["per_gpu"] for k, v in out.items() if k.startswith(dataset) and k.endswith(pol))
-                for pol in ("goodput", "least_loaded", "round_robin")}  # fmt: skip
+        rows = {k: v for k, v in out.items() if k.startswith(f"{dataset}/") and "per_gpu" in v}
+        best = {pol: max(v["per_gpu"] for k, v in rows.items() if k.endswith(f"/{pol}")) for pol in policies}
         out[f"{dataset}/best_per_gpu"] = best
-        out[f"{dataset}/goodput_over_best_baseline"] = best["goodput"] / max(
-            best["least_loaded"], best["round_robin"]
-        )
+        baselines = [best[p] for p in ("least_loaded", "round_robin") if p in best]
+        if "goodput" in best and baselines:
+            out[f"{dataset}/goodput_over_best_baseline"] = best["goodput"] / max(baselines)
     return out
 
 
@@ -146,7 +155,7 @@ def exp_conditional(args: argparse.Namespace) -> dict[str, Any]:
 
 def exp_overload(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dataset in DATASETS:
+    for dataset in args.datasets.split(","):
         p = args.overload_prefill
         layout = ["--prefill", str(p), "--decode", str(args.gpus - p), "--max-num-batched-tokens", "8192"]
         common = [*base(dataset, args, 250, 100), *layout, "--policy", "goodput"]
@@ -185,7 +194,11 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="bisection steps")
     p.add_argument("--min-rate-per-gpu", type=float, default=8.0, help="first rate of each sweep")
-    p.add_argument("--overload-prefill", type=int, default=6)
+    p.add_argument("--overload-prefill", type=int, default=2)
+    p.add_argument("--datasets", default=",".join(DATASETS))
+    p.add_argument(
+        "--policies", default="goodput,least_loaded,round_robin", help=f"of {', '.join(POLICY_FLAGS)}"
+    )
     args = p.parse_args()
     POINT.update(duration_s=args.duration, min_prompts=args.num_prompts)
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
