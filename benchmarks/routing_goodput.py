@@ -113,7 +113,11 @@ def exp_policies(args: argparse.Namespace) -> dict[str, Any]:
             for policy in policies:
                 flags = [*base(dataset, args, 250, 100), *layout, *POLICY_FLAGS[policy]]
                 out[f"{dataset}/{p}P+{args.gpus - p}D/{policy}"] = goodput(flags, args.gpus, args)
-        rows = {k: v for k, v in out.items() if k.startswith(f"{dataset}/") and "per_gpu" in v}
+        rows = {
+            k: v
+            for k, v in out.items()
+            if k.startswith(f"{dataset}/") and isinstance(v, dict) and "per_gpu" in v
+        }
         best = {pol: max(v["per_gpu"] for k, v in rows.items() if k.endswith(f"/{pol}")) for pol in policies}
         out[f"{dataset}/best_per_gpu"] = best
         baselines = [best[p] for p in ("least_loaded", "round_robin") if p in best]
