@@ -34,6 +34,7 @@ class Accounting:
         block_size: int,
         loads: Callable[[], Iterable[WorkerLoad]],
         local_step_tokens: int = 0,
+        prefill_step_tokens: int = 0,
     ) -> None:
         self.slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
         self.tracker = SloTracker()
@@ -41,6 +42,7 @@ class Accounting:
         self.dispatcher = make_dispatcher(
             config.policy, config.latency_profile, block_size, config.local_prefill,
             on_error=self.metrics.prediction_error, local_step_tokens=local_step_tokens,
+            prefill_step_tokens=prefill_step_tokens,
         )  # fmt: skip
         model = getattr(self.dispatcher, "model", None)
         if model is not None:

@@ -16,6 +16,7 @@ def make_dispatcher(
     local_prefill: bool = True,
     on_error: ErrorSink | None = None,
     local_step_tokens: int = 0,
+    prefill_step_tokens: int = 0,
 ) -> Dispatcher:
     if name in LOAD_POLICIES:
         return PairPolicy(LOAD_POLICIES[name])
@@ -23,6 +24,11 @@ def make_dispatcher(
         # Without a profile the built-in one is the prior: online correction rescales it per
         # worker from the first observed request on.
         model = LatencyModel(profile or H100_LLAMA3_8B)
-        config = GoodputConfig(block_size, local_prefill, local_step_tokens=local_step_tokens)
+        config = GoodputConfig(
+            block_size,
+            local_prefill,
+            local_step_tokens=local_step_tokens,
+            prefill_step_tokens=prefill_step_tokens,
+        )
         return GoodputPolicy(model, config, on_error)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")

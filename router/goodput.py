@@ -41,8 +41,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from model_runtime.worker.messages import WorkerLoad
-from router.latency_model import LatencyModel, Phase, link_key
+from model_runtime.worker.messages import WorkerLoad, WorkerRole
+from router.latency_model import LatencyModel, Phase, inbound
 from router.ledger import DecodeBatch, DecodeEntry, Ledger
 from router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
 from router.prefix import PrefixIndex
@@ -58,6 +58,7 @@ class GoodputConfig:
     prefill_candidates: int = 4  # best prefill workers (by TTFT) paired with every decode worker
     local_window_s: float = 2.0  # horizon over which a decode worker's prefill share is counted
     local_step_tokens: int = 0  # decode workers' step budget: local prefills run in chunks of it
+    prefill_step_tokens: int = 0  # prefill workers' step budget: queued prompts share such steps
     max_prefill_share: float = 0.9  # beyond this a decode worker is taken as saturated
     min_retry_s: float = 0.1
     max_retry_s: float = 30.0
@@ -91,10 +92,8 @@ class _Option:
 class _Placed:
     prefill_key: str  # the worker that prefills (p, or d itself)
     decode: str
-    link: str | None
     ttft: float
     step: float
-    handoff: float
 
 
 class GoodputPolicy:
@@ -107,6 +106,7 @@ class GoodputPolicy:
         self.prefix = PrefixIndex(config.block_size)
         self.on_error = on_error
         self._placed: dict[str, _Placed] = {}
+        self._transfers: dict[str, tuple[int, float, int]] = {}  # decode worker -> last counters
 
     # -- deciding ------------------------------------------------------------------------------
     def decide(
@@ -152,12 +152,22 @@ class GoodputPolicy:
         """(worker, predicted TTFT, prefill compute, cached tokens) of the most promising prefill
         workers: the fastest few, plus the one holding the longest prefix."""
         n = request.prompt_tokens
+        budget = self.config.prefill_step_tokens
         rows = []
         for p in prefill:
             pid = p.worker_id
             cached = min(self.prefix.cached_blocks(pid, request.block_keys) * self.config.block_size, n - 1)
             comp = self.model.prefill_s(pid, n - cached, cached)
-            rows.append((pid, self.ledger.prefill_queue(pid).wait_s(now) + comp, comp, cached))
+            q = self.ledger.prefill_queue(pid)
+            ttft = q.wait_s(now) + comp
+            if budget and q.tokens:
+                # A queued prompt finishes with the step that holds its last token, and a step
+                # with prompts queued is a full budget's worth: it waits for the steps the
+                # tokens ahead fill, then a whole step (not just its own share of one).
+                steps = math.ceil((q.tokens + n - cached) / budget)
+                full = self.model.prefill_s(pid, min(budget, q.tokens + n - cached))
+                ttft = max(ttft, steps * full - (now - q.busy_since))
+            rows.append((pid, ttft, comp, cached))
         rows.sort(key=lambda r: (r[1], -r[3], r[0]))
         top = rows[: self.config.prefill_candidates]
         holder = max(rows, key=lambda r: r[3], default=None)
@@ -272,16 +282,28 @@ class GoodputPolicy:
         pkey = o.prefill or o.decode
         ctx = request.prompt_tokens + request.max_tokens // 2
         entry = DecodeEntry(ctx, max(1, request.max_tokens // 2), tpot_slo)
-        self.ledger.add(rid, pkey, o.prefill_s, o.decode, entry, now)
+        prompt = request.prompt_tokens - o.cached
+        self.ledger.add(rid, pkey, o.prefill_s, o.decode, entry, now, prompt)
         if o.prefill is None:
             self.ledger.batch(o.decode).add_local_prefill(now, o.extra)
         self.prefix.record(pkey, request.block_keys)
-        link = link_key(o.prefill, o.decode) if o.prefill is not None else None
-        self._placed[rid] = _Placed(pkey, o.decode, link, o.ttft, o.step, o.handoff)
+        self._placed[rid] = _Placed(pkey, o.decode, o.ttft, o.step)
 
     # -- feedback ------------------------------------------------------------------------------
-    def on_report(self, worker_id: str) -> None:
-        pass  # the ledger is exact for what this router placed; reports add nothing to it
+    def on_report(self, load: WorkerLoad) -> None:
+        """The ledger is exact for what this router placed; a decode worker's transfer counters
+        tell how fast KV actually arrives there (the link, not decode's queue)."""
+        t = load.transfers
+        if t is None or load.role is WorkerRole.PREFILL:
+            return
+        last = self._transfers.get(load.worker_id)
+        self._transfers[load.worker_id] = (t.bytes, t.seconds, t.count)
+        if last is None or t.count <= last[2]:
+            return
+        nbytes, secs, count = t.bytes - last[0], t.seconds - last[1], t.count - last[2]
+        tokens = nbytes / max(1, self.model.profile.kv_bytes_per_token) / count
+        predicted = self.model.transfer_s("", load.worker_id, round(tokens), corrected=False)
+        self.model.observe(inbound(load.worker_id), Phase.TRANSFER, secs / count, predicted)
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         placed = self._placed.get(request_id)
@@ -293,10 +315,7 @@ class GoodputPolicy:
             self.on_error("ttft", ttft_s / placed.ttft)
 
     def on_handoff(self, request_id: str, gap_s: float) -> None:
-        placed = self._placed.get(request_id)
-        if placed is None or placed.link is None or placed.handoff <= 0:
-            return
-        self.model.observe(placed.link, Phase.TRANSFER, gap_s - placed.step, placed.handoff)
+        pass  # the gap also holds decode's scheduling; links are corrected from transfer counters
 
     def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:
         self.ledger.decode_done(request_id, now)

@@ -13,8 +13,9 @@ What the router can observe, and which factor it corrects:
 - prefill: a request's TTFT against the TTFT predicted when it was routed (queue + compute);
 - decode: the median gap between a request's tokens against the step time predicted for the
   batch it joined (the median ignores the KV hand-off gap and prefill stalls);
-- transfer: the hand-off gap (prefill's first token to decode's first token, less one decode
-  step) against the link time predicted for the request's KV.
+- transfer: the mean time of the KV transfers a decode worker received since its last report
+  (its transport's counters) against the profile's link time for that many bytes. The
+  hand-off gap seen at the router is not used: it also holds decode's scheduling.
 """
 
 from __future__ import annotations
@@ -114,13 +115,14 @@ class LatencyModel:
             return 0.0
         return self.profile.decode_time(batch, max(batch, total_context)) * self.factor(worker, Phase.DECODE)
 
-    def transfer_s(self, src: str, dst: str, tokens: int) -> float:
+    def transfer_s(self, src: str, dst: str, tokens: int, corrected: bool = True) -> float:
+        """KV of ``tokens`` from ``src`` to ``dst``: a configured ``Link``, or the profile's link
+        scaled by what ``dst`` measured arriving (its transfer counters)."""
         link = self._links.get((src, dst))
-        if link is None:
-            base = self.profile.transfer_time(tokens)
-        else:
-            base = link.latency_s + tokens * self.profile.kv_bytes_per_token / link.bandwidth
-        return base * self.factor(link_key(src, dst), Phase.TRANSFER)
+        if link is not None:
+            return link.latency_s + tokens * self.profile.kv_bytes_per_token / link.bandwidth
+        base = self.profile.transfer_time(tokens)
+        return base * self.factor(inbound(dst), Phase.TRANSFER) if corrected else base
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, key: str, phase: Phase, observed_s: float, predicted_s: float) -> None:
@@ -147,3 +149,8 @@ class LatencyModel:
 
 def link_key(src: str, dst: str) -> str:
     return f"{src}->{dst}"
+
+
+def inbound(dst: str) -> str:
+    """The correction key of transfers into ``dst`` (what its receive counters measure)."""
+    return f"->{dst}"

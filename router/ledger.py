@@ -26,28 +26,33 @@ class PrefillQueue:
     """Prefills waiting or running on one worker, served first come first served."""
 
     def __init__(self) -> None:
-        self.jobs: OrderedDict[str, float] = OrderedDict()  # request id -> predicted seconds
+        self.jobs: OrderedDict[str, tuple[float, int]] = OrderedDict()  # id -> (predicted s, tokens)
         self.busy_since = 0.0  # when the job now at the head started (predicted)
         self.total_s = 0.0
+        self.tokens = 0  # prompt tokens still to prefill
 
-    def add(self, rid: str, seconds: float, now: float) -> None:
+    def add(self, rid: str, seconds: float, now: float, tokens: int = 0) -> None:
         if not self.jobs:
             self.busy_since = now
-        self.jobs[rid] = seconds
+        self.jobs[rid] = (seconds, tokens)
         self.total_s += seconds
+        self.tokens += tokens
+
+    def _pop(self, rid: str) -> bool:
+        job = self.jobs.pop(rid, None)
+        if job is None:
+            return False
+        self.total_s = max(0.0, self.total_s - job[0]) if self.jobs else 0.0
+        self.tokens = max(0, self.tokens - job[1]) if self.jobs else 0
+        return True
 
     def done(self, rid: str, now: float) -> None:
-        s = self.jobs.pop(rid, None)
-        if s is None:
-            return
-        self.total_s = max(0.0, self.total_s - s) if self.jobs else 0.0
-        self.busy_since = now
+        if self._pop(rid):
+            self.busy_since = now
 
     def discard(self, rid: str) -> None:
         """Forget a job that will never run (its request ended elsewhere)."""
-        s = self.jobs.pop(rid, None)
-        if s is not None:
-            self.total_s = max(0.0, self.total_s - s) if self.jobs else 0.0
+        self._pop(rid)
 
     def wait_s(self, now: float) -> float:
         """Predicted time before a prefill added now would start."""
@@ -145,9 +150,10 @@ class Ledger:
         decode_worker: str,
         entry: DecodeEntry,
         now: float,
+        prefill_tokens: int = 0,
     ) -> None:
         """Place ``rid``: its prefill on ``prefill_worker`` (which may be the decode worker)."""
-        self.prefill_queue(prefill_worker).add(rid, prefill_s, now)
+        self.prefill_queue(prefill_worker).add(rid, prefill_s, now, prefill_tokens)
         self.batch(decode_worker).add(rid, entry)
         self._where[rid] = (prefill_worker, decode_worker)
 

@@ -66,8 +66,8 @@ class Dispatcher(Protocol):
         (colocated). A REJECTED decision places nothing; any other is placed at once."""
         ...
 
-    def on_report(self, worker_id: str) -> None:
-        """A fresh ``WorkerLoad`` of ``worker_id`` arrived."""
+    def on_report(self, load: WorkerLoad) -> None:
+        """A fresh ``WorkerLoad`` arrived."""
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         """The request's first token reached the router (its prefill is done)."""
@@ -146,10 +146,10 @@ class PairPolicy:
         p = self.prefill.choose(prefill, request)
         return Decision(d, p, Outcome.REMOTE_PREFILL, "policy", priority=request.priority)
 
-    def on_report(self, worker_id: str) -> None:
+    def on_report(self, load: WorkerLoad) -> None:
         for pol in (self.prefill, self.decode):
             if isinstance(pol, LeastLoaded):
-                pol.note_report(worker_id)
+                pol.note_report(load.worker_id)
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         pass
@@ -161,7 +161,9 @@ class PairPolicy:
         pass
 
     def on_worker_lost(self, worker_id: str) -> None:
-        self.on_report(worker_id)
+        for pol in (self.prefill, self.decode):
+            if isinstance(pol, LeastLoaded):
+                pol.note_report(worker_id)
 
 
 LOAD_POLICIES: dict[str, type[RoundRobin] | type[LeastLoaded]] = {

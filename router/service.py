@@ -110,9 +110,9 @@ class Router:
             max_prompt_tokens=caps.max_prompt_tokens,
             max_tokens_cap=caps.max_tokens,
         )
-        local = [w.info.step_tokens for w in workers if w.role is not WorkerRole.PREFILL]
-        step_tokens = min(local, default=0)
-        self.accounting = Accounting(config, info.block_size, self._loads, step_tokens)
+        local = min((w.info.step_tokens for w in workers if w.role is not WorkerRole.PREFILL), default=0)
+        remote = min((w.info.step_tokens for w in workers if w.role is WorkerRole.PREFILL), default=0)
+        self.accounting = Accounting(config, info.block_size, self._loads, local, remote)
         self.metrics = self.accounting.metrics
         self.dispatcher = self.accounting.dispatcher
         self.slos = self.accounting.slos
@@ -338,7 +338,7 @@ class Router:
 
     # -- worker events -----------------------------------------------------------------------
     def _on_deltas(self, worker: WorkerHandle, deltas: tuple[TokenDelta, ...]) -> None:
-        self.dispatcher.on_report(worker.worker_id)
+        self.dispatcher.on_report(worker.load)
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is None or stream.done:

@@ -246,7 +246,7 @@ class Cluster:
             assert isinstance(d.sched, ColocatedScheduler)
             d.sched.add_request(req)
             d.kick()
-            self.dispatcher.on_report(d.wid)  # simulated loads are always fresh
+            self.dispatcher.on_report(d.load())  # simulated loads are always fresh
             return
         p = self.by_id[decision.prefill_worker]
         sr.prefill_worker = p
@@ -260,8 +260,8 @@ class Cluster:
         d.reservations.append(sr)
         d.changed()
         d.try_reserve()
-        self.dispatcher.on_report(d.wid)
-        self.dispatcher.on_report(p.wid)
+        self.dispatcher.on_report(d.load())
+        self.dispatcher.on_report(p.load())
 
     def on_token(self, sr: SimRequest) -> None:
         """A decode worker sampled a token of ``sr`` (its ``token_times`` has it)."""

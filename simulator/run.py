@@ -104,7 +104,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
     dispatcher = make_dispatcher(
         args.policy, profile, args.block_size, getattr(args, "local_prefill", True),
-        local_step_tokens=decode_cfg.max_num_batched_tokens,
+        local_step_tokens=decode_cfg.max_num_batched_tokens, prefill_step_tokens=cfg.max_num_batched_tokens,
     )  # fmt: skip
     cluster = Cluster(
         profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, decode_cfg, args.block_size,
