@@ -42,7 +42,7 @@ DATASETS = {
     "azure-conv": ["--trace", str(DATA / "AzureLLMInferenceTrace_conv_2023.csv")],
     "sharegpt": ["--sharegpt", str(DATA / "sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv")],
 }
-COLOCATED_BUDGETS = (512, 2048)
+COLOCATED_BUDGETS = (512, 2048, 4096, 8192)
 
 
 def parse(flags: list[str]) -> argparse.Namespace:
