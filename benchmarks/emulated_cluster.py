@@ -75,12 +75,43 @@ def simulated_side_by_side(
     return {f"{key}_emulated_vs_simulated": rows, f"{key}_sim_goodput_rps_at_measured_rates": sim_goodput}
 
 
+def fixed_rates(
+    key: str, name: str, policy: str, port: str, exe: str, tmp: Path, args: argparse.Namespace
+) -> dict[str, object]:
+    """Attainment at the given rates (no sweep), each point ``--duration`` seconds of arrivals,
+    next to the simulator on the same requests."""
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        fname = f"{key}_{rate:g}.json"
+        cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
+               "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--duration",
+               str(args.duration), "--request-rate", str(rate), "--goodput", *args.goodput, "--save-result",
+               "--result-dir", str(tmp), "--result-filename", fname, "--disable-tqdm"]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        m = json.loads((tmp / fname).read_text())
+        sim = simulate_layout(name, policy, rate, args)
+        rows.append({
+            "rate": rate,
+            "attainment": [round(m["slo_attainment"], 3), round(sim["slo_attainment"], 3)],
+            "median_ttft_ms": [round(m["median_ttft_ms"], 1), round(sim["median_ttft_ms"], 1)],
+            "median_tpot_ms": [round(m["median_tpot_ms"], 2), round(sim["median_tpot_ms"], 2)],
+            "output_tokens_per_s": round(m["output_throughput"]),
+        })  # fmt: skip
+        print(f"  {key} {rate:g} req/s: emulated / simulated {rows[-1]}", file=sys.stderr, flush=True)
+    return {f"{key}_fixed_rates": rows}
+
+
 def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Namespace) -> dict[str, object]:
     serve = ["--model", "tiny", "--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "256",
              "--policy", policy, *LAYOUTS[name]]  # fmt: skip
     print(f"{name}: pdserve serve {' '.join(serve)}", file=sys.stderr, flush=True)
     key = name if policy == "least_loaded" else f"{name}_{policy}"
     server = start_pdserve(*serve)
+    if args.rates:
+        try:
+            return fixed_rates(key, name, policy, server.grpc.rsplit(":", 1)[1], exe, tmp, args)
+        finally:
+            server.stop()
     try:
         port = server.grpc.rsplit(":", 1)[1]
         cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
@@ -111,6 +142,9 @@ def main() -> None:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--num-prompts", type=int, default=300)
     p.add_argument("--duration", type=float, default=0.0, help="seconds of arrivals per point at least")
+    p.add_argument(
+        "--rates", default="", help="measure these rates (req/s, comma-separated) instead of a sweep"
+    )
     p.add_argument("--goodput", nargs="+", default=["ttft:250", "tpot:100"])
     p.add_argument("--min-rate", type=float, default=8.0)
     p.add_argument("--steps", type=int, default=4)
