@@ -287,6 +287,11 @@ class FittedProfile:
     most ``a_d`` per mixed step. ``pdserve profile`` measures mixed steps and reports this
     model's error on them.
 
+    ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
+    engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
+    sharing its cores). ``pdserve profile`` measures the engine alone and leaves it at 0;
+    ``benchmarks/sim_validation.py`` measures it from the running service at zero load.
+
     A KV hand-off of ``n`` tokens takes ``link_latency_s + n · kv_bytes_per_token / link_bw``
     (measured over the worker's real transport when ``pdserve profile`` can). The KV capacity is
     the measured engine's pool.
@@ -307,6 +312,7 @@ class FittedProfile:
     kv_capacity_tokens: int
     max_model_len: int
     source: str = ""  # what was measured, how, where
+    step_overhead_s: float = 0.0  # per step, beyond the engine's step(): measured from the service
     prefill_fit_median_error: float = 0.0  # |relative error| of the fit on its own points
     prefill_fit_max_error: float = 0.0
     decode_fit_median_error: float = 0.0
@@ -315,7 +321,7 @@ class FittedProfile:
     def __post_init__(self) -> None:
         coeffs = (self.prefill_base_s, self.prefill_per_token_s, self.prefill_per_token2_s,
                   self.decode_base_s, self.decode_per_context_s, self.decode_per_seq_s,
-                  self.link_latency_s)  # fmt: skip
+                  self.link_latency_s, self.step_overhead_s)  # fmt: skip
         if any(c < 0 for c in coeffs):
             raise ValueError("fitted coefficients must be >= 0")
         if self.link_bw <= 0 or self.kv_bytes_per_token <= 0 or self.kv_capacity_tokens <= 0:
@@ -335,8 +341,12 @@ class FittedProfile:
         cs = list(chunks)
         p = prefill_features(cs)
         d = decode_features(cs)
-        return sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True)) + sum(
-            c * x for c, x in zip(self.decode_coefficients, d, strict=True)
+        if not (p[0] or d[0]):
+            return 0.0
+        return (
+            self.step_overhead_s
+            + sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True))
+            + sum(c * x for c, x in zip(self.decode_coefficients, d, strict=True))
         )
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -346,7 +356,8 @@ class FittedProfile:
         """A decode step for ``batch`` requests whose contexts sum to ``total_context``."""
         if batch == 0:
             return 0.0
-        return self.decode_base_s + self.decode_per_context_s * total_context + self.decode_per_seq_s * batch
+        d = self.decode_per_context_s * total_context + self.decode_per_seq_s * batch
+        return self.step_overhead_s + self.decode_base_s + d
 
     def transfer_time(self, tokens: int) -> float:
         return self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bw

@@ -112,6 +112,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
+    p.add_argument(
+        "--floor-per-gpu",
+        type=float,
+        default=0.0,
+        help="do not simulate below this rate per GPU (overloaded layouts simulate slowly): goodput '< rate'",
+    )
 
 
 def goodput(
@@ -122,7 +128,8 @@ def goodput(
 ) -> dict[str, Any]:
     """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
     × GPUs until a miss, then ``--sweep-steps`` bisections. Stops as soon as the bracket's
-    failing end is <= ``bound`` (it cannot beat that): ``pruned``, goodput a lower bound."""
+    failing end is <= ``bound`` (it cannot beat that) or the next rate is under
+    ``--floor-per-gpu``: ``pruned``, goodput a lower bound and below ``failed_at``."""
 
     def attainment(rate: float) -> float:
         shape = {"prefill": c.prefill, "decode": c.decode, "colocated": c.colocated}
@@ -143,10 +150,10 @@ def goodput(
         lo, hi = hi, hi * 2
     if bracketed:
         for _ in range(args.sweep_steps):
-            if hi <= bound:
+            mid = (lo + hi) / 2 if lo else hi / 2
+            if hi <= bound or mid < getattr(args, "floor_per_gpu", 0.0) * c.gpus:
                 pruned = True
                 break
-            mid = (lo + hi) / 2 if lo else hi / 2
             if attainment(mid) >= 0.9:
                 lo = mid
             else:

@@ -106,6 +106,10 @@ def test_mixed_steps_pay_both_parts_in_full() -> None:
         TRUE.prefill_per_token2_s * 512 * 2 * 1024
     )
     assert TRUE.step_time([]) == 0.0 and TRUE.decode_time(0, 0) == 0.0
+    served = dataclasses.replace(TRUE, step_overhead_s=0.003)  # the serving worker's own cost per step
+    assert served.step_time(chunk + decodes) == pytest.approx(TRUE.step_time(chunk + decodes) + 0.003)
+    assert served.decode_time(16, 16 * 1001) == pytest.approx(served.step_time(decodes))
+    assert served.step_time([]) == 0.0
     assert TRUE.transfer_time(1000) == pytest.approx(2.5e-4 + 1000 * 24576 / 18e9)
 
 

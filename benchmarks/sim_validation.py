@@ -1,0 +1,527 @@
+"""The simulator against the real thing: `pdserve serve` on this CPU, swept for goodput, and
+`pdserve simulate` with a profile fitted by `pdserve profile` on the same requests and rates.
+
+In one run:
+
+1. ``pdserve profile --model bench`` at 1 thread (a disaggregated worker's core) and at 2 threads
+   (the colocated engine's two cores), each in a fresh process (or ``--profile-1t/--profile-2t``);
+2. for each layout on the same 2 cores — **colocated**: one engine, ``--cpus-per-worker 2``;
+   **disaggregated**: 1 prefill + 1 decode worker, one core each, KV over shm (as
+   ``benchmarks/interference.py``) — the unloaded latency (requests of the mean shape one at a
+   time), then the SLO: TTFT <= ``--ttft-x`` x and TPOT <= ``--tpot-x`` x the better layout's
+   unloaded median (Splitwise's portable form, field notes §2), one SLO for both layouts;
+3. ``pdserve bench`` (the library, in this process) against each layout: Poisson arrivals,
+   ``--num-prompts`` requests per point, the rate doubled from ``--min-rate`` until joint
+   attainment falls below 90 %, then bisected ``--steps`` times, never below ``--rate-floor``
+   (a point takes num-prompts / rate seconds);
+4. ``pdserve simulate`` with the layout's fitted profile on exactly the requests each real point
+   sent (same lengths, same arrival times), and a simulated sweep of its own;
+5. tables per layout and rate — attainment real / simulated (difference in points), median TTFT
+   and TPOT real / simulated (difference in %), the load other jobs put on the host during the
+   point — and both goodputs; first with the engine's profiles as fitted, then with one measured
+   term added per layout: the serving worker's own cost per step, the real unloaded TPOT minus
+   the simulated one (``FittedProfile.step_overhead_s``). Targets: 5 points and 15 %. Last line:
+   JSON.
+
+The host is a 2-core VM shared with other people's jobs: every measurement first waits (a few
+minutes at most) for the rest of the host to be idle, and each point records how many cores
+other jobs used while it ran.
+
+    .venv/bin/python benchmarks/sim_validation.py --out-dir DIR              # ~1 hour on 2 cores
+    .venv/bin/python benchmarks/sim_validation.py --resume DIR/real.json     # finish an interrupted run
+    .venv/bin/python benchmarks/sim_validation.py --real-results DIR/real.json [--profile-2t P]  # re-simulate
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.client import Server, start_pdserve
+from benchmarks.common import emit
+from pdserve.bench.client import PdserveGrpcBackend
+from pdserve.bench.metrics import RequestResult
+from pdserve.bench.runner import add_bench_args, bench, build_workload
+from pdserve.bench.workload import RequestSpec
+
+BUDGET = 512
+KV_MIB = 512
+MAX_SEQS = 64
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "colocated": {
+        "serve": ["--colocated", "1", "--cpus-per-worker", "2"],
+        "sim": ["--colocated", "1"],
+        "threads": 2,
+    },
+    "disaggregated": {
+        "serve": ["--prefill", "1", "--decode", "1", "--cpus-per-worker", "1"],
+        "sim": ["--prefill", "1", "--decode", "1"],
+        "threads": 1,
+    },
+}
+KEYS = (
+    "slo_attainment",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p90_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "request_throughput",
+    "completed",
+    "failed",
+    "duration",
+)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class HostLoad:
+    """CPU the rest of this shared host uses (cores): all busy time minus this process tree's
+    (niced jobs too: a runnable thread on the other core stalls a 2-thread engine all the same).
+
+    The machine is a 2-core VM other people's jobs run on; a point measured while they ran
+    measures them too. Each point records the foreign load during it, and ``wait_quiet`` holds
+    the next measurement back until the host has been quiet for a few seconds (at most a few
+    minutes: then it measures anyway, and the table shows the load).
+    """
+
+    def __init__(self) -> None:
+        self.root = os.getpid()
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return float(sum(v) - v[3] - v[4])  # all but idle and iowait
+
+    def _mine(self) -> float:
+        parent: dict[int, int] = {}
+        cpu: dict[int, float] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d)] = int(fields[1])
+            cpu[int(d)] = float(int(fields[11]) + int(fields[12]))
+        total = 0.0
+        for pid, t in cpu.items():
+            q, hops = pid, 0
+            while q > 1 and q != self.root and hops < 64:
+                q, hops = parent.get(q, 0), hops + 1
+            if q == self.root:
+                total += t
+        return total
+
+    def sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), self._busy(), self._mine()
+
+    def foreign(self, a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+        """Cores used by processes outside this tree between samples ``a`` and ``b``."""
+        dt = b[0] - a[0]
+        return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / self.hz / dt) if dt > 0 else 0.0
+
+    def wait_quiet(self, limit: float = 0.3, window_s: float = 5.0, max_wait_s: float = 180.0) -> float:
+        """Wait until the foreign load over ``window_s`` is <= ``limit`` cores; returns the load seen."""
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            a = self.sample()
+            time.sleep(window_s)
+            load = self.foreign(a, self.sample())
+            if load <= limit or time.monotonic() > deadline:
+                if load > limit:
+                    log(f"  host still busy ({load:.2f} cores of other jobs); measuring anyway")
+                return load
+            log(f"  waiting for a quiet host: other jobs use {load:.2f} cores")
+
+
+HOST = HostLoad()
+
+
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    return (
+        f"--random-input-len {args.input_len} --random-output-len {args.output_len} "
+        f"--random-range-ratio {args.range_ratio} --num-prompts {args.num_prompts}"
+    ).split()
+
+
+def bench_ns(
+    args: argparse.Namespace, port: str, rate: float, seed: int, slo: list[str]
+) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    flags = f"--backend pdserve-grpc --port {port} --request-rate {rate} --seed {seed} --disable-tqdm".split()
+    return p.parse_args([*flags, *workload_flags(args), *(["--goodput", *slo] if slo else [])])
+
+
+def specs_for(args: argparse.Namespace, rate: float, seed: int) -> list[RequestSpec]:
+    return build_workload(bench_ns(args, "0", rate, seed, []))
+
+
+def simulate_point(layout: str, profile: str, specs: list[RequestSpec], slo: list[str]) -> dict[str, Any]:
+    from simulator.run import add_simulate_args, simulate
+
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    common = (
+        f"--profile {profile} --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --block-size 16"
+    )
+    ns = p.parse_args([*LAYOUTS[layout]["sim"], *common.split(), "--goodput", *slo])
+    return simulate(ns, specs)
+
+
+def profile(threads: int, out: Path) -> Path:
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    cmd = [exe, *f"profile --model bench --threads {threads} --kv-cache-mib {KV_MIB} --output {out}".split()]
+    HOST.wait_quiet()
+    log(f"$ {' '.join(cmd[1:])}")
+    a = HOST.sample()
+    subprocess.run(cmd, check=True)
+    log(f"  (other jobs used {HOST.foreign(a, HOST.sample()):.2f} cores meanwhile)")
+    return out
+
+
+def lone_prompt(i: int, n: int) -> tuple[int, ...]:
+    """The ``i``-th unloaded request's prompt: distinct per ``i`` (no prefix-cache hits)."""
+    return tuple(16 + (i * 7919 + j * 31) % 240 for j in range(n))
+
+
+async def unloaded(server: Server, args: argparse.Namespace, n: int = 6) -> dict[str, float]:
+    """Median TTFT and TPOT of requests of the workload's mean shape sent one at a time."""
+    backend = PdserveGrpcBackend(server.grpc, None, temperature=0.0)
+    results: list[RequestResult] = []
+    try:
+        for i in range(n + 1):
+            prompt = lone_prompt(i, args.input_len)
+            r = await backend.send(RequestSpec(0.0, prompt, args.input_len, args.output_len))
+            if i:  # the first warms up
+                results.append(r)
+    finally:
+        await backend.close()
+    ok = [r for r in results if r.success]
+    if len(ok) < n:
+        raise RuntimeError(f"unloaded requests failed: {[r.error for r in results if not r.success]}")
+    return {
+        "ttft_ms": statistics.median(r.ttft * 1000 for r in ok),
+        "tpot_ms": statistics.median((r.tpot or 0.0) * 1000 for r in ok),
+    }
+
+
+def serve(layout: str) -> Server:
+    common = (
+        f"--model bench --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --kv-cache-mib {KV_MIB}"
+    )
+    flags = [*common.split(), *LAYOUTS[layout]["serve"]]
+    log(f"{layout}: pdserve serve {' '.join(flags)}")
+    return start_pdserve(*flags)
+
+
+def bisect(measure: Callable[[float], float], args: argparse.Namespace) -> dict[str, Any]:
+    """``pdserve bench --sweep``'s search (double from ``--min-rate`` until attainment < 90 %, then
+    ``--steps`` bisections), except that rates under ``--rate-floor`` are not measured: a point
+    takes ``--num-prompts`` / rate seconds, so a goodput below the floor is reported as such."""
+    lo, hi, bracketed, floored = 0.0, args.min_rate, False, False
+    for _ in range(6):
+        if measure(hi) < 0.9:
+            bracketed = True
+            break
+        lo, hi = hi, hi * 2
+    if bracketed:
+        for _ in range(args.steps):
+            mid = (lo + hi) / 2 if lo else hi / 2
+            if mid < args.rate_floor:
+                floored = True
+                break
+            if measure(mid) >= 0.9:
+                lo = mid
+            else:
+                hi = mid
+    return {
+        "goodput_rate": lo,
+        "bracketed": bracketed,
+        "failed_at": hi if bracketed else None,
+        "floored": floored,
+    }
+
+
+def real_sweep(
+    layout: str, args: argparse.Namespace, slo: list[str], save: Any, done: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The real sweep; points already in ``done`` (an interrupted run of the same SLO) are reused."""
+    points: list[dict[str, Any]] = list(done)
+    server: Server | None = None
+    try:
+
+        def measure(rate: float) -> float:
+            nonlocal server
+            for pt in points:
+                if abs(pt["rate"] - rate) < 1e-9:
+                    return float(pt["slo_attainment"])
+            if server is None:
+                server = serve(layout)
+            port = server.grpc.rsplit(":", 1)[1]
+            HOST.wait_quiet()
+            t0, a = time.perf_counter(), HOST.sample()
+            m = asyncio.run(bench(bench_ns(args, port, rate, args.seed, slo)))
+            foreign = round(HOST.foreign(a, HOST.sample()), 2)
+            row = {
+                "rate": rate,
+                "seed": args.seed,
+                **{k: m[k] for k in KEYS},
+                "wall_s": time.perf_counter() - t0,
+                "foreign_cores": foreign,
+            }
+            points.append(row)
+            save(layout, points)
+            log(
+                f"  {layout} real {rate:6.3f} req/s: attainment {m['slo_attainment']:.3f}, "
+                f"TTFT p50 {m['median_ttft_ms']:.0f} ms, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
+                f"other jobs {foreign:.2f} cores"
+            )
+            return float(m["slo_attainment"])
+
+        res = bisect(measure, args)
+    finally:
+        if server is not None:
+            server.stop()
+    return {**res, "points": points}
+
+
+def sim_sweep(layout: str, prof: str, args: argparse.Namespace, slo: list[str]) -> dict[str, Any]:
+    def measure(rate: float) -> float:
+        return float(simulate_point(layout, prof, specs_for(args, rate, args.seed), slo)["slo_attainment"])
+
+    return bisect(measure, args)
+
+
+def pct(sim: float, real: float) -> float:
+    return (sim - real) / real * 100 if real else float("nan")
+
+
+def calibrate(
+    real: dict[str, Any], profiles: dict[str, str], args: argparse.Namespace, out_dir: Path
+) -> dict[str, str]:
+    """Each layout's profile plus the serving worker's own cost per step, measured at zero load:
+    the real unloaded TPOT minus the simulator's for the same lone requests (one number per
+    layout, from the service's unloaded run, never from the sweep's points)."""
+    from model_runtime.latency import FittedProfile, load_profile
+
+    out: dict[str, str] = {}
+    for layout, base in real["unloaded"].items():
+        prof = load_profile(profiles[layout])
+        if not isinstance(prof, FittedProfile):
+            out[layout] = profiles[layout]
+            continue
+        n = args.input_len
+        lone = [RequestSpec(30.0 * i, lone_prompt(i + 1, n), n, args.output_len) for i in range(6)]
+        sim = simulate_point(layout, profiles[layout], lone, real["slo"])
+        overhead = max(0.0, (base["tpot_ms"] - sim["median_tpot_ms"]) / 1000)
+        cal = dataclasses.replace(prof, name=f"{prof.name}+service", step_overhead_s=overhead)
+        path = out_dir / f"{cal.name}-{layout}.json"
+        path.write_text(cal.to_json() + "\n")
+        again = simulate_point(layout, str(path), lone, real["slo"])
+        print(
+            f"{layout} unloaded: TPOT real {base['tpot_ms']:.2f} ms, model {sim['median_tpot_ms']:.2f} ms"
+            f" -> service overhead {overhead * 1000:.2f} ms/step; TTFT real {base['ttft_ms']:.1f} ms, model"
+            f" {sim['median_ttft_ms']:.1f} ms without it, {again['median_ttft_ms']:.1f} ms with it"
+        )
+        out[layout] = str(path)
+    return out
+
+
+def compare(
+    real: dict[str, Any], profiles: dict[str, str], args: argparse.Namespace, title: str = ""
+) -> dict[str, Any]:
+    slo = real["slo"]
+    out: dict[str, Any] = {}
+    print(f"\n{title}\nSLO: {' '.join(slo)} (joint); {args.num_prompts} requests per point, one seed")
+    hdr = (
+        f"{'layout':<14} {'rate':>6} | {'attainment real/sim':>20} {'Δ pp':>6} | "
+        f"{'TTFT p50 real/sim ms':>22} {'Δ %':>6} | {'TPOT p50 real/sim ms':>21} {'Δ %':>6} | other jobs"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    worst: dict[str, float] = {"att_pp": 0.0, "ttft_pct": 0.0, "tpot_pct": 0.0}
+    for layout, res in real["layouts"].items():
+        rows = []
+        for pt in sorted(res["points"], key=lambda r: r["rate"]):
+            sim = simulate_point(layout, profiles[layout], specs_for(args, pt["rate"], pt["seed"]), slo)
+            d_att = (sim["slo_attainment"] - pt["slo_attainment"]) * 100
+            d_ttft = pct(sim["median_ttft_ms"], pt["median_ttft_ms"])
+            d_tpot = pct(sim["median_tpot_ms"], pt["median_tpot_ms"])
+            att = f"{pt['slo_attainment']:9.3f} / {sim['slo_attainment']:.3f} {d_att:+6.1f}"
+            ttft = f"{pt['median_ttft_ms']:10.1f} / {sim['median_ttft_ms']:9.1f} {d_ttft:+6.1f}"
+            tpot = f"{pt['median_tpot_ms']:9.2f} / {sim['median_tpot_ms']:9.2f} {d_tpot:+6.1f}"
+            busy = pt.get("foreign_cores", "-")
+            print(f"{layout:<14} {pt['rate']:6.3f} | {att} | {ttft} | {tpot} | {busy}")
+            rows.append(
+                {
+                    "rate": round(pt["rate"], 3),
+                    "attainment": [round(pt["slo_attainment"], 3), round(sim["slo_attainment"], 3)],
+                    "median_ttft_ms": [round(pt["median_ttft_ms"], 1), round(sim["median_ttft_ms"], 1)],
+                    "median_tpot_ms": [round(pt["median_tpot_ms"], 2), round(sim["median_tpot_ms"], 2)],
+                    "p99_tpot_ms": [round(pt["p99_tpot_ms"], 2), round(sim["p99_tpot_ms"], 2)],
+                }
+            )
+            worst["att_pp"] = max(worst["att_pp"], abs(d_att))
+            worst["ttft_pct"] = max(worst["ttft_pct"], abs(d_ttft))
+            worst["tpot_pct"] = max(worst["tpot_pct"], abs(d_tpot))
+        sim_good = sim_sweep(layout, profiles[layout], args, slo)
+        out[f"{layout}_points"] = rows
+        out[f"{layout}_goodput_real_rps"] = round(res.get("goodput_rate", float("nan")), 3)
+        out[f"{layout}_goodput_below_floor"] = [bool(res.get("floored")), bool(sim_good["floored"])]
+        out[f"{layout}_goodput_sim_rps"] = round(sim_good["goodput_rate"], 3)
+        out[f"{layout}_bracketed"] = [res.get("bracketed"), sim_good["bracketed"]]
+    print("\ngoodput (req/s at >= 90 % attainment), real / simulated:")
+    for layout in real["layouts"]:
+        r, s = out[f"{layout}_goodput_real_rps"], out[f"{layout}_goodput_sim_rps"]
+        below = ["(< floor)" if f else "" for f in out[f"{layout}_goodput_below_floor"]]
+        print(f"  {layout:<14} {r:6.3f}{below[0]} / {s:6.3f}{below[1]}")
+    out.update({f"max_abs_{k}": round(v, 1) for k, v in worst.items()})
+    out["targets_met"] = worst["att_pp"] <= 5 and worst["ttft_pct"] <= 15 and worst["tpot_pct"] <= 15
+    return out
+
+
+WORKLOAD_KEYS = (
+    "input_len",
+    "output_len",
+    "range_ratio",
+    "num_prompts",
+    "min_rate",
+    "steps",
+    "seed",
+    "rate_floor",
+)
+
+
+def measure_real(
+    args: argparse.Namespace, out_dir: Path, layouts: list[str]
+) -> tuple[dict[str, Any], dict[str, str], Path]:
+    """Profiles, unloaded latencies, the SLO, then each layout's real sweep (or, with
+    ``--resume``, whatever an interrupted run had not finished, with its SLO and workload)."""
+    if args.resume:
+        path = args.resume
+        real = json.loads(path.read_text())
+        for k, v in real["workload"].items():
+            setattr(args, k, v)
+        profiles = dict(real["profiles"])
+        for name, spec in LAYOUTS.items():
+            given = args.profile_1t if spec["threads"] == 1 else args.profile_2t
+            profiles[name] = given or profiles[name]
+        real["profiles"] = profiles
+    else:
+        path = out_dir / "real.json"
+        t0 = time.perf_counter()
+        p1 = args.profile_1t or str(profile(1, out_dir / "cpu-bench-1t.json"))
+        p2 = args.profile_2t or str(profile(2, out_dir / "cpu-bench-2t.json"))
+        profiles = {name: (p1 if LAYOUTS[name]["threads"] == 1 else p2) for name in LAYOUTS}
+        log(f"profiles ready in {time.perf_counter() - t0:.0f}s")
+        base: dict[str, dict[str, float]] = {}
+        for layout in layouts:
+            server = serve(layout)
+            try:
+                HOST.wait_quiet()
+                base[layout] = asyncio.run(unloaded(server, args))
+            finally:
+                server.stop()
+            log(f"{layout} unloaded: {base[layout]}")
+        ttft = args.ttft_x * min(b["ttft_ms"] for b in base.values())
+        tpot = args.tpot_x * min(b["tpot_ms"] for b in base.values())
+        slo = [f"ttft:{ttft:.0f}", f"tpot:{tpot:.1f}"]
+        log(f"SLO: {' '.join(slo)}")
+        workload = {k: getattr(args, k) for k in WORKLOAD_KEYS}
+        real = {"profiles": profiles, "unloaded": base, "slo": slo, "workload": workload, "layouts": {}}
+
+    def save(layout: str, points: list[dict[str, Any]]) -> None:
+        real["layouts"].setdefault(layout, {"points": []})["points"] = points
+        path.write_text(json.dumps(real, indent=1))
+
+    for layout in layouts:
+        prior = real["layouts"].get(layout, {})
+        if "goodput_rate" in prior:
+            continue
+        res = real_sweep(layout, args, real["slo"], save, prior.get("points", []))
+        real["layouts"][layout] = res
+        path.write_text(json.dumps(real, indent=1))
+        log(f"{layout}: real goodput {res['goodput_rate']:.3f} req/s")
+    return real, profiles, path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile-1t", default=None, help="fitted profile JSON for 1 thread (else measured)")
+    p.add_argument("--profile-2t", default=None, help="fitted profile JSON for 2 threads (else measured)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--num-prompts", type=int, default=120)
+    p.add_argument("--min-rate", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=3, help="bisection steps after bracketing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-x", type=float, default=3.0, help="TTFT SLO as a multiple of unloaded")
+    p.add_argument("--tpot-x", type=float, default=1.5, help="TPOT SLO as a multiple of unloaded")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--rate-floor", type=float, default=0.2, help="rates below this are not measured (req/s)")
+    p.add_argument("--real-results", type=Path, default=None, help="skip the real runs: re-simulate these")
+    p.add_argument("--resume", type=Path, default=None, help="continue an interrupted run from its real.json")
+    args = p.parse_args()
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="pdserve-simval-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layouts = args.layouts.split(",")
+
+    if args.real_results:
+        real = json.loads(args.real_results.read_text())
+        profiles = dict(real["profiles"])
+        for name, spec in LAYOUTS.items():  # profiles given on the command line replace the run's
+            given = args.profile_1t if spec["threads"] == 1 else args.profile_2t
+            profiles[name] = given or profiles[name]
+        for k, v in real.get("workload", {}).items():
+            setattr(args, k, v)
+    else:
+        real, profiles, path = measure_real(args, out_dir, layouts)
+        log(f"real results in {path}")
+    engine_only = compare(
+        real, profiles, args, "== simulator with the engine's fitted profiles (pdserve profile)"
+    )
+    calibrated = calibrate(real, profiles, args, args.real_results.parent if args.real_results else out_dir)
+    result = compare(
+        real, calibrated, args, "== the same profiles + the service's per-step overhead (zero load)"
+    )
+    result["engine_only"] = {k: v for k, v in engine_only.items() if not k.endswith("_points")}
+    result["calibrated_profiles"] = calibrated
+    result.update(
+        {
+            "slo": " ".join(real["slo"]),
+            "unloaded": real.get("unloaded"),
+            "profiles": profiles,
+            "num_prompts": args.num_prompts,
+        }
+    )
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
