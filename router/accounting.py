@@ -1,6 +1,6 @@
 """What the router learns from each request's life, and who it tells (no I/O).
 
-The dispatcher hears about first tokens, KV hand-offs and ends (its ledger and latency
+The dispatcher hears about first tokens and ends (its ledger and latency
 corrections depend on them); Prometheus metrics observe every decision and every end; and
 each request that ends — or is refused — is judged against its SLO class, for the
 ``slo_*`` counters and the live window behind ``/dashboard``. A client that went away
@@ -60,8 +60,8 @@ class Accounting:
             )  # fmt: skip
 
     def on_delta(self, role: WorkerRole, stream: RequestStream, d: TokenDelta) -> None:
-        """Before ``stream`` takes ``d``: the first token (TTFT), or decode's first token after
-        a remote prefill (the KV hand-off gap), goes to the dispatcher."""
+        """Before ``stream`` takes ``d``: the first token (TTFT) goes to the dispatcher; decode's
+        first token after a remote prefill gives the KV hand-off gap (a metric)."""
         if not d.token_ids:
             return
         now = time.perf_counter()
@@ -73,7 +73,6 @@ class Accounting:
             # wait for room is decode's queue, not the link's.
             gap = now - max(stream.first_token, stream.reserved_at)
             self.metrics.handoff.observe(gap)
-            self.dispatcher.on_handoff(stream.request_id, gap)
 
     def ended(self, slo: SloClass, stream: RequestStream) -> None:
         now = time.perf_counter()

@@ -71,7 +71,6 @@ class _Option:
     ttft: float
     tpot: float
     step: float  # d's predicted step with the request in the batch
-    handoff: float  # predicted KV transfer (0 for a local prefill)
     prefill_s: float  # the prefill's own compute
     cached: int
     new_ok: bool
@@ -122,7 +121,10 @@ class GoodputPolicy:
         best: _Option | None = None
         for d in decode:
             batch = self.ledger.batch(d.worker_id)
-            opts = [self._remote(request, d, batch, p, ttft, comp, cached, ttft_slo, tpot_slo, now)
+            # What a remote prefill does to d does not depend on the prefill worker: once per d.
+            steps = self._tpot_on(d.worker_id, batch, request, now, 0.0)
+            room = self._room_wait(d, batch, steps[1])
+            opts = [self._remote(request, d, batch, steps, room, p, ttft, comp, cached, ttft_slo, tpot_slo)
                     for p, ttft, comp, cached in remote]  # fmt: skip
             if self.config.local_prefill or not prefill:
                 opts.append(self._local(request, d, batch, now, ttft_slo, tpot_slo))
@@ -156,7 +158,7 @@ class GoodputPolicy:
         rows = []
         for p in prefill:
             pid = p.worker_id
-            cached = min(self.prefix.cached_blocks(pid, request.block_keys) * self.config.block_size, n - 1)
+            cached = self._cached(pid, request)
             comp = self.model.prefill_s(pid, n - cached, cached)
             q = self.ledger.prefill_queue(pid)
             ttft = q.wait_s(now) + comp
@@ -176,25 +178,25 @@ class GoodputPolicy:
         return top
 
     def _remote(
-        self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, p: str, ttft: float, comp: float,
-        cached: int, ttft_slo: float, tpot_slo: float, now: float,
+        self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, steps: tuple[float, float, float],
+        room: float, p: str, ttft: float, comp: float, cached: int, ttft_slo: float, tpot_slo: float,
     ) -> _Option:  # fmt: skip
         n, m = request.prompt_tokens, request.max_tokens
-        step, eff_now, eff = self._tpot_on(d.worker_id, batch, request, now, 0.0)
+        step, eff_now, eff = steps
         handoff = self.model.transfer_s(p, d.worker_id, n)
-        tpot = eff + (handoff + self._room_wait(d, batch, eff_now)) / (m - 1) if m > 1 else 0.0
+        tpot = eff + (handoff + room) / (m - 1) if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
         flips = batch.misses_between(eff_now, eff)
         risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
         cost = ttft + handoff + self._decode_cost(batch, request, eff_now, eff)
-        return _Option(p, d.worker_id, ttft, tpot, step, handoff, comp, cached, new_ok, flips, risk, cost)
+        return _Option(p, d.worker_id, ttft, tpot, step, comp, cached, new_ok, flips, risk, cost)
 
     def _local(
         self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, now: float, ttft_slo: float,
         tpot_slo: float,
     ) -> _Option:  # fmt: skip
         did, n, m = d.worker_id, request.prompt_tokens, request.max_tokens
-        cached = min(self.prefix.cached_blocks(did, request.block_keys) * self.config.block_size, n - 1)
+        cached = self._cached(did, request)
         # The prefill rides in d's steps beside its decodes (at least one: the next request to
         # share d); what it adds to those steps is time no decode token comes out.
         sharers = max(1, batch.size)
@@ -216,16 +218,15 @@ class GoodputPolicy:
         flips = batch.misses_between(eff_now, eff)
         risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
         cost = ttft + extra * (batch.size + 1) + self._decode_cost(batch, request, eff_now, eff)
-        return _Option(None, did, ttft, tpot, step, 0.0, with_chunk, cached, new_ok, flips, risk, cost, extra)
+        return _Option(None, did, ttft, tpot, step, with_chunk, cached, new_ok, flips, risk, cost, extra)
 
     def _tpot_on(
         self, did: str, batch: DecodeBatch, request: RouteRequest, now: float, extra: float
     ) -> tuple[float, float, float]:
         """d's decode step with the request in its batch, and d's effective time per token
         before and after placing it (steps stretched by d's share of time spent prefilling)."""
-        ctx = request.prompt_tokens + request.max_tokens // 2
         step_now = self.model.decode_step_s(did, batch.size, batch.context)
-        step = self.model.decode_step_s(did, batch.size + 1, batch.context + ctx)
+        step = self.model.decode_step_s(did, batch.size + 1, batch.context + _mean_context(request))
         cap, window = self.config.max_prefill_share, self.config.local_window_s
         share = batch.prefill_share(now, window)
         eff_now = step_now / (1 - min(cap, share))
@@ -247,6 +248,11 @@ class GoodputPolicy:
         request already there takes for the rest of its output (this term spreads load)."""
         own = (request.max_tokens - 1) * step
         return own + batch.size * (step - step_now) * batch.mean_remaining()
+
+    def _cached(self, worker: str, request: RouteRequest) -> int:
+        """Prompt tokens ``worker``'s cache is believed to hold (at least one is always computed)."""
+        blocks = self.prefix.cached_blocks(worker, request.block_keys)
+        return min(blocks * self.config.block_size, request.prompt_tokens - 1)
 
     def _kv_room(self, d: WorkerLoad, request: RouteRequest) -> bool:
         return d.kv_free * self.config.block_size >= request.prompt_tokens + 1
@@ -280,8 +286,7 @@ class GoodputPolicy:
     def _place(self, request: RouteRequest, o: _Option, tpot_slo: float, now: float) -> None:
         rid = request.request_id
         pkey = o.prefill or o.decode
-        ctx = request.prompt_tokens + request.max_tokens // 2
-        entry = DecodeEntry(ctx, max(1, request.max_tokens // 2), tpot_slo)
+        entry = DecodeEntry(_mean_context(request), max(1, request.max_tokens // 2), tpot_slo)
         prompt = request.prompt_tokens - o.cached
         self.ledger.add(rid, pkey, o.prefill_s, o.decode, entry, now, prompt)
         if o.prefill is None:
@@ -314,9 +319,6 @@ class GoodputPolicy:
         if self.on_error is not None and placed.ttft > 0:
             self.on_error("ttft", ttft_s / placed.ttft)
 
-    def on_handoff(self, request_id: str, gap_s: float) -> None:
-        pass  # the gap also holds decode's scheduling; links are corrected from transfer counters
-
     def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:
         self.ledger.decode_done(request_id, now)
         placed = self._placed.pop(request_id, None)
@@ -330,6 +332,11 @@ class GoodputPolicy:
         self.ledger.drop_worker(worker_id)
         self.prefix.forget(worker_id)
         self.model.forget(worker_id)
+
+
+def _mean_context(request: RouteRequest) -> int:
+    """The request's context over its decode, on average: the prompt and half the output."""
+    return request.prompt_tokens + request.max_tokens // 2
 
 
 def _risk(*pairs: tuple[float, float]) -> tuple[float, float]:

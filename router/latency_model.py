@@ -89,10 +89,6 @@ class LatencyModel:
     def set_link(self, src: str, dst: str, link: Link) -> None:
         self._links[(src, dst)] = link
 
-    @property
-    def has_link_overrides(self) -> bool:
-        return bool(self._links)
-
     # -- predictions (seconds) ---------------------------------------------------------------
     def factor(self, key: str, phase: Phase) -> float:
         """``key``'s factor; for a worker or link not observed yet, the mean of its phase's
@@ -126,7 +122,7 @@ class LatencyModel:
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, key: str, phase: Phase, observed_s: float, predicted_s: float) -> None:
-        """Fold one observation into ``key``'s factor (``key``: a worker id, or ``link_key``)."""
+        """Fold one observation into ``key``'s factor (``key``: a worker id, or ``inbound(dst)``)."""
         corr = self._corr.get((key, phase))
         if corr is None:
             corr = self._corr[(key, phase)] = Correction(self.factor(key, phase))
@@ -145,10 +141,6 @@ class LatencyModel:
 
     def corrections(self) -> list[tuple[str, Phase, float]]:
         return [(k, phase, c.factor) for (k, phase), c in sorted(self._corr.items(), key=lambda i: i[0][0])]
-
-
-def link_key(src: str, dst: str) -> str:
-    return f"{src}->{dst}"
 
 
 def inbound(dst: str) -> str:

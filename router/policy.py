@@ -4,8 +4,8 @@ A ``Dispatcher`` sees the request (size, prefix block keys, SLO class) and the w
 ``WorkerLoad`` snapshots, and returns a ``Decision``: a decode worker, and a prefill worker or
 ``None`` for prefill on the decode worker itself (colocated deployments, and conditional
 disaggregation). It never blocks and never does I/O, so it is unit-tested directly and the
-simulator drives exactly the same objects. Feedback hooks (first token, hand-off, end, load
-report, lost worker) let a dispatcher keep its own account and correct its predictions.
+simulator drives exactly the same objects. Feedback hooks (first token, end, load report,
+lost worker) let a dispatcher keep its own account and correct its predictions.
 
 ``round_robin`` and ``least_loaded`` pick each pool's worker independently (``PairPolicy``);
 ``goodput`` (``router.goodput``) picks the pair, prefill placement and admission jointly.
@@ -71,9 +71,6 @@ class Dispatcher(Protocol):
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         """The request's first token reached the router (its prefill is done)."""
-
-    def on_handoff(self, request_id: str, gap_s: float) -> None:
-        """Decode's first token came ``gap_s`` after prefill's (KV hand-off + one step)."""
 
     def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:
         """The request ended (finished, failed or aborted); ``median_itl_s`` if it decoded."""
@@ -152,9 +149,6 @@ class PairPolicy:
                 pol.note_report(load.worker_id)
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
-        pass
-
-    def on_handoff(self, request_id: str, gap_s: float) -> None:
         pass
 
     def on_end(self, request_id: str, now: float, median_itl_s: float | None) -> None:

@@ -4,7 +4,7 @@ A worker steps whenever it has work: it asks its real scheduler for a plan, the 
 for the plan's duration, and applies the plan when that time has passed (every sampled token is
 a fixed id; lengths come from the workload, and every request ignores EOS). The router's real
 dispatcher decides each request, with the same feedback the service gives it (first token,
-hand-off, end). Remotely prefilled requests follow the service's path: the decode worker
+end, load reports). Remotely prefilled requests follow the service's path: the decode worker
 reserves blocks (waiting for room when full), the prefill worker computes and emits the first
 token, the KV takes the profile's link time, then the request joins the decode batch. Locally
 prefilled ones (colocated, or conditional disaggregation) join the decode worker's scheduler as
@@ -59,7 +59,6 @@ class SimRequest:
     decode_worker: SimWorker | None = None
     twin: Request | None = None  # the prefill worker's copy (disaggregated)
     reserved: bool = False
-    reserved_at: float = 0.0
     prefilled: bool = False
     done: bool = False
     rejected: bool = False
@@ -164,7 +163,6 @@ class SimWorker:
             self.reservations.popleft()
             self._load = None
             sr.reserved = True
-            sr.reserved_at = self.clock.now
             self.cluster.maybe_transfer(sr)
 
     def admit_decode(self, sr: SimRequest) -> None:
@@ -268,8 +266,6 @@ class Cluster:
         t = sr.token_times
         if len(t) == 1:  # prefilled locally: that was the first token
             self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, t[0] - sr.arrival)
-        elif len(t) == 2 and sr.prefill_worker is not None:  # the KV left once both sides were ready
-            self.dispatcher.on_handoff(sr.req.request_id, t[1] - max(t[0], sr.reserved_at))
 
     def on_prefilled(self, p: SimWorker, sr: SimRequest) -> None:
         sr.token_times.append(self.clock.now)  # the first token leaves now (TTFT)
