@@ -133,7 +133,8 @@ class LatencyModel:
             self._prior[phase] = (n + (old == 0.0), total - old + corr.factor)
 
     def forget(self, worker: str) -> None:
-        for key in [k for k in self._corr if k[0] == worker]:
+        """Drop what was learned about ``worker``, its inbound link included."""
+        for key in [k for k in self._corr if k[0] in (worker, inbound(worker))]:
             c = self._corr.pop(key)
             if c.samples:
                 n, total = self._prior[key[1]]

@@ -10,7 +10,7 @@ from model_runtime.latency import H100_LLAMA3_8B
 from model_runtime.worker.messages import WorkerLoad, WorkerRole
 from router.dispatchers import make_dispatcher
 from router.goodput import GoodputConfig, GoodputPolicy
-from router.latency_model import LatencyModel, Link, Phase
+from router.latency_model import LatencyModel, Link, Phase, inbound
 from router.policy import BEST_EFFORT_PRIORITY, LOAD_POLICIES, Outcome, PairPolicy, RouteRequest
 from router.prefix import block_keys
 from router.slo import Admission, SloClass
@@ -193,4 +193,8 @@ def test_an_unobserved_worker_starts_from_its_peers_correction() -> None:
     assert m.factor("p2", Phase.PREFILL) == pytest.approx(750)
     m.forget("p0")
     assert m.factor("p2", Phase.PREFILL) == pytest.approx(500)
+    m.observe(inbound("d0"), Phase.TRANSFER, 4.0, 1.0)
+    assert m.factor(inbound("d1"), Phase.TRANSFER) == pytest.approx(4.0)
+    m.forget("d0")  # its inbound link goes with it, and stops being the peers' prior
+    assert m.factor(inbound("d1"), Phase.TRANSFER) == 1.0
     assert m.factor("d0", Phase.DECODE) == 1.0
