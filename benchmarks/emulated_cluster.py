@@ -13,6 +13,10 @@ The ceiling in the same run: each layout's attainment at the lowest rate (an unl
 Limits: router, workers' Python and client share this VM's 2 cores, which cap the serving path
 at ~20k streamed tokens/s (``benchmarks/serving_overhead.py``); rates whose output tokens/s
 approach that measure the host, not the emulated GPUs, so the sweep reports tokens/s per point.
+``--time-scale K`` (with ``--rates``) runs the emulated GPUs K times slower
+(``emulated:h100-llama3-8b@xK``) at 1/K of each rate with K-times SLOs and arrivals stretched
+K-fold, and reports rates and latencies in GPU time: the host's share shrinks K-fold (see
+``model_runtime/time_dilation.py``). The router gets the SLO as its default class either way.
 """
 
 from __future__ import annotations
@@ -81,29 +85,44 @@ def fixed_rates(
     """Attainment at the given rates (no sweep), each point ``--duration`` seconds of arrivals,
     next to the simulator on the same requests."""
     rows = []
+    k = args.time_scale
     for rate in (float(r) for r in args.rates.split(",")):
         fname = f"{key}_{rate:g}.json"
         cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
                "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--duration",
-               str(args.duration), "--request-rate", str(rate), "--goodput", *args.goodput, "--save-result",
-               "--result-dir", str(tmp), "--result-filename", fname, "--disable-tqdm"]  # fmt: skip
+               str(args.duration * k), "--request-rate", str(rate / k),
+               "--goodput", *scaled_slo(args.goodput, k), "--save-result", "--result-dir", str(tmp),
+               "--result-filename", fname, "--disable-tqdm"]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         m = json.loads((tmp / fname).read_text())
         sim = simulate_layout(name, policy, rate, args)
         rows.append({
             "rate": rate,
             "attainment": [round(m["slo_attainment"], 3), round(sim["slo_attainment"], 3)],
-            "median_ttft_ms": [round(m["median_ttft_ms"], 1), round(sim["median_ttft_ms"], 1)],
-            "median_tpot_ms": [round(m["median_tpot_ms"], 2), round(sim["median_tpot_ms"], 2)],
-            "output_tokens_per_s": round(m["output_throughput"]),
+            "median_ttft_ms": [round(m["median_ttft_ms"] / k, 1), round(sim["median_ttft_ms"], 1)],
+            "median_tpot_ms": [round(m["median_tpot_ms"] / k, 2), round(sim["median_tpot_ms"], 2)],
+            "output_tokens_per_s_host": round(m["output_throughput"]),
         })  # fmt: skip
         print(f"  {key} {rate:g} req/s: emulated / simulated {rows[-1]}", file=sys.stderr, flush=True)
     return {f"{key}_fixed_rates": rows}
 
 
+def scaled_slo(goodput: list[str], k: float) -> list[str]:
+    """``["ttft:250", "tpot:100"]`` with every target multiplied by ``k``."""
+    return [f"{name}:{float(ms) * k:g}" for name, _, ms in (g.partition(":") for g in goodput)]
+
+
+def router_slo(goodput: list[str], k: float) -> str:
+    """The bench's SLO as the router's default class, so its policy aims at the measured target."""
+    targets = dict(g.split(":") for g in scaled_slo(goodput, k))
+    return "default:" + ",".join(f"{n}={targets[n]}" for n in ("ttft", "tpot") if n in targets)
+
+
 def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Namespace) -> dict[str, object]:
-    serve = ["--model", "tiny", "--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "256",
-             "--policy", policy, *LAYOUTS[name]]  # fmt: skip
+    k = args.time_scale if args.rates else 1.0
+    profile = "h100-llama3-8b" if k == 1.0 else f"h100-llama3-8b@x{k:g}"
+    serve = ["--model", "tiny", "--compute", f"emulated:{profile}", "--max-num-seqs", "256",
+             "--policy", policy, "--slo", router_slo(args.goodput, k), *LAYOUTS[name]]  # fmt: skip
     print(f"{name}: pdserve serve {' '.join(serve)}", file=sys.stderr, flush=True)
     key = name if policy == "least_loaded" else f"{name}_{policy}"
     server = start_pdserve(*serve)
@@ -146,6 +165,9 @@ def main() -> None:
         "--rates", default="", help="measure these rates (req/s, comma-separated) instead of a sweep"
     )
     p.add_argument("--goodput", nargs="+", default=["ttft:250", "tpot:100"])
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="with --rates: GPUs K times slower (time dilation)"
+    )
     p.add_argument("--min-rate", type=float, default=8.0)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()

@@ -24,9 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.channel import Connection
+from kvtransfer.copier import BlockCopier
 from kvtransfer.states import FailureCause, TransferError
 
 SHM_DIR = Path("/dev/shm")
@@ -225,13 +227,35 @@ def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[
 
 
 class ShmPath(_DirectWritePath):
+    """Copies with a few plain threads (``copier``), not torch: see ``kvtransfer.copier``."""
+
     name = "shm"
 
-    def __init__(self, cache: torch.Tensor, shm_path: Path | None) -> None:
+    def __init__(self, cache: torch.Tensor, shm_path: Path | None, copy_threads: int | None = None) -> None:
         super().__init__(cache)
         if cache.device.type != "cpu":
             raise TransferError(FailureCause.LAYOUT_MISMATCH, "the shm backend needs a CPU KV cache")
         self.shm_path = shm_path
+        self._local_np = _block_bytes(cache).numpy()  # [layers, blocks, bytes], shares memory
+        self._peers_np: dict[int, np.ndarray] = {}
+        self._copier = BlockCopier(copy_threads)
+
+    def attach(self, conn: Connection) -> None:
+        super().attach(conn)
+        self._peers_np[id(conn)] = _block_bytes(self._peers[id(conn)]).numpy()
+
+    def detach(self, conn: Connection) -> None:
+        super().detach(conn)
+        self._peers_np.pop(id(conn), None)
+
+    def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
+        peer = self._peers_np[id(conn)][layers.start : layers.stop]
+        local = self._local_np[layers.start : layers.stop]
+        runs = coalesce(src, dst)
+        if len(runs) * 4 <= len(src) or len(runs) <= 2:  # mostly consecutive: a slice per run
+            self._copier.copy([(peer[:, d : d + n], local[:, s : s + n]) for s, d, n in runs])
+        else:
+            self._copier.copy([(peer[:, d], local[:, s]) for s, d in zip(src, dst, strict=True)])
 
     def receiver_info(self) -> dict[str, Any]:
         if self.shm_path is None:
@@ -252,6 +276,8 @@ class ShmPath(_DirectWritePath):
 
     def close(self) -> None:
         super().close()
+        self._peers_np.clear()
+        self._copier.close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
             self.shm_path = None

@@ -5,8 +5,12 @@ connects, authenticates, and sends ``begin`` naming exactly those blocks; the re
 ``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write) frames until
 ``done``. A transfer is DONE only when every layer arrived in full. Any doubt fails it: a missing
 layer at ``done``, a lost connection, an expired lease, a cancel. For direct-write paths an
-accepted transfer is failed only once the sender has confirmed it stopped writing (``aborted``)
-or its connection is gone, so released blocks are never written afterwards.
+accepted transfer is failed only once no write can reach its blocks any more: the sender
+confirmed it stopped (``aborted``), its connection is gone, or the write fence passed. The fence:
+``ready`` tells a direct-write sender when the lease ends on the host's monotonic clock, and the
+sender starts no write after that; a sender that never confirms an abort loses the blocks at
+lease end + ``fence_grace_s`` (which bounds one write already under way) and its connection is
+closed, as it no longer follows the protocol.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kvtransfer.states import (
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
-STUCK_WARN_S = 30.0
+FENCE_GRACE_S = 2.0
 
 
 @dataclass
@@ -52,13 +56,18 @@ class Incoming:
     nbytes: int = 0
     stopping: FailureCause | None = None  # to fail once no writer can touch the blocks any more
     receiving: bool = False  # this receiver's reader is writing into the blocks right now
-    stuck_warned: bool = False
 
 
 class Receiver(TransferTable[Incoming]):
     def __init__(
-        self, paths: dict[str, DataPath], peering: Peering, completions: CompletionQueue, stats: TransferStats
+        self,
+        paths: dict[str, DataPath],
+        peering: Peering,
+        completions: CompletionQueue,
+        stats: TransferStats,
+        fence_grace_s: float = FENCE_GRACE_S,
     ) -> None:
+        self.fence_grace_s = fence_grace_s
         self.paths = paths
         self.peering = peering
         self.completions = completions
@@ -194,15 +203,18 @@ class Receiver(TransferTable[Incoming]):
             if t.state.terminal or now <= t.deadline:
                 continue
             self._stop(t, FailureCause.TIMEOUT)
-            if t.stopping is not None and not t.stuck_warned and now > t.deadline + STUCK_WARN_S:
-                # A connected sender that never confirms it stopped may still write into these
-                # blocks, so they stay reserved; only its disconnect (or death) releases them.
-                t.stuck_warned = True
+            if t.stopping is not None and t.direct_write and now > t.deadline + self.fence_grace_s:
+                # Past the fence the sender starts no write, and the grace covers one already
+                # under way; it broke the protocol by not confirming, so its connection goes too.
                 log.warning(
-                    "kv transfer %s: sender %s has not stopped; blocks stay reserved",
+                    "kv transfer %s: sender %s never confirmed it stopped; blocks released at the "
+                    "write fence and the connection closed",
                     t.transfer_id,
                     t.conn.peer if t.conn else "?",
                 )
+                self._finish(t, TransferState.FAILED, t.stopping)
+                if t.conn is not None:
+                    self._threads.spawn(t.conn.close, name="kv-fence-close")
 
     # -- connections -------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -305,6 +317,9 @@ class Receiver(TransferTable[Incoming]):
                 t.started = time.monotonic()
         if reason is not None:
             conn.send("reject", id=f["id"], reason=reason, cause=FailureCause.REJECTED.value)
+        elif path.direct_write:
+            assert t is not None
+            conn.send("ready", id=f["id"], write_until_ns=int(t.deadline * 1e9))
         else:
             conn.send("ready", id=f["id"])
 

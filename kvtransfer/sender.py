@@ -1,12 +1,20 @@
 """The sending (prefill) side: one connection, pusher thread and reader thread per peer.
 
 ``send`` only queues work, so the prefill worker never blocks on the network. The pusher
-connects (lazily, once per peer), sends ``begin``, waits for ``ready``, then pushes each layer as
-soon as it is computed (``layer_ready``) or all at once, and ends with ``done``. Events of
-different transfers to one peer interleave in arrival order. The reader thread takes the peer's
-answers (``ready``, ``reject``, ``abort``). A transfer's lock is held while one of its layers is
-written, so an abort or a failure never races a write: once a transfer is FAILED or DONE the
-transport no longer touches its source blocks (and, for direct-write paths, the peer's).
+connects (lazily, once per peer) and sends ``begin`` without waiting for the answer, so the
+set-up round trips of several transfers to one peer overlap each other's copies. The reader
+thread takes the peer's answers (``ready``, ``reject``, ``abort``); a ``ready`` moves the
+transfer to TRANSFERRING and hands it back to the pusher, which pushes each layer as soon as it
+is computed (``layer_ready``) or all at once, and ends with ``done``. A ``begin`` unanswered
+within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held while
+one of its layers is written, so an abort or a failure never races a write: once a transfer is
+FAILED or DONE the transport no longer touches its source blocks (and, for direct-write paths,
+the peer's).
+
+Direct-write fence: a direct-write receiver's ``ready`` carries the end of its lease on the
+host's monotonic clock (direct-write peers share a host, hence that clock). The sender starts no
+write after it, so a receiver whose abort goes unconfirmed can still take its blocks back once
+the lease plus a grace period has passed (see ``receiver``).
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ class Outgoing:
     layers_ready: int = 0
     layers_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    answer: threading.Event = field(default_factory=threading.Event)
-    rejected: str | None = None
+    answer_by: float = 0.0  # when the begin went out, plus the I/O timeout
+    write_until_ns: int | None = None  # direct-write fence from the receiver's ready
     conn: Connection | None = None  # the connection its begin went out on; all its bytes use it
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
@@ -160,9 +168,12 @@ class Sender(TransferTable[Outgoing]):
             expired = [
                 (self._peers[t.peer], t)
                 for t in self._transfers.values()
-                if not t.state.terminal and now > t.deadline
+                if not t.state.terminal
+                and (now > t.deadline or (t.state is TransferState.BOOTSTRAPPING and 0 < t.answer_by < now))
             ]
         for p, t in expired:
+            if t.state is TransferState.BOOTSTRAPPING and now <= t.deadline:
+                log.info("kv transfer %s: no answer to begin from %s", t.transfer_id, p.address)
             self._fail(p, t, FailureCause.TIMEOUT, notify_peer=True)
 
     def close(self) -> None:
@@ -185,7 +196,6 @@ class Sender(TransferTable[Outgoing]):
         if t.state.terminal:
             return False
         t.state = state
-        t.answer.set()
         if state is TransferState.DONE:
             self.stats.transfers_sent += 1
             self.stats.bytes_sent += t.nbytes
@@ -199,7 +209,7 @@ class Sender(TransferTable[Outgoing]):
 
     def _fail(self, p: _Peer, t: Outgoing, cause: FailureCause, notify_peer: bool) -> None:
         with t.lock:  # waits for a layer write in progress to finish
-            begun = t.state is TransferState.TRANSFERRING
+            begun = t.state is TransferState.TRANSFERRING or t.answer_by > 0  # begin went out
             if not self._finish(t, TransferState.FAILED, cause):
                 return
         conn = t.conn
@@ -286,7 +296,9 @@ class Sender(TransferTable[Outgoing]):
                         with p.conn_lock:
                             p.conn = conn
                     t.conn = conn
+                    t.answer_by = time.monotonic() + self.peering.io_timeout_s
                     self._begin(conn, t)
+                    continue  # the reader hands it back on ``ready``
                 conn = t.conn
                 if conn is not None:
                     self._push_ready_layers(conn, t)
@@ -311,13 +323,6 @@ class Sender(TransferTable[Outgoing]):
             num_layers=self.num_layers,
             layerwise=t.layerwise,
         )
-        if not t.answer.wait(max(0.0, min(t.deadline - time.monotonic(), self.peering.io_timeout_s))):
-            raise TransferError(FailureCause.TIMEOUT, "no answer to begin")
-        with t.lock:
-            if t.rejected is not None:
-                self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
-            elif t.state is TransferState.BOOTSTRAPPING:
-                t.state = TransferState.TRANSFERRING
 
     def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
         with t.lock:
@@ -325,6 +330,8 @@ class Sender(TransferTable[Outgoing]):
                 return
             if conn.closed.is_set():
                 raise ConnectionLost(f"connection to {conn.peer} is closed")
+            if t.write_until_ns is not None and time.monotonic_ns() >= t.write_until_ns:
+                raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
             layers = range(t.layers_sent, t.layers_ready)
             t.nbytes += self.path.push_layers(conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks)
             t.layers_sent = layers.stop
@@ -351,11 +358,17 @@ class Sender(TransferTable[Outgoing]):
                 if t is None:
                     self.stats.ignored_frames += 1
                     continue
-                if f["t"] == "reject":
-                    t.rejected = f["reason"]
-                    t.answer.set()
-                else:
-                    t.answer.set()
+                with t.lock:
+                    if t.state is not TransferState.BOOTSTRAPPING or t.conn is not conn:
+                        self.stats.ignored_frames += 1
+                        continue
+                    if f["t"] == "reject":
+                        log.info("kv transfer %s rejected by %s: %s", t.transfer_id, p.address, f["reason"])
+                        self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
+                        continue
+                    t.write_until_ns = f.get("write_until_ns")
+                    t.state = TransferState.TRANSFERRING
+                p.events.put(("progress", t))
         except (TransferError, wire.FrameError) as e:
             if not conn.closed.is_set():
                 log.info("kv connection to %s ended: %s", p.address, e)

@@ -57,6 +57,7 @@ class TransportConfig:
     connect_timeout_s: float = 3.0
     lease_s: float = 30.0  # receiver: how long reserved blocks wait for their transfer
     send_timeout_s: float = 30.0  # sender: whole-transfer deadline
+    fence_grace_s: float = 2.0  # direct-write receiver: lease end + this bounds an unconfirmed writer
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -115,7 +116,9 @@ class KVTransport:
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache
         self._peering = Peering(self.layout, secret, config.io_timeout_s, config.connect_timeout_s)
-        self._receiver = Receiver(receiver_paths, self._peering, self._completions, self.stats)
+        self._receiver = Receiver(
+            receiver_paths, self._peering, self._completions, self.stats, config.fence_grace_s
+        )
         self._senders: dict[str, Sender] = {}
         self._lock = threading.Lock()
         self._reaper_stop = threading.Event()

@@ -48,12 +48,12 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "done": {"id": _ID},
     "aborted": {"id": _ID},  # the sender stopped writing this transfer (answers "abort")
     # receiver -> sender
-    "ready": {"id": _ID},
+    "ready": {"id": _ID, "write_until_ns": _UINT},  # direct-write paths: the lease's end (monotonic)
     "reject": {"id": _ID, "reason": str, "cause": str},
     # either direction: give up on a transfer
     "abort": {"id": _ID, "reason": str},
 }
-_OPTIONAL: dict[str, set[str]] = {"hello": {"info"}}
+_OPTIONAL: dict[str, set[str]] = {"hello": {"info"}, "ready": {"write_until_ns"}}
 
 
 def encode(frame_type: str, **fields: Any) -> bytes:

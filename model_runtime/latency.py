@@ -415,7 +415,13 @@ KINDS: dict[str, type[LatencyProfile] | type[FittedProfile]] = {
 def load_profile(name_or_path: str) -> LatencyModel:
     """A built-in profile by name, or a JSON file of either kind: ``{"kind": "roofline", ...}``
     with ``LatencyProfile``'s fields (the default when ``kind`` is absent) or ``{"kind":
-    "fitted", ...}`` with ``FittedProfile``'s (``pdserve profile`` writes these)."""
+    "fitted", ...}`` with ``FittedProfile``'s (``pdserve profile`` writes these). A suffix
+    ``@x<factor>`` stretches every duration (``model_runtime.time_dilation``)."""
+    from model_runtime.time_dilation import Dilated, split_dilation
+
+    base, factor = split_dilation(name_or_path)
+    if base != name_or_path:
+        return Dilated(load_profile(base), factor) if factor != 1.0 else load_profile(base)
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     path = Path(name_or_path)

@@ -201,6 +201,89 @@ def test_receiver_lease_expires_while_sender_stalls(backend: str) -> None:
         serves_next(receiver, rpool, backend)
 
 
+def test_unconfirming_direct_writer_loses_its_blocks_at_the_write_fence() -> None:
+    """A direct-write sender that never answers the abort: the receiver releases the blocks at
+    lease end + grace (the sender was told it may not write after the lease) and drops it."""
+    receiver = transport("shm", fence_grace_s=0.3)
+    pool = BlockPool(SHAPE[1])
+    try:
+        receiver.listen()
+        dst = pick(pool, 2, random.Random("fence"))
+        receiver.expect("f", dst, lease_s=0.3)
+        conn = raw_client(receiver.address, backend="shm")
+        t0 = time.monotonic()
+        conn.send("begin", id="f", dst_blocks=dst, num_layers=SHAPE[0], layerwise=True)
+        ready = conn.read_frame()
+        assert ready["t"] == "ready"
+        assert abs(ready["write_until_ns"] / 1e9 - (t0 + 0.3)) < 0.2  # the lease's end, host clock
+        assert conn.read_frame()["t"] == "abort"  # lease over: told to stop; never confirms
+        assert outcome(receiver, "f") is FailureCause.TIMEOUT
+        assert time.monotonic() - t0 >= 0.55  # not before lease + grace
+        with pytest.raises((TransferError, wire.FrameError)):
+            conn.read_frame()  # and the receiver hung up on it
+        conn.close()
+        pool.free(dst)
+        assert_empty(pool)
+        serves_next(receiver, pool, "shm")
+    finally:
+        receiver.close()
+
+
+def test_direct_writer_starts_no_write_after_the_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even when the abort never reaches it, the sender does not write past the receiver's lease,
+    so blocks the receiver released at the fence stay untouched."""
+    with pair("shm", 12) as (sender, receiver, spool, rpool):
+        monkeypatch.setattr(receiver._receiver, "_send_abort", lambda *a: None)  # abort lost
+        src, dst = pick(spool, 3, random.Random(12)), pick(rpool, 3, random.Random(13))
+        receiver.expect("w", dst, lease_s=0.4)
+        sender.send("w", receiver.address, src, dst, layerwise=True, timeout_s=60)
+        sender.layer_ready("w", 0)
+        deadline = time.monotonic() + 5
+        while receiver.layers_received("w") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.layers_received("w") == 1
+        time.sleep(0.5)  # the lease is over; the sender never heard
+        sender.layer_ready("w", SHAPE[0] - 1)
+        assert outcome(sender, "w") is FailureCause.TIMEOUT
+        spool.free(src)
+        assert outcome(receiver, "w") is FailureCause.TIMEOUT
+        assert all(torch.count_nonzero(receiver.cache[1:, d]) == 0 for d in dst)  # nothing written
+        rpool.free(dst)
+        assert_empty(spool, rpool)
+        serves_next(receiver, rpool, "shm")
+
+
+def test_unanswered_begin_times_out_on_the_sender() -> None:
+    """A peer that accepts the connection but never answers ``begin``: the sender gives up after
+    its I/O timeout and serves the next transfer to another peer."""
+    silent = transport("tcp")
+    sender = transport("tcp", seed=14, io_timeout_s=0.3)
+    pool = BlockPool(SHAPE[1])
+    try:
+        silent.listen()
+        silent._receiver._on_begin = lambda *a: None  # type: ignore[method-assign]
+        silent.expect("q", [0, 1])
+        t0 = time.monotonic()
+        sender.send("q", silent.address, [2, 3], [0, 1])
+        assert outcome(sender, "q") is FailureCause.TIMEOUT
+        assert time.monotonic() - t0 < 3
+        receiver = transport("tcp")
+        try:
+            receiver.listen()
+            dst = pick(pool, 2, random.Random(14))
+            receiver.expect("q2", dst)
+            sender.send("q2", receiver.address, [2, 3], dst)
+            assert outcome(receiver, "q2") == "received"
+            assert same_bytes(sender.cache, [2, 3], receiver.cache, dst)
+            pool.free(dst)
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+        silent.close()
+    assert_empty(pool)
+
+
 def test_raw_stall_after_begin_times_out_on_the_receiver() -> None:
     receiver = transport("tcp")
     pool = BlockPool(SHAPE[1])

@@ -42,3 +42,21 @@ def test_profiles_load_by_name_or_file(tmp_path: Path) -> None:
     f.write_text('{"name": "x"}')
     with pytest.raises(ValueError, match="not a latency profile"):
         load_profile(str(f))
+
+
+def test_time_dilation_stretches_every_duration_and_nothing_else() -> None:
+    d = load_profile("h100-llama3-8b@x4")
+    assert d.name == "h100-llama3-8b@x4"
+    assert d.prefill_time(1000, 200) == pytest.approx(4 * P.prefill_time(1000, 200))
+    assert d.decode_time(16, 20000) == pytest.approx(4 * P.decode_time(16, 20000))
+    assert d.step_time([(512, 0), (1, 900)]) == pytest.approx(4 * P.step_time([(512, 0), (1, 900)]))
+    assert d.transfer_time(2048) == pytest.approx(4 * P.transfer_time(2048))
+    assert (d.kv_capacity_tokens, d.max_model_len, d.kv_bytes_per_token) == (
+        P.kv_capacity_tokens,
+        P.max_model_len,
+        P.kv_bytes_per_token,
+    )
+    assert load_profile("h100-llama3-8b@x1") is P
+    for bad in ("h100-llama3-8b@x0.5", "h100-llama3-8b@x5000", "nope@x4"):
+        with pytest.raises(ValueError):
+            load_profile(bad)
