@@ -86,13 +86,15 @@ def fixed_rates(
     next to the simulator on the same requests."""
     rows = []
     k = args.time_scale
-    for rate in (float(r) for r in args.rates.split(",")):
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
         fname = f"{key}_{rate:g}.json"
+        # Each point its own prompts: a replay of the previous point's would hit the prefix
+        # cache it filled on this same server (measured: TTFT below the prefill time).
         cmd = [exe, "bench", "--backend", "pdserve-grpc", "--port", port, "--dataset-name", "trace",
                "--dataset-path", str(args.trace), "--num-prompts", str(args.num_prompts), "--duration",
                str(args.duration * k), "--request-rate", str(rate / k),
                "--goodput", *scaled_slo(args.goodput, k), "--save-result", "--result-dir", str(tmp),
-               "--result-filename", fname, "--disable-tqdm"]  # fmt: skip
+               "--result-filename", fname, "--disable-tqdm", "--seed", str(i)]  # fmt: skip
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         m = json.loads((tmp / fname).read_text())
         sim = simulate_layout(name, policy, rate, args)

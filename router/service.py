@@ -365,11 +365,23 @@ class Router:
                     worker.inflight.discard(d.request_id)
 
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
+        await asyncio.sleep(0)  # the first token goes to the client before this call goes out
+        wait_s = self.config.reserve_timeout_s + 5
         try:
-            await asyncio.sleep(0)  # the first token goes to the client before this call goes out
-            await asyncio.wait_for(stream.reserved.wait(), self.config.reserve_timeout_s + 5)
-            if stream.done:
-                return
+            await asyncio.wait_for(stream.reserved.wait(), wait_s)
+        except TimeoutError:  # str() of a timeout is empty: say which wait ran out
+            stream.fail(
+                RouterError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"no KV cache room reserved on decode worker {decode.worker_id} within {wait_s:g}s; "
+                    "retry later",
+                    retry_after_s=1.0,
+                )
+            )
+            return
+        if stream.done:
+            return
+        try:
             await decode.call(
                 "start",
                 d.request_id,
@@ -378,7 +390,7 @@ class Router:
                 timeout_s=self.config.call_timeout_s,
             )
         except Exception as e:
-            stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e}"))
+            stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self.dispatcher.on_worker_lost(worker.worker_id)

@@ -8,15 +8,23 @@ bisection (the rate doubled until joint attainment falls below 90 %, then bisect
   ``--colocated-budgets``, so the best is a tuned chunk budget;
 * **prefill-priority colocation** (vLLM v0, DistServe's baseline): N colocated engines whose
   steps are whole prompts or decodes, prompts first — one candidate per ``--priority-budgets``;
-* **static splits**: P prefill + (N − P) decode workers. ``--max-splits`` splits spread evenly
-  over 1..N−1 with every ``--prefill-budgets`` budget, then a local search around the best
-  (its neighbours at half the stride, then a quarter, ... down to 1; ``--no-refine`` skips it).
+* **static splits**: P prefill + (N − P) decode workers under ``--policy`` (least-loaded by
+  default), decode workers never prefill. ``--max-splits`` splits spread evenly over 1..N−1
+  with every ``--prefill-budgets`` budget, then a local search around the best (its neighbours
+  at half the stride, then a quarter, ... down to 1; ``--no-refine`` skips it);
+* **conditional** (what ``pdserve serve`` runs by default): the ``goodput`` policy deciding per
+  request whether to prefill remotely or on the decode worker, on P = 0 (N colocated engines
+  routed by predicted SLO attainment: the member for when no prefill pool pays) and on the
+  first pass's splits, every worker with the best chunked-colocation budget (so run after that
+  family; ``--no-conditional`` skips it). Its best is compared with the better of the pure
+  layouts, per the question "does conditional disaggregation ever lose to a fixed choice?".
 
 Colocated layouts are candidates like any other, so the answer may be "do not split". A
 candidate whose bisection can no longer beat the best of its family so far stops early
 (``pruned``: its goodput is below the rate where it failed); ``--no-prune`` measures all.
-The recommendation is the best chunked-colocated or split layout (what ``pdserve serve`` runs);
-prefill-priority colocation is reported beside it as the baseline DistServe measured against.
+The recommendation is the best chunked-colocated, split or conditional layout (each runnable by
+``pdserve serve`` with the printed flags); prefill-priority colocation is reported beside it as
+the baseline DistServe measured against.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from simulator.run import add_simulate_args, simulate
 COLOCATED_BUDGETS = (512, 2048, 8192)
 PRIORITY_BUDGETS = (2048, 8192)
 PREFILL_BUDGETS = (2048, 8192)
-CHUNKED, PRIORITY = "chunked", "prefill-priority"
+CHUNKED, PRIORITY, SPLIT, CONDITIONAL = "chunked", "prefill-priority", "split", "conditional"
 POINT_KEYS = ("slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
@@ -45,6 +53,7 @@ class Candidate:
     colocated: int
     budget: int  # tokens per step: the colocated chunk budget, or the prefill workers' budget
     schedule: str = CHUNKED  # colocated only: "chunked" or "prefill-priority"
+    conditional: bool = False  # the goodput policy with local prefill (on a split or colocated)
 
     @property
     def gpus(self) -> int:
@@ -52,16 +61,34 @@ class Candidate:
 
     @property
     def family(self) -> str:
-        return self.schedule if self.colocated else "split"
+        if self.conditional:
+            return CONDITIONAL
+        return self.schedule if self.colocated else SPLIT
 
     @property
     def label(self) -> str:
+        if self.conditional:
+            shape = f"{self.colocated} colocated" if self.colocated else f"{self.prefill}P+{self.decode}D"
+            return f"{shape} conditional, budget {self.budget}"
         if self.colocated:
             kind = "" if self.schedule == CHUNKED else f" {self.schedule}"
             return f"{self.colocated} colocated{kind}, budget {self.budget}"
         return f"{self.prefill}P+{self.decode}D, budget {self.budget}"
 
-    def serve_flags(self, profile: str) -> str:
+    def sim_args(self, policy: str) -> dict[str, Any]:
+        """How ``simulate`` runs this candidate (static layouts use the plan's ``--policy``)."""
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "colocated": self.colocated,
+            "max_num_batched_tokens": self.budget,
+            "decode_max_num_batched_tokens": 0,
+            "colocated_schedule": self.schedule,
+            "policy": "goodput" if self.conditional else policy,
+            "local_prefill": self.conditional,
+        }
+
+    def serve_flags(self, profile: str, policy: str, slo: str) -> str:
         if self.colocated and self.schedule != CHUNKED:
             return f"(a baseline: pdserve serve colocates with chunked prefill)  # profile {profile}"
         shape = (
@@ -69,7 +96,13 @@ class Candidate:
             if self.colocated
             else f"--prefill {self.prefill} --decode {self.decode}"
         )
-        return f"pdserve serve {shape} --max-num-batched-tokens {self.budget}  # profile {profile}"
+        routing = "--policy goodput" if self.conditional else f"--policy {policy}"
+        if not self.conditional and not self.colocated and policy == "goodput":
+            routing += " --no-local-prefill"
+        return (
+            f"pdserve serve {shape} --max-num-batched-tokens {self.budget} {routing} --slo {slo}"
+            f"  # profile {profile}"
+        )
 
 
 def splits(gpus: int, max_splits: int) -> list[int]:
@@ -113,6 +146,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
     p.add_argument(
+        "--no-conditional",
+        dest="conditional",
+        action="store_false",
+        help="leave out the conditional family (goodput routing with local prefill)",
+    )
+    p.add_argument(
         "--floor-per-gpu",
         type=float,
         default=0.0,
@@ -132,9 +171,8 @@ def goodput(
     ``--floor-per-gpu``: ``pruned``, goodput a lower bound and below ``failed_at``."""
 
     def attainment(rate: float) -> float:
-        shape = {"prefill": c.prefill, "decode": c.decode, "colocated": c.colocated}
-        step = {"max_num_batched_tokens": c.budget, "colocated_schedule": c.schedule}
-        m = simulate(argparse.Namespace(**{**vars(args), **shape, **step, "request_rate": rate}))
+        run = c.sim_args(args.policy)
+        m = simulate(argparse.Namespace(**{**vars(args), **run, "request_rate": rate}))
         points.append({"rate": rate, **{k: m[k] for k in POINT_KEYS}})
         if progress:
             progress(f"    {c.label}: {rate:9.2f} req/s -> attainment {m['slo_attainment']:.3f}")
@@ -211,6 +249,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     tried.add((p, b))
                     run(Candidate(p, args.gpus - p, 0, b))
         step //= 2
+    if args.conditional:
+        chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=lambda r: r[0], default=None)
+        budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
+        run(Candidate(0, 0, args.gpus, budget, conditional=True))
+        for p in coarse:
+            run(Candidate(p, args.gpus - p, 0, budget, conditional=True))
     rows.sort(key=lambda r: -r[0])
     # Prefill-priority colocation is the baseline to beat, not something pdserve serve deploys.
     best_per_gpu, rec, _ = next(r for r in rows if r[1].family != PRIORITY)
@@ -219,7 +263,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)
 
     coloc = max((r for r in rows if r[1].colocated), key=lambda r: r[0], default=None)
-    chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best("split")
+    chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best(SPLIT)
+    conditional = family_best(CONDITIONAL)
     print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")
     summary: dict[str, Any] = {
         "gpus": args.gpus,
@@ -232,17 +277,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("best chunked colocated", chunked),
         ("prefill-priority colocated", priority),
         ("best static split", split),
+        ("best conditional", conditional),
     ):
         if row is None:
             continue
         ratio = best_per_gpu / row[0] if row[0] else float("inf")
         print(f"  {ratio:.2f}x {name} ({row[1].label}: {row[0]:.3f} per GPU)")
-    for key, row in (("best_chunked", chunked), ("best_prefill_priority", priority), ("best_split", split)):
+    for key, row in (
+        ("best_chunked", chunked),
+        ("best_prefill_priority", priority),
+        ("best_split", split),
+        ("best_conditional", conditional),
+    ):
         if row is not None:
             summary[key] = row[1].label
             summary[f"{key}_per_gpu"] = round(row[0], 3)
             summary[f"recommended_over_{key}"] = round(best_per_gpu / row[0], 3) if row[0] else None
-    print(f"  {rec.serve_flags(args.profile)}")
+    pure = max((r[0] for r in (chunked, split) if r is not None), default=0.0)
+    if conditional is not None and pure:
+        summary["conditional_over_better_pure"] = round(conditional[0] / pure, 3)
+        print(f"  conditional / better of chunked colocation and static split: {conditional[0] / pure:.2f}x")
+    slo = Slo.parse(args.goodput)
+    slo_flag = "default:" + ",".join(
+        f"{name}={ms:g}" for name, ms in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms)) if ms
+    )
+    print(f"  {rec.serve_flags(args.profile, args.policy, slo_flag)}")
     summary["candidates"] = [
         {
             "label": c.label,

@@ -38,7 +38,10 @@ async def sweep(point: PointFn, args: argparse.Namespace) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
 
     async def measure(rate: float) -> float:
-        runs = [await point(rate, args.seed + s) for s in range(args.sweep_seeds)]
+        # A fresh seed for every run of the sweep: the same prompts replayed against the same
+        # server would hit the prefix cache their earlier run filled and look cheaper than they are.
+        first = args.seed + len(points) * args.sweep_seeds
+        runs = [await point(rate, first + s) for s in range(args.sweep_seeds)]
         att = statistics.fmean(r["slo_attainment"] for r in runs)
         row: dict[str, Any] = {"rate": rate, "slo_attainment": att}
         for key in ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",

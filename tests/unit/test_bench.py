@@ -138,9 +138,11 @@ def test_sweep_brackets_then_bisects_to_the_capacity() -> None:
     from pdserve.bench.sweep import sweep
 
     calls: list[float] = []
+    seeds: list[int] = []
 
     async def point(rate: float, seed: int) -> dict[str, object]:
         calls.append(rate)
+        seeds.append(seed)
         att = 1.0 if rate <= 7.0 else 0.5
         keys = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
                 "p99_tpot_ms", "request_goodput", "request_throughput")  # fmt: skip
@@ -152,6 +154,7 @@ def test_sweep_brackets_then_bisects_to_the_capacity() -> None:
     res = asyncio.run(sweep(point, args))
     assert res["bracketed"] and 6.5 < res["goodput_rate"] <= 7.0
     assert calls[:8] == [1, 1, 2, 2, 4, 4, 8, 8]  # doubling, each rate for both seeds
+    assert len(set(seeds)) == len(seeds)  # never the same prompts twice (the server's prefix cache)
     assert [p["rate"] for p in res["points"]] == sorted(p["rate"] for p in res["points"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import pytest
@@ -91,4 +92,8 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     lines = [ln for ln in out.splitlines() if "per GPU" in ln and "goodput" in ln]
     best = max(float(ln.split()[-3]) for ln in lines)
     assert f"{best:.3f} req/s per GPU" in out.split("recommended:")[1]
-    assert "pdserve serve" in out
+    assert "pdserve serve" in out and "--slo default:ttft=250,tpot=100" in out
+    # the conditional family: goodput routing on 2 colocated and on the 1P+1D split
+    assert "2 colocated conditional" in out and "1P+1D conditional" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["conditional_over_better_pure"] > 0
