@@ -262,7 +262,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def family_best(name: str) -> tuple[float, Candidate, dict[str, Any]] | None:
         return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)
 
-    coloc = max((r for r in rows if r[1].colocated), key=lambda r: r[0], default=None)
+    pure_coloc = [r for r in rows if r[1].colocated and not r[1].conditional]
+    coloc = max(pure_coloc, key=lambda r: r[0], default=None)
     chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best(SPLIT)
     conditional = family_best(CONDITIONAL)
     print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")
