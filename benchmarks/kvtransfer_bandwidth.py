@@ -89,11 +89,16 @@ def socket_bw(nbytes: int) -> float:
     return len(src) / dt
 
 
-def transfer_bw(backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1) -> dict[str, float]:
+def transfer_bw(
+    backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1, primed: bool = False
+) -> dict[str, float]:
     """Payload bytes/s of whole transfers between random permutations (``scattered``) or
     consecutive block ranges (as a fresh pool hands them out), ``inflight`` of them submitted
-    together per round (1: one transfer at a time, its set-up round trip included). Each round
-    is paired with a memcpy of the same bytes right before it, so both see the same memory phase."""
+    together per round (1: one transfer at a time, its set-up round trip included). ``primed``
+    times only the data phase, as the service sees it after prefill: the transfer is begun
+    layer-wise and accepted first, then every layer is marked ready and the clock runs until the
+    receiver holds them all. Each round is paired with a memcpy of the same bytes right before
+    it, so both see the same memory phase."""
     sets = inflight + 1
     shape = (LAYERS, num_blocks * sets, 2, BLOCK, HEADS, DIM)
     src_cache = torch.randn(shape)
@@ -107,7 +112,8 @@ def transfer_bw(backend: str, num_blocks: int, scattered: bool = True, inflight:
     try:
         addr = receiver.listen()
 
-        def once() -> None:
+        def once() -> float:
+            t0 = time.perf_counter()
             if scattered:
                 perm = rng.sample(range(shape[1]), shape[1])
                 dsts = [perm[i * num_blocks : (i + 1) * num_blocks] for i in range(inflight)]
@@ -123,10 +129,17 @@ def transfer_bw(backend: str, num_blocks: int, scattered: bool = True, inflight:
                 receiver.expect(tid, dst)
                 tids.append((tid, src, dst))
             for tid, src, dst in tids:
-                sender.send(tid, addr, src, dst)
+                sender.send(tid, addr, src, dst, layerwise=primed)
+            if primed:
+                while any(sender.state(tid) is TransferState.BOOTSTRAPPING for tid, _, _ in tids):
+                    time.sleep(0.0005)
+                t0 = time.perf_counter()
+                for tid, _, _ in tids:
+                    sender.layer_ready(tid, LAYERS - 1)
             for tid, _, _ in tids:
                 assert receiver.wait(tid, 60) is TransferState.DONE
                 receiver.forget(tid)
+            return time.perf_counter() - t0
 
         copies: list[float] = []
         transfers: list[float] = []
@@ -135,7 +148,7 @@ def transfer_bw(backend: str, num_blocks: int, scattered: bool = True, inflight:
             copied = min(_timed(lambda: ceil_dst.copy_(ceil_src)) for _ in range(3))
             time.sleep(SETTLE_S)
             once()  # wakes the transport's threads, as steady traffic keeps them awake
-            moved = statistics.median(_timed(once) for _ in range(BACK_TO_BACK))
+            moved = statistics.median(once() for _ in range(BACK_TO_BACK))
             copies.append(copied)
             transfers.append(moved)
             ratios.append(inflight * copied / moved)
@@ -156,20 +169,23 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _transfer_bw_child(pipe: Any, backend: str, num_blocks: int, scattered: bool, inflight: int) -> None:
+def _transfer_bw_child(
+    pipe: Any, backend: str, num_blocks: int, scattered: bool, inflight: int, primed: bool
+) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    pipe.send(transfer_bw(backend, num_blocks, scattered, inflight))
+    pipe.send(transfer_bw(backend, num_blocks, scattered, inflight, primed))
 
 
 def transfer_bw_fresh(
-    backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1
+    backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1, primed: bool = False
 ) -> dict[str, float]:
     """``transfer_bw`` in a fresh process, as a worker allocates its cache once at start-up:
     repeatedly allocating and freeing 100+ MB caches in one process was measured to slow later
     scattered copies by up to 2.5x, which says nothing about a serving worker."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_transfer_bw_child, args=(child, backend, num_blocks, scattered, inflight))
+    args = (child, backend, num_blocks, scattered, inflight, primed)
+    proc = ctx.Process(target=_transfer_bw_child, args=args)
     proc.start()
     try:
         if not parent.poll(300):
@@ -254,6 +270,11 @@ def main() -> None:
                     res[f"{key}ceiling_ratio_{tokens}"] = ratio
                     res[f"{key}memcpy_gbs_{tokens}"] = m["memcpy"] / 1e9
                     line.append(f"{key.rstrip('_')} {m['bw'] / 1e9:.2f} GB/s ({ratio:.2f})")
+        m = transfer_bw_fresh("shm", blocks, primed=True)  # the data phase alone, after set-up
+        res[f"shm_primed_gbs_{tokens}"] = m["bw"] / 1e9
+        res[f"shm_primed_ceiling_ratio_{tokens}"] = m["ratio"]
+        res[f"shm_primed_ms_{tokens}"] = nbytes / m["bw"] * 1e3
+        line.append(f"shm after set-up {m['bw'] / 1e9:.2f} GB/s ({m['ratio']:.2f})")
         res[f"memcpy_gbs_{tokens}"] = res[f"shm_memcpy_gbs_{tokens}"]
         print("; ".join(line), flush=True)
     res["shm_ceiling_ratio"] = res["shm_ceiling_ratio_2048"]
