@@ -124,45 +124,27 @@ class _DirectWritePath(DataPath):
 
     def __init__(self, cache: torch.Tensor) -> None:
         super().__init__(cache)
-        self._local = cache.view(cache.shape[0], cache.shape[1], -1)  # [layers, blocks, bytes]
-        self._local_blocks = self._local.unbind(1)  # every layer of one block, per block
-        self._peers: dict[int, torch.Tensor] = {}
-        self._peer_blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._peers: dict[int, torch.Tensor] = {}  # mapped peer caches, [layers, blocks, bytes]
 
     @abstractmethod
     def _map_peer(self, info: dict[str, Any]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy blocks ``src`` of ``layers`` into the peer's ``dst``; the bytes are in place (or
+        ordered on the path's stream) when it returns."""
 
     def attach(self, conn: Connection) -> None:
         peer = self._map_peer(conn.info)
         if peer.shape != self.cache.shape or peer.dtype != self.cache.dtype:
             raise TransferError(FailureCause.LAYOUT_MISMATCH, f"peer cache {tuple(peer.shape)} {peer.dtype}")
-        flat = peer.view(peer.shape[0], peer.shape[1], -1)  # [layers, blocks, bytes]
-        self._peers[id(conn)] = flat
-        self._peer_blocks[id(conn)] = flat.unbind(1)
+        self._peers[id(conn)] = peer.view(peer.shape[0], peer.shape[1], -1)
 
     def detach(self, conn: Connection) -> None:
         self._peers.pop(id(conn), None)
-        self._peer_blocks.pop(id(conn), None)
 
     def close(self) -> None:
         self._peers.clear()  # drop mappings of peers' caches
-        self._peer_blocks.clear()
-
-    def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy blocks ``src`` of ``layers`` into the peer's ``dst``, all layers per operation."""
-        runs = coalesce(src, dst)
-        if len(runs) * 4 <= len(src) or len(runs) <= 2:  # mostly consecutive: a slice per run
-            peer = self._peers[id(conn)][layers.start : layers.stop]
-            local = self._local[layers.start : layers.stop]
-            for s, d, n in runs:
-                peer[:, d : d + n].copy_(local[:, s : s + n])
-        elif len(layers) == self.num_layers:  # scattered, whole: one strided copy per block
-            pb, lb = self._peer_blocks[id(conn)], self._local_blocks
-            torch._foreach_copy_([pb[d] for d in dst], [lb[s] for s in src])
-        else:  # scattered, some layers
-            peer = self._peers[id(conn)][layers.start : layers.stop]
-            local = self._local[layers.start : layers.stop]
-            torch._foreach_copy_([peer[:, d] for d in dst], [local[:, s] for s in src])
 
     def push_layer(
         self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
@@ -179,6 +161,13 @@ class _DirectWritePath(DataPath):
 
     def _written(self, conn: Connection) -> None:
         """Make the copies visible to the peer before announcing them (a device sync on GPUs)."""
+
+
+def mostly_consecutive(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """The runs of ``coalesce`` when there are few enough that one copy per run beats one per
+    block (at most 2, or a quarter of the blocks); else None."""
+    runs = coalesce(src, dst)
+    return runs if len(runs) * 4 <= len(src) or len(runs) <= 2 else None
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -251,8 +240,8 @@ class ShmPath(_DirectWritePath):
     def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
         peer = self._peers_np[id(conn)][layers.start : layers.stop]
         local = self._local_np[layers.start : layers.stop]
-        runs = coalesce(src, dst)
-        if len(runs) * 4 <= len(src) or len(runs) <= 2:  # mostly consecutive: a slice per run
+        runs = mostly_consecutive(src, dst)
+        if runs is not None:
             self._copier.copy([(peer[:, d : d + n], local[:, s : s + n]) for s, d, n in runs])
         else:
             self._copier.copy([(peer[:, d], local[:, s]) for s, d in zip(src, dst, strict=True)])
@@ -293,6 +282,35 @@ class CudaIpcPath(_DirectWritePath):
         if not cache.is_cuda:
             raise TransferError(FailureCause.LAYOUT_MISMATCH, "the cuda_ipc backend needs a CUDA KV cache")
         self._stream = torch.cuda.Stream(device=cache.device)
+        self._local = cache.view(cache.shape[0], cache.shape[1], -1)  # [layers, blocks, bytes]
+        self._local_blocks = self._local.unbind(1)  # every layer of one block, per block
+        self._peer_blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def attach(self, conn: Connection) -> None:
+        super().attach(conn)
+        self._peer_blocks[id(conn)] = self._peers[id(conn)].unbind(1)
+
+    def detach(self, conn: Connection) -> None:
+        super().detach(conn)
+        self._peer_blocks.pop(id(conn), None)
+
+    def close(self) -> None:
+        super().close()
+        self._peer_blocks.clear()
+
+    def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
+        """All layers of a block per operation; one slice per run when mostly consecutive."""
+        runs = mostly_consecutive(src, dst)
+        peer = self._peers[id(conn)][layers.start : layers.stop]
+        local = self._local[layers.start : layers.stop]
+        if runs is not None:
+            for s, d, n in runs:
+                peer[:, d : d + n].copy_(local[:, s : s + n])
+        elif len(layers) == self.num_layers:  # scattered, whole: one strided copy per block
+            pb, lb = self._peer_blocks[id(conn)], self._local_blocks
+            torch._foreach_copy_([pb[d] for d in dst], [lb[s] for s in src])
+        else:  # scattered, some layers
+            torch._foreach_copy_([peer[:, d] for d in dst], [local[:, s] for s in src])
 
     def receiver_info(self) -> dict[str, Any]:
         storage = self.cache.untyped_storage()
