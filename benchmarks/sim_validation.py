@@ -55,6 +55,7 @@ from benchmarks.common import emit
 from pdserve.bench.client import PdserveGrpcBackend
 from pdserve.bench.metrics import RequestResult
 from pdserve.bench.runner import add_bench_args, bench, build_workload
+from pdserve.bench.sweep import run_search, search
 from pdserve.bench.workload import RequestSpec
 
 BUDGET = 512
@@ -242,27 +243,14 @@ def bisect(measure: Callable[[float], float], args: argparse.Namespace) -> dict[
     """``pdserve bench --sweep``'s search (double from ``--min-rate`` until attainment < 90 %, then
     ``--steps`` bisections), except that rates under ``--rate-floor`` are not measured: a point
     takes ``--num-prompts`` / rate seconds, so a goodput below the floor is reported as such."""
-    lo, hi, bracketed, floored = 0.0, args.min_rate, False, False
-    for _ in range(6):
-        if measure(hi) < 0.9:
-            bracketed = True
-            break
-        lo, hi = hi, hi * 2
-    if bracketed:
-        for _ in range(args.steps):
-            mid = (lo + hi) / 2 if lo else hi / 2
-            if mid < args.rate_floor:
-                floored = True
-                break
-            if measure(mid) >= 0.9:
-                lo = mid
-            else:
-                hi = mid
+    found = run_search(
+        search(args.min_rate, 6, args.steps, stop=lambda hi, mid: mid < args.rate_floor), measure
+    )
     return {
-        "goodput_rate": lo,
-        "bracketed": bracketed,
-        "failed_at": hi if bracketed else None,
-        "floored": floored,
+        "goodput_rate": found.goodput,
+        "bracketed": found.bracketed,
+        "failed_at": found.failed_at,
+        "floored": found.stopped,
     }
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.metrics import Slo
+from pdserve.bench.sweep import run_search, search
 from simulator.run import add_simulate_args, simulate
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
@@ -179,28 +180,21 @@ def goodput(
         return float(m["slo_attainment"])
 
     points: list[dict[str, Any]] = []
-    lo, hi = 0.0, args.min_rate_per_gpu * c.gpus
-    bracketed = pruned = False
-    for _ in range(12):
-        if attainment(hi) < 0.9:
-            bracketed = True
-            break
-        lo, hi = hi, hi * 2
-    if bracketed:
-        for _ in range(args.sweep_steps):
-            mid = (lo + hi) / 2 if lo else hi / 2
-            if hi <= bound or mid < getattr(args, "floor_per_gpu", 0.0) * c.gpus:
-                pruned = True
-                break
-            if attainment(mid) >= 0.9:
-                lo = mid
-            else:
-                hi = mid
+    floor = getattr(args, "floor_per_gpu", 0.0) * c.gpus
+    found = run_search(
+        search(
+            args.min_rate_per_gpu * c.gpus,
+            12,
+            args.sweep_steps,
+            stop=lambda hi, mid: hi <= bound or mid < floor,
+        ),
+        attainment,
+    )
     return {
-        "goodput_rate": lo,
-        "failed_at": hi if bracketed else None,
-        "bracketed": bracketed,
-        "pruned": pruned,
+        "goodput_rate": found.goodput,
+        "failed_at": found.failed_at,
+        "bracketed": found.bracketed,
+        "pruned": found.stopped,
         "points": sorted(points, key=lambda r: r["rate"]),
     }
 

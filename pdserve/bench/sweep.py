@@ -13,11 +13,71 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PointFn = Callable[[float, int], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """Where a goodput search ended. ``goodput`` is the highest rate that met the target (0 if
+    none did); ``failed_at`` the lowest that missed (None when no rate missed: goodput is then a
+    lower bound); ``stopped`` when the ``stop`` predicate ended the bisection early."""
+
+    goodput: float
+    failed_at: float | None
+    stopped: bool = False
+
+    @property
+    def bracketed(self) -> bool:
+        return self.failed_at is not None
+
+
+Search = Generator[float, float, Bracket]
+
+
+def search(
+    start: float,
+    doublings: int,
+    steps: int,
+    target: float = 0.9,
+    stop: Callable[[float, float], bool] | None = None,
+) -> Search:
+    """DistServe's goodput search as a generator: it yields the next rate to measure and is sent
+    that rate's attainment. The rate doubles from ``start`` (at most ``doublings`` times) until
+    attainment falls below ``target``, then ``steps`` bisections narrow the bracket;
+    ``stop(failing rate, next rate)`` may end them early (e.g. the candidate cannot win any more).
+    Drive it with ``run_search`` or, for async measurements, as ``sweep`` does."""
+    lo, hi = 0.0, start
+    for _ in range(doublings):
+        if (yield hi) < target:
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return Bracket(lo, None)
+    for _ in range(steps):
+        mid = (lo + hi) / 2 if lo else hi / 2
+        if stop is not None and stop(hi, mid):
+            return Bracket(lo, hi, stopped=True)
+        if (yield mid) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return Bracket(lo, hi)
+
+
+def run_search(s: Search, measure: Callable[[float], float]) -> Bracket:
+    """Drive ``search`` with a synchronous ``measure(rate) -> attainment``."""
+    try:
+        rate = next(s)
+        while True:
+            rate = s.send(measure(rate))
+    except StopIteration as done:
+        result: Bracket = done.value
+        return result
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -51,22 +111,16 @@ async def sweep(point: PointFn, args: argparse.Namespace) -> dict[str, Any]:
         print(f"  rate {rate:8.3f} req/s: attainment {att:.3f}", file=sys.stderr, flush=True)
         return att
 
-    lo, hi = 0.0, args.sweep_min_rate
-    for _ in range(args.sweep_max_doublings):
-        if await measure(hi) < target:
-            break
-        lo, hi = hi, hi * 2
-    else:  # never fell below the target: goodput is at least the highest rate measured
-        return {"goodput_rate": lo, "bracketed": False, "target": target, "points": points}
-    for _ in range(args.sweep_steps):
-        mid = (lo + hi) / 2 if lo else hi / 2
-        if await measure(mid) >= target:
-            lo = mid
-        else:
-            hi = mid
+    s = search(args.sweep_min_rate, args.sweep_max_doublings, args.sweep_steps, target)
+    try:
+        rate = next(s)
+        while True:
+            rate = s.send(await measure(rate))
+    except StopIteration as done:
+        found: Bracket = done.value
     return {
-        "goodput_rate": lo,
-        "bracketed": True,
+        "goodput_rate": found.goodput,
+        "bracketed": found.bracketed,
         "target": target,
         "points": sorted(points, key=lambda r: r["rate"]),
     }

@@ -186,3 +186,25 @@ def test_duration_scales_the_request_count_with_the_rate() -> None:
     assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=5.0, duration=20.0)) == 300
     assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=float("inf"), duration=20.0)) == 300
     assert num_prompts(argparse.Namespace(num_prompts=300, request_rate=100.0, duration=0.0)) == 300
+
+
+def test_goodput_search_stops_early_and_reports_unbracketed_runs() -> None:
+    from pdserve.bench.sweep import run_search, search
+
+    measured: list[float] = []
+
+    def measure(rate: float) -> float:
+        measured.append(rate)
+        return 1.0 if rate <= 10.0 else 0.0
+
+    found = run_search(search(4.0, 10, 6), measure)
+    assert measured[:3] == [4.0, 8.0, 16.0] and 9.5 < found.goodput <= 10.0
+    assert found.bracketed and found.failed_at is not None and found.failed_at > 10.0 and not found.stopped
+
+    measured.clear()
+    stopped = run_search(search(4.0, 10, 6, stop=lambda hi, mid: hi <= 20.0), measure)
+    assert measured == [4.0, 8.0, 16.0] and stopped.stopped  # the failing end cannot beat 20
+    assert (stopped.goodput, stopped.failed_at) == (8.0, 16.0)
+
+    never = run_search(search(1.0, 3, 6), lambda rate: 1.0)
+    assert (never.goodput, never.failed_at, never.bracketed) == (4.0, None, False)
