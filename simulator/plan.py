@@ -206,6 +206,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         print("pdserve plan: error: --gpus must be >= 1", file=sys.stderr)
         return 2
+    if args.decode_max_num_batched_tokens or not args.local_prefill:
+        # Each candidate sets these itself (static splits never prefill locally, conditional
+        # ones always do, at the family's budget); silently ignoring the flags would mislead.
+        print(
+            "pdserve plan: error: --decode-max-num-batched-tokens and --no-local-prefill are chosen per "
+            "candidate by plan (see --no-conditional); use pdserve simulate to try one layout",
+            file=sys.stderr,
+        )
+        return 2
     rows: list[tuple[float, Candidate, dict[str, Any]]] = []
     best: dict[str, float] = {}  # family -> best goodput (req/s) so far
 

@@ -97,3 +97,7 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     assert "2 colocated conditional" in out and "1P+1D conditional" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["conditional_over_better_pure"] > 0
+    for flag in (["--no-local-prefill"], ["--decode-max-num-batched-tokens", "512"]):  # set per candidate
+        bad = p.parse_args(["--gpus", "2", *lengths, *slo, *flag])
+        assert cmd_plan(bad) == 2
+        assert "chosen per candidate" in capsys.readouterr().err
