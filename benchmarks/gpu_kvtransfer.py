@@ -41,9 +41,10 @@ def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
 
     from kvtransfer.states import TransferState
     from kvtransfer.transport import KVTransport, TransportConfig
+    from model_runtime.kv_cache.tensors import new_kv_cache
 
     torch.cuda.set_device(device)
-    cache = torch.zeros(SHAPE, dtype=torch.bfloat16, device=f"cuda:{device}")
+    cache = new_kv_cache(SHAPE, torch.bfloat16, f"cuda:{device}")
     t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60))
     pipe.send(t.listen())
     while True:
@@ -64,6 +65,7 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
 
     from benchmarks.common import median_time
     from kvtransfer.transport import KVTransport, TransportConfig
+    from model_runtime.kv_cache.tensors import new_kv_cache
 
     secret = os.urandom(32)
     ctx = mp.get_context("spawn")
@@ -71,7 +73,8 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
     proc = ctx.Process(target=receiver, args=(child, backend, rx_device, secret))
     proc.start()
     torch.cuda.set_device(tx_device)
-    cache = torch.randn(SHAPE, device=f"cuda:{tx_device}").to(torch.bfloat16)
+    cache = new_kv_cache(SHAPE, torch.bfloat16, f"cuda:{tx_device}")
+    cache.copy_(torch.randn(SHAPE, device=f"cuda:{tx_device}"))
     tx = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60))
     try:
         addr = parent.recv()

@@ -36,6 +36,7 @@ from kvtransfer.states import TransferState
 from kvtransfer.transport import KVTransport, TransportConfig
 from model_runtime.config import CacheConfig
 from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from model_runtime.kv_cache.tensors import new_kv_cache
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler.plan import SchedulerConfig
 
@@ -46,7 +47,8 @@ BACK_TO_BACK = 5
 # would compete with the transfer's copy threads on 2 cores; a pause lets it go idle, as it is
 # when a worker's transport copies between forward passes.
 SETTLE_S = float(os.environ.get("SETTLE_S", "0.05"))
-INFLIGHT = 3  # transfers submitted together when measuring throughput
+INFLIGHT = 3  # transfers in flight when measuring throughput
+STREAM = 12  # transfers per timed throughput run, INFLIGHT kept in flight
 LAYERS, BLOCK, HEADS, DIM = 12, 16, 4, 64  # the bench preset's KV shape
 
 
@@ -55,7 +57,8 @@ def memcpy_bw(nbytes: int, into_shared: bool = False) -> float:
     memory an shm transfer writes, whose page-table and TLB costs a private copy does not pay)."""
     a = torch.ones(nbytes // 4)
     if into_shared:
-        b, path = allocate_shared_kv_cache((nbytes // 4,), torch.float32)
+        b, path = allocate_shared_kv_cache((1, nbytes // 4), torch.float32)
+        b = b.reshape(-1)
         path.unlink()
     else:
         b = torch.empty_like(a)
@@ -93,15 +96,16 @@ def transfer_bw(
     backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1, primed: bool = False
 ) -> dict[str, float]:
     """Payload bytes/s of whole transfers between random permutations (``scattered``) or
-    consecutive block ranges (as a fresh pool hands them out), ``inflight`` of them submitted
-    together per round (1: one transfer at a time, its set-up round trip included). ``primed``
+    consecutive block ranges (as a fresh pool hands them out): a stream of ``STREAM`` transfers
+    with ``inflight`` in flight (1: one transfer alone, its set-up round trip included). ``primed``
     times only the data phase, as the service sees it after prefill: the transfer is begun
     layer-wise and accepted first, then every layer is marked ready and the clock runs until the
     receiver holds them all. Each round is paired with a memcpy of the same bytes right before
     it, so both see the same memory phase."""
     sets = inflight + 1
     shape = (LAYERS, num_blocks * sets, 2, BLOCK, HEADS, DIM)
-    src_cache = torch.randn(shape)
+    src_cache = new_kv_cache(shape, torch.float32)
+    src_cache.copy_(torch.randn(shape))
     dst_cache, path = allocate_shared_kv_cache(shape, torch.float32)
     nbytes = LAYERS * num_blocks * 2 * BLOCK * HEADS * DIM * 4
     ceil_src, ceil_dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
@@ -112,35 +116,57 @@ def transfer_bw(
     try:
         addr = receiver.listen()
 
-        def once() -> float:
-            t0 = time.perf_counter()
+        def blocks(count: int) -> list[tuple[list[int], list[int]]]:
+            """(source, destination) blocks of ``count`` transfers; any ``sets - 1`` consecutive
+            ones write disjoint destinations (at most ``inflight`` are in flight at once)."""
             if scattered:
                 perm = rng.sample(range(shape[1]), shape[1])
-                dsts = [perm[i * num_blocks : (i + 1) * num_blocks] for i in range(inflight)]
-                srcs = [rng.sample(range(shape[1]), num_blocks) for _ in range(inflight)]
-            else:
-                dsts = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(inflight)]
-                s0 = rng.randrange(num_blocks)
-                srcs = [list(range(s0, s0 + num_blocks))] * inflight
-            tids = []
-            for src, dst in zip(srcs, dsts, strict=True):
-                tid = f"{backend}-{n[0]}"
-                n[0] += 1
-                receiver.expect(tid, dst)
-                tids.append((tid, src, dst))
-            for tid, src, dst in tids:
-                sender.send(tid, addr, src, dst, layerwise=primed)
-            if primed:
-                while any(sender.state(tid) is TransferState.BOOTSTRAPPING for tid, _, _ in tids):
-                    time.sleep(0.0005)
-                t0 = time.perf_counter()
-                for tid, _, _ in tids:
-                    sender.layer_ready(tid, LAYERS - 1)
-            for tid, _, _ in tids:
-                assert receiver.wait(tid, 60) is TransferState.DONE
-                receiver.forget(tid)
+                groups = [perm[i * num_blocks : (i + 1) * num_blocks] for i in range(sets)]
+                return [(rng.sample(range(shape[1]), num_blocks), groups[k % sets]) for k in range(count)]
+            s0 = rng.randrange(num_blocks)
+            src = list(range(s0, s0 + num_blocks))
+            runs = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(sets)]
+            return [(src, runs[k % sets]) for k in range(count)]
+
+        def start(src: list[int], dst: list[int]) -> str:
+            tid = f"{backend}-{n[0]}"
+            n[0] += 1
+            receiver.expect(tid, dst)
+            sender.send(tid, addr, src, dst, layerwise=primed)
+            return tid
+
+        def finish(tid: str) -> None:
+            assert receiver.wait(tid, 60) is TransferState.DONE
+            receiver.forget(tid)
+
+        def stream() -> float:
+            """``count`` transfers, a new one started as soon as the oldest of the ``inflight``
+            in flight is done (a loaded decode worker's steady inbound traffic)."""
+            plan = blocks(count)
+            t0 = time.perf_counter()
+            window: list[str] = []
+            for src, dst in plan:
+                if len(window) == inflight:
+                    finish(window.pop(0))
+                window.append(start(src, dst))
+            for tid in window:
+                finish(tid)
             return time.perf_counter() - t0
 
+        def primed_batch() -> float:
+            """The data phase of ``inflight`` transfers begun layer-wise and accepted first."""
+            tids = [start(src, dst) for src, dst in blocks(count)]
+            while any(sender.state(tid) is TransferState.BOOTSTRAPPING for tid in tids):
+                time.sleep(0.0005)
+            t0 = time.perf_counter()
+            for tid in tids:
+                sender.layer_ready(tid, LAYERS - 1)
+            for tid in tids:
+                finish(tid)
+            return time.perf_counter() - t0
+
+        once = primed_batch if primed else stream
+        count = inflight if primed else (STREAM if inflight > 1 else 1)
         copies: list[float] = []
         transfers: list[float] = []
         ratios: list[float] = []
@@ -151,12 +177,12 @@ def transfer_bw(
             moved = statistics.median(once() for _ in range(BACK_TO_BACK))
             copies.append(copied)
             transfers.append(moved)
-            ratios.append(inflight * copied / moved)
+            ratios.append(count * copied / moved)
     finally:
         sender.close()
         receiver.close()
     return {
-        "bw": inflight * nbytes / statistics.median(transfers),
+        "bw": count * nbytes / statistics.median(transfers),
         "memcpy": nbytes / statistics.median(copies),
         # each round's transfer against its own ceiling: robust to the host's memory phases
         "ratio": statistics.median(ratios),

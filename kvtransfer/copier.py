@@ -76,6 +76,8 @@ def _balance(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], n: int
 ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """``n`` shares of about equal bytes, largest pieces placed first."""
+    if len({d.nbytes for d, _ in pairs}) == 1:  # whole blocks: dealing them out is balanced
+        return [list(pairs[i::n]) for i in range(n)]
     shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     loads = [0] * n
     for pair in sorted(pairs, key=lambda p: -p[0].nbytes):

@@ -10,7 +10,9 @@
   writes, the receiver releases an accepted transfer only once the sender has confirmed it
   stopped (``aborted``) or its connection is gone.
 
-Layout: ``cache[layer, block]`` is one block of one layer, contiguous.
+Layout: ``cache[layer, block]`` is one block of one layer, contiguous; caches are stored
+block-major (``model_runtime.kv_cache.tensors``), so ``cache[:, block]``, a block's every layer,
+is one contiguous piece as well and a whole transfer copies one piece per block.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from kvtransfer.channel import Connection
 from kvtransfer.copier import BlockCopier
 from kvtransfer.states import FailureCause, TransferError
+from model_runtime.kv_cache.tensors import block_major_view
 
 SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
@@ -38,6 +41,15 @@ _SHM_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
 def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The cache as uint8 [layers, blocks, bytes per block]."""
     return cache.view(cache.shape[0], cache.shape[1], -1).view(torch.uint8)
+
+
+def _block_rows(cache: torch.Tensor) -> np.ndarray | None:
+    """A block-major CPU cache as uint8 [blocks, all layers' bytes] (shares memory); None for
+    other storage orders."""
+    by_block = cache.transpose(0, 1)
+    if not by_block.is_contiguous():
+        return None
+    return by_block.reshape(cache.shape[1], -1).view(torch.uint8).numpy()
 
 
 class DataPath(ABC):
@@ -198,7 +210,8 @@ def _map_shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
-    """A zeroed CPU tensor backed by a fresh ``/dev/shm`` file (mode 0600) that peers can map."""
+    """A zeroed block-major CPU cache (``model_runtime.kv_cache.tensors``) backed by a fresh
+    ``/dev/shm`` file (mode 0600) that peers can map."""
     path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
     numel = 1
     for s in shape:
@@ -209,7 +222,7 @@ def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[
             os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
         finally:
             os.close(fd)
-        return _map_shared(str(path), numel, dtype).view(*shape), path
+        return block_major_view(_map_shared(str(path), numel, dtype), shape), path
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -226,23 +239,32 @@ class ShmPath(_DirectWritePath):
             raise TransferError(FailureCause.LAYOUT_MISMATCH, "the shm backend needs a CPU KV cache")
         self.shm_path = shm_path
         self._local_np = _block_bytes(cache).numpy()  # [layers, blocks, bytes], shares memory
+        self._local_rows = _block_rows(cache)  # [blocks, every layer's bytes] when block-major
         self._peers_np: dict[int, np.ndarray] = {}
+        self._peer_rows: dict[int, np.ndarray | None] = {}
         self._copier = BlockCopier(copy_threads)
 
     def attach(self, conn: Connection) -> None:
         super().attach(conn)
-        self._peers_np[id(conn)] = _block_bytes(self._peers[id(conn)]).numpy()
+        peer = self._peers[id(conn)]
+        self._peers_np[id(conn)] = _block_bytes(peer).numpy()
+        self._peer_rows[id(conn)] = _block_rows(peer.view(self.cache.shape))
 
     def detach(self, conn: Connection) -> None:
         super().detach(conn)
         self._peers_np.pop(id(conn), None)
+        self._peer_rows.pop(id(conn), None)
 
     def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
         peer = self._peers_np[id(conn)][layers.start : layers.stop]
         local = self._local_np[layers.start : layers.stop]
         runs = mostly_consecutive(src, dst)
+        rows, peer_rows = self._local_rows, self._peer_rows.get(id(conn))
         if runs is not None:
             self._copier.copy([(peer[:, d : d + n], local[:, s : s + n]) for s, d, n in runs])
+        elif len(layers) == self.num_layers and rows is not None and peer_rows is not None:
+            # Whole blocks of a block-major cache: one contiguous piece each, cheap to index.
+            self._copier.copy([(peer_rows[d], rows[s]) for s, d in zip(src, dst, strict=True)])
         else:
             self._copier.copy([(peer[:, d], local[:, s]) for s, d in zip(src, dst, strict=True)])
 
@@ -261,7 +283,8 @@ class ShmPath(_DirectWritePath):
             peer = _map_shared(path, numel, self.cache.dtype)
         except OSError as e:
             raise TransferError(FailureCause.UNREACHABLE, f"cannot map {path}: {e}") from None
-        return peer.view(self.cache.shape)
+        # The peer's order is ours (the handshake compared layouts): map it with our strides.
+        return peer.as_strided(self.cache.shape, self.cache.stride())
 
     def close(self) -> None:
         super().close()

@@ -22,7 +22,7 @@ import torch
 from model_runtime.config import CacheConfig, ModelConfig
 from model_runtime.engine.model_runner import ModelRunner, StepResult
 from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.kv_cache.tensors import kv_cache_shape
+from model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
 from model_runtime.latency import LatencyProfile, load_profile
 from model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
 from model_runtime.platform import tune_malloc
@@ -198,7 +198,7 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     cache = (
         allocate_cache(shape, dtype, device)
         if allocate_cache is not None
-        else torch.zeros(shape, dtype=dtype, device=device)  # zeroed: padded reads stay finite
+        else new_kv_cache(shape, dtype, device)
     )
     runner: StepRunner
     if profile is not None:

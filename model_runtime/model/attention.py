@@ -52,14 +52,14 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 def _gather(kv_layer: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of ``blocks`` ([..., nb]) as [..., nb * block_size, heads, dim] each.
 
-    Viewed as [2 * num_blocks, block_size, heads, dim], a block's keys sit at row 2b and its
-    values at 2b + 1, so each is one ``index_select`` straight into a contiguous result (plain
-    advanced indexing followed by a K/V split costs two copies and is several times slower).
+    One ``index_select`` of the key half and one of the value half, each straight into a
+    contiguous result (plain advanced indexing followed by a K/V split costs two copies and is
+    several times slower). ``kv_layer`` need not be contiguous (the cache is stored
+    block-major): each block's keys, and its values, are.
     """
-    flat = kv_layer.view(-1, *kv_layer.shape[2:])
-    rows = blocks.reshape(-1) * 2
+    rows = blocks.reshape(-1)
     shape = (*blocks.shape[:-1], -1, *kv_layer.shape[-2:])
-    return flat.index_select(0, rows).view(shape), flat.index_select(0, rows + 1).view(shape)
+    return kv_layer[:, 0].index_select(0, rows).view(shape), kv_layer[:, 1].index_select(0, rows).view(shape)
 
 
 def paged_attention(

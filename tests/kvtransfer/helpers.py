@@ -12,6 +12,7 @@ from kvtransfer.channel import Connection, client_handshake
 from kvtransfer.datapath import allocate_shared_kv_cache
 from kvtransfer.transport import KVTransport, TransportConfig, layout_of
 from model_runtime.kv_cache.block_pool import BlockPool
+from model_runtime.kv_cache.tensors import new_kv_cache
 
 SECRET = b"test-secret-0123456789"
 SHAPE = (6, 48, 2, 16, 2, 8)  # layers, blocks, K/V, block size, kv heads, head dim
@@ -23,7 +24,7 @@ def cache(
     if shared:
         t, path = allocate_shared_kv_cache(shape, torch.float32)
     else:
-        t, path = torch.zeros(shape), None
+        t, path = new_kv_cache(shape, torch.float32), None
     if seed is not None:
         t.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
     return t, path
@@ -57,5 +58,5 @@ def raw_client(
     """An authenticated connection that lets a test write arbitrary frames and bytes."""
     host, _, port = address.rpartition(":")
     conn = Connection(socket.create_connection((host, int(port)), timeout=2), io_timeout_s, address)
-    client_handshake(conn, secret, layout or layout_of(torch.zeros(SHAPE)), backend)
+    client_handshake(conn, secret, layout or layout_of(new_kv_cache(SHAPE, torch.float32)), backend)
     return conn

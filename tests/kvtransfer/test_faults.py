@@ -23,7 +23,7 @@ from kvtransfer.states import FailureCause, TransferError, TransferState
 from kvtransfer.transport import KVTransport
 from model_runtime.kv_cache.block_pool import BlockPool
 from tests.kvtransfer import peers
-from tests.kvtransfer.helpers import SHAPE, pick, raw_client, same_bytes, transport
+from tests.kvtransfer.helpers import SECRET, SHAPE, cache, pick, raw_client, same_bytes, transport
 
 CTX = mp.get_context("spawn")
 
@@ -345,9 +345,12 @@ def test_malformed_frames_drop_the_connection_and_fail_its_transfer(case: str, t
 def test_wrong_secret_and_layout_mismatch_are_refused() -> None:
     receiver = transport("tcp")
     pool = BlockPool(SHAPE[1])
-    impostor = KVTransport(torch.randn(SHAPE), b"not-the-right-secret!!", receiver.config)
+    impostor = KVTransport(cache(seed=3)[0], b"not-the-right-secret!!", receiver.config)
     other_shape = (SHAPE[0], SHAPE[1], 2, SHAPE[3], SHAPE[4], SHAPE[5] * 2)
     mismatched = transport("tcp", seed=1, shape=other_shape)
+    # Same shape, other storage order: a direct-write sender would scatter bytes with the wrong
+    # strides, so it is a layout mismatch too.
+    layer_major = KVTransport(torch.zeros(SHAPE), SECRET, receiver.config)
     try:
         addr = receiver.listen()
         dst = pick(pool, 2, random.Random(9))
@@ -356,12 +359,15 @@ def test_wrong_secret_and_layout_mismatch_are_refused() -> None:
         assert outcome(impostor, "w") is FailureCause.AUTH
         mismatched.send("w", addr, [0, 1], dst)
         assert outcome(mismatched, "w") is FailureCause.LAYOUT_MISMATCH
+        layer_major.send("w", addr, [0, 1], dst)
+        assert outcome(layer_major, "w") is FailureCause.LAYOUT_MISMATCH
         assert receiver.state("w") is TransferState.BOOTSTRAPPING  # untouched by either
         with pytest.raises(TransferError, match="refused"):
             raw_client(addr, secret=b"wrong-secret-wrong-secret")
     finally:
         impostor.close()
         mismatched.close()
+        layer_major.close()
     try:
         receiver.cancel("w")
         assert outcome(receiver, "w") is FailureCause.CANCELLED
