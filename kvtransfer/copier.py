@@ -5,20 +5,23 @@ OpenMP parallel region, so copying 128 scattered blocks means 128 fork/joins of 
 transport thread, beside the engine thread's own OpenMP team, those fork/joins contend for the
 same cores: 128 blocks moved at 5-7 GB/s where one plain copy of the same bytes ran at 20-27
 (measured on the 2-core CI host, ``benchmarks/kvtransfer_bandwidth.py``). ``numpy.copyto``
-releases the GIL and uses no thread team, so a fixed pool of plain threads, each copying its
-share of the blocks, runs at the memcpy ceiling without touching the process-wide torch thread
+releases the GIL and uses no thread team, so a fixed pool of plain threads, each taking the
+next block until none is left, runs at the memcpy ceiling without touching the process-wide torch thread
 settings (which ``torch.set_num_threads`` from another thread would change).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 MIN_SPLIT_BYTES = 1 << 20  # below this a copy is not worth handing to another thread
+# Pieces per thread when cutting up large runs: the last piece taken bounds how long one thread
+# copies alone at the end.
+PIECES_PER_THREAD = 16
 
 
 class BlockCopier:
@@ -37,14 +40,18 @@ class BlockCopier:
         if self.threads == 1 or total < MIN_SPLIT_BYTES:
             _run(pairs)
             return
-        if len(pairs) < 4 * self.threads:  # few large pieces (runs of blocks): cut them up
-            pairs = [piece for d, s in pairs for piece in _split(d, s, self.threads)]
-        shares = _balance(pairs, self.threads)
+        if len(pairs) < PIECES_PER_THREAD * self.threads:  # few large pieces (runs): cut them up
+            per = -(-PIECES_PER_THREAD * self.threads // len(pairs))
+            pairs = [piece for d, s in pairs for piece in _split(d, s, per)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
-        futures = [self._pool.submit(_run, share) for share in shares[1:]]
+        # Every thread takes the next piece from one shared iterator (a list iterator's next is
+        # atomic under the GIL): a helper thread that wakes late (~0.1 ms on a busy 2-core
+        # host) simply copies fewer pieces instead of finishing last with a fixed share.
+        work = iter(pairs)
+        futures = [self._pool.submit(_run, work) for _ in range(self.threads - 1)]
         try:
-            _run(shares[0])  # the calling thread takes a share too
+            _run(work)  # the calling thread copies too
         finally:
             for f in futures:
                 f.result()
@@ -55,33 +62,21 @@ class BlockCopier:
             self._pool = None
 
 
-def _run(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def _run(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in pairs:
         np.copyto(dst, src)
 
 
 def _split(dst: np.ndarray, src: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``n`` pieces along the longer of the first two axes (layers, blocks)."""
-    axis = 0 if dst.ndim < 2 or dst.shape[0] >= dst.shape[1] else 1
-    k = min(n, dst.shape[axis])
-    index = [slice(None)] * dst.ndim
+    """Up to ``n`` pieces, contiguous ranges along the blocks axis (axis 1 of [layers, blocks,
+    bytes]: in a block-major cache a range of blocks is one run of memory) or, for a single
+    block, along the first axis."""
+    axis = 1 if dst.ndim >= 2 and dst.shape[1] > 1 else 0
+    size = dst.shape[axis]
+    k = min(n, size)
+    index: list[slice] = [slice(None)] * dst.ndim
     pieces = []
     for i in range(k):
-        index[axis] = slice(i, None, k)
+        index[axis] = slice(i * size // k, (i + 1) * size // k)
         pieces.append((dst[tuple(index)], src[tuple(index)]))
     return pieces
-
-
-def _balance(
-    pairs: Sequence[tuple[np.ndarray, np.ndarray]], n: int
-) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """``n`` shares of about equal bytes, largest pieces placed first."""
-    if len({d.nbytes for d, _ in pairs}) == 1:  # whole blocks: dealing them out is balanced
-        return [list(pairs[i::n]) for i in range(n)]
-    shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for pair in sorted(pairs, key=lambda p: -p[0].nbytes):
-        i = loads.index(min(loads))
-        shares[i].append(pair)
-        loads[i] += pair[0].nbytes
-    return shares
