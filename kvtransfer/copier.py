@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -53,8 +53,11 @@ class BlockCopier:
         try:
             _run(work)  # the calling thread copies too
         finally:
-            for f in futures:
-                f.result()
+            # Every helper has stopped writing before this returns or raises (the contract):
+            # wait for all of them first, then surface the first failure.
+            wait(futures)
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -68,9 +71,9 @@ def _run(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 def _split(dst: np.ndarray, src: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Up to ``n`` pieces, contiguous ranges along the blocks axis (axis 1 of [layers, blocks,
-    bytes]: in a block-major cache a range of blocks is one run of memory) or, for a single
-    block, along the first axis."""
+    """Up to ``n`` pieces: contiguous ranges along the second axis (blocks of a [layers, blocks,
+    bytes] run, where in a block-major cache a range of blocks is one run of memory; bytes of a
+    [layers, bytes] block) or, when it has length 1, along the first."""
     axis = 1 if dst.ndim >= 2 and dst.shape[1] > 1 else 0
     size = dst.shape[axis]
     k = min(n, size)

@@ -244,11 +244,13 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
     from kvtransfer.datapath import allocate_shared_kv_cache
     from kvtransfer.states import TransferState
     from kvtransfer.transport import KVTransport, TransportConfig
+    from model_runtime.kv_cache.tensors import new_kv_cache
     from model_runtime.latency import fit_relative
 
     secret = os.urandom(32)
     blocks = layout[1]
-    src = torch.randn(layout, dtype=dtype)
+    src = new_kv_cache(layout, dtype)  # the workers' storage order, or the handshake refuses it
+    src.copy_(torch.randn(layout))
     dst, path = allocate_shared_kv_cache(layout, dtype)
     cfg = TransportConfig(backend=args.link)
     sender, receiver = KVTransport(src, secret, cfg), KVTransport(dst, secret, cfg, shm_path=path)
@@ -266,8 +268,11 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
                 t0 = time.perf_counter()
                 receiver.expect(tid, ids)
                 sender.send(tid, addr, ids, ids)
-                if receiver.wait(tid, 60) is not TransferState.DONE:
-                    raise RuntimeError(f"{args.link} transfer failed while profiling the link")
+                deadline = t0 + 60
+                while receiver.wait(tid, 0.05) is not TransferState.DONE:
+                    # A refused sender fails at once while the receiver would wait out its lease.
+                    if sender.state(tid) is TransferState.FAILED or time.perf_counter() > deadline:
+                        raise RuntimeError(f"{args.link} transfer failed while profiling the link")
                 dt = time.perf_counter() - t0
                 receiver.forget(tid)
                 if rep >= 2:  # two warm-ups
