@@ -29,3 +29,19 @@ def test_scattered_and_run_copies_are_exact(threads: int) -> None:
         assert np.array_equal(dst[2, 5], src[4, 7])
     finally:
         copier.close()
+
+
+def test_a_failed_piece_raises_after_every_thread_stopped() -> None:
+    src = np.ones((4, 64, 40_000), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    bad = (np.zeros(3, dtype=np.uint8), np.ones(5, dtype=np.uint8))  # shapes do not broadcast
+    copier = BlockCopier(2)
+    try:
+        pairs = [(dst[:, b], src[:, b]) for b in range(64)]
+        with pytest.raises(ValueError):
+            copier.copy([*pairs[:32], bad, *pairs[32:]])
+        # Every other piece was still copied (threads drain the shared work), none half-way.
+        assert int(dst.sum()) == dst.size
+        copier.copy(pairs)  # and the copier still works
+    finally:
+        copier.close()
