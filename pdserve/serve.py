@@ -15,7 +15,7 @@ from model_runtime.config import CacheConfig
 from model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
 from model_runtime.latency import load_profile
 from model_runtime.presets import PRESETS
-from model_runtime.scheduler.plan import QueuePolicy, SchedulerConfig
+from model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from router.config import Caps, RouterConfig
 from router.policy import POLICIES
 from router.server import serve_until_signal
@@ -32,6 +32,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         const=-1,
         default=0,
         help="serve with N colocated engines instead (default N: prefill + decode, the same hardware)",
+    )
+    p.add_argument(
+        "--colocated-schedule",
+        choices=[c.value for c in ColocatedSchedule],
+        default=ColocatedSchedule.CHUNKED.value,
+        help="colocated engines: chunked prefill riding along decodes (default), or whole prompts "
+        "first (vLLM v0's schedule; `pdserve plan` says when it wins)",
     )
     p.add_argument("--transport", choices=BACKENDS, default="auto", help="KV transfer backend")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a private one)")
@@ -97,6 +104,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             policy=QueuePolicy.PRIORITY,
+            colocated=ColocatedSchedule(args.colocated_schedule),
         ),
         max_logprobs=args.max_logprobs,
         compute=args.compute,

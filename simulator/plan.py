@@ -22,9 +22,10 @@ bisection (the rate doubled until joint attainment falls below 90 %, then bisect
 Colocated layouts are candidates like any other, so the answer may be "do not split". A
 candidate whose bisection can no longer beat the best of its family so far stops early
 (``pruned``: its goodput is below the rate where it failed); ``--no-prune`` measures all.
-The recommendation is the best chunked-colocated, split or conditional layout (each runnable by
-``pdserve serve`` with the printed flags); prefill-priority colocation is reported beside it as
-the baseline DistServe measured against.
+The recommendation is the best layout of any family, each runnable by ``pdserve serve`` with
+the printed flags (prefill-priority colocation with ``--colocated-schedule prefill-priority``);
+the summary also reports the recommendation against prefill-priority colocation, the baseline
+DistServe measured against.
 """
 
 from __future__ import annotations
@@ -90,13 +91,13 @@ class Candidate:
         }
 
     def serve_flags(self, profile: str, policy: str, slo: str) -> str:
-        if self.colocated and self.schedule != CHUNKED:
-            return f"(a baseline: pdserve serve colocates with chunked prefill)  # profile {profile}"
         shape = (
             f"--colocated {self.colocated}"
             if self.colocated
             else f"--prefill {self.prefill} --decode {self.decode}"
         )
+        if self.colocated and self.schedule != CHUNKED:
+            shape += f" --colocated-schedule {self.schedule}"
         routing = "--policy goodput" if self.conditional else f"--policy {policy}"
         if not self.conditional and not self.colocated and policy == "goodput":
             routing += " --no-local-prefill"
@@ -259,8 +260,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for p in coarse:
             run(Candidate(p, args.gpus - p, 0, budget, conditional=True))
     rows.sort(key=lambda r: -r[0])
-    # Prefill-priority colocation is the baseline to beat, not something pdserve serve deploys.
-    best_per_gpu, rec, _ = next(r for r in rows if r[1].family != PRIORITY)
+    # Every family is deployable (prefill-priority with --colocated-schedule); ties keep the
+    # earlier family in the search order: chunked colocation first.
+    best_per_gpu, rec, _ = rows[0]
 
     def family_best(name: str) -> tuple[float, Candidate, dict[str, Any]] | None:
         return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)

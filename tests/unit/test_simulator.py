@@ -97,6 +97,9 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     assert "2 colocated conditional" in out and "1P+1D conditional" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["conditional_over_better_pure"] > 0
+    pp = next(c for c in candidates(4, priority_budgets=(2048,)) if c.family == "prefill-priority")
+    flags = pp.serve_flags("h100-llama3-8b", "least_loaded", "default:ttft=250")
+    assert "--colocated 4 --colocated-schedule prefill-priority --max-num-batched-tokens 2048" in flags
     for flag in (["--no-local-prefill"], ["--decode-max-num-batched-tokens", "512"]):  # set per candidate
         bad = p.parse_args(["--gpus", "2", *lengths, *slo, *flag])
         assert cmd_plan(bad) == 2
