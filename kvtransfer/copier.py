@@ -6,8 +6,8 @@ transport thread, beside the engine thread's own OpenMP team, those fork/joins c
 same cores: 128 blocks moved at 5-7 GB/s where one plain copy of the same bytes ran at 20-27
 (measured on the 2-core CI host, ``benchmarks/kvtransfer_bandwidth.py``). ``numpy.copyto``
 releases the GIL and uses no thread team, so a fixed pool of plain threads, each taking the
-next block until none is left, runs at the memcpy ceiling without touching the process-wide torch thread
-settings (which ``torch.set_num_threads`` from another thread would change).
+next block until none is left, runs at the memcpy ceiling without touching the process-wide
+torch thread settings (which ``torch.set_num_threads`` from another thread would change).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ is one contiguous piece as well and a whole transfer copies one piece per block.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -41,15 +42,6 @@ _SHM_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
 def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The cache as uint8 [layers, blocks, bytes per block]."""
     return cache.view(cache.shape[0], cache.shape[1], -1).view(torch.uint8)
-
-
-def _block_rows(cache: torch.Tensor) -> np.ndarray | None:
-    """A block-major CPU cache as uint8 [blocks, all layers' bytes] (shares memory); None for
-    other storage orders."""
-    by_block = cache.transpose(0, 1)
-    if not by_block.is_contiguous():
-        return None
-    return by_block.reshape(cache.shape[1], -1).view(torch.uint8).numpy()
 
 
 class DataPath(ABC):
@@ -213,9 +205,7 @@ def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[
     """A zeroed block-major CPU cache (``model_runtime.kv_cache.tensors``) backed by a fresh
     ``/dev/shm`` file (mode 0600) that peers can map."""
     path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
@@ -239,33 +229,24 @@ class ShmPath(_DirectWritePath):
             raise TransferError(FailureCause.LAYOUT_MISMATCH, "the shm backend needs a CPU KV cache")
         self.shm_path = shm_path
         self._local_np = _block_bytes(cache).numpy()  # [layers, blocks, bytes], shares memory
-        self._local_rows = _block_rows(cache)  # [blocks, every layer's bytes] when block-major
         self._peers_np: dict[int, np.ndarray] = {}
-        self._peer_rows: dict[int, np.ndarray | None] = {}
         self._copier = BlockCopier(copy_threads)
 
     def attach(self, conn: Connection) -> None:
         super().attach(conn)
-        peer = self._peers[id(conn)]
-        self._peers_np[id(conn)] = _block_bytes(peer).numpy()
-        self._peer_rows[id(conn)] = _block_rows(peer.view(self.cache.shape))
+        self._peers_np[id(conn)] = _block_bytes(self._peers[id(conn)]).numpy()
 
     def detach(self, conn: Connection) -> None:
         super().detach(conn)
         self._peers_np.pop(id(conn), None)
-        self._peer_rows.pop(id(conn), None)
 
     def _copy(self, conn: Connection, layers: range, src: Sequence[int], dst: Sequence[int]) -> None:
         peer = self._peers_np[id(conn)][layers.start : layers.stop]
         local = self._local_np[layers.start : layers.stop]
         runs = mostly_consecutive(src, dst)
-        rows, peer_rows = self._local_rows, self._peer_rows.get(id(conn))
         if runs is not None:
             self._copier.copy([(peer[:, d : d + n], local[:, s : s + n]) for s, d, n in runs])
-        elif len(layers) == self.num_layers and rows is not None and peer_rows is not None:
-            # Whole blocks of a block-major cache: one contiguous piece each, cheap to index.
-            self._copier.copy([(peer_rows[d], rows[s]) for s, d in zip(src, dst, strict=True)])
-        else:
+        else:  # a block's layers: one contiguous piece when all are sent (block-major storage)
             self._copier.copy([(peer[:, d], local[:, s]) for s, d in zip(src, dst, strict=True)])
 
     def receiver_info(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ a direct-write sender maps the receiver's memory with its own strides.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,4 @@ def new_kv_cache(
 ) -> torch.Tensor:
     """A zeroed block-major cache of ``shape`` (zeros: padded reads of never-written slots are
     finite; they are masked anyway)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return block_major_view(torch.zeros(numel, dtype=dtype, device=device), shape)
+    return block_major_view(torch.zeros(math.prod(shape), dtype=dtype, device=device), shape)
