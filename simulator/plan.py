@@ -175,7 +175,13 @@ def goodput(
     def attainment(rate: float) -> float:
         run = c.sim_args(args.policy)
         m = simulate(argparse.Namespace(**{**vars(args), **run, "request_rate": rate}))
-        points.append({"rate": rate, **{k: m[k] for k in POINT_KEYS}})
+        points.append(
+            {
+                "rate": rate,
+                "work_bound_per_gpu": m["work_bound_rate_per_gpu"],
+                **{k: m[k] for k in POINT_KEYS},
+            }
+        )
         if progress:
             progress(f"    {c.label}: {rate:9.2f} req/s -> attainment {m['slo_attainment']:.3f}")
         return float(m["slo_attainment"])
@@ -278,6 +284,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "recommended": rec.label,
         "recommended_per_gpu": round(best_per_gpu, 3),
     }
+    # The bound of the workload the recommendation was measured on (its highest passing point).
+    passing = [p for p in rows[0][2]["points"] if p["rate"] <= rows[0][2]["goodput_rate"]]
+    if passing:
+        wb = float(max(passing, key=lambda p: p["rate"])["work_bound_per_gpu"])
+        summary["work_bound_per_gpu"] = round(wb, 3)
+        print(f"  {best_per_gpu / wb:.2f}x the work bound ({wb:.3f} per GPU, what no layout sustains unshed)")
+        if best_per_gpu > 1.05 * wb:
+            summary["transient"] = True
+            print(
+                "  warning: above the work bound, so these goodputs are a transient (the arrivals end before "
+                "the backlog they build is felt); give each point more arrivals (--duration SECONDS)",
+                flush=True,
+            )
     for name, row in (
         ("best colocated", coloc),
         ("best chunked colocated", chunked),

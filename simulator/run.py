@@ -20,6 +20,7 @@ from pdserve.bench.workload import RequestSpec
 from router.dispatchers import make_dispatcher
 from router.policy import POLICIES
 from router.slo import Admission, SloClass
+from simulator.bound import work_bound
 from simulator.cluster import Cluster
 
 
@@ -144,8 +145,15 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         )
     duration = end - min((s.arrival_s for s in specs), default=0.0)
     m = summarize(results, duration, Slo.parse(args.goodput))
+    bound = work_bound(profile, specs, args.block_size)
+    gpus = args.colocated or args.prefill + args.decode
     m.update(
         {
+            # no layout sustains more than this without shedding (simulator/bound.py)
+            "work_bound_rate_per_gpu": bound.rate_per_gpu,
+            "offered_load_vs_bound": (
+                args.request_rate / (gpus * bound.rate_per_gpu) if math.isfinite(args.request_rate) else "inf"
+            ),
             "simulated": True,
             "profile": profile.name,
             "layout": f"{args.colocated} colocated" if args.colocated else f"{args.prefill}P+{args.decode}D",
@@ -169,6 +177,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 2
     print_summary(m, Slo.parse(args.goodput))
     print(f"simulated {m['num_prompts']} requests on {m['layout']} in {m['simulation_wall_s']:.1f}s")
+    load = m["offered_load_vs_bound"]
+    print(
+        f"work bound: {m['work_bound_rate_per_gpu']:.2f} req/s per GPU without shedding"
+        + (f" (offered load {load:.2f}× of it)" if isinstance(load, float) else "")
+    )
     if args.save_result:
         args.save_result.write_text(json.dumps(m))
         print(f"saved {args.save_result}")

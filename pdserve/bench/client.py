@@ -19,8 +19,6 @@ from pdserve.bench.workload import RequestSpec
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
-BACKENDS = ("openai", "pdserve-grpc")
-
 
 class Backend(Protocol):
     async def send(self, spec: RequestSpec) -> RequestResult: ...

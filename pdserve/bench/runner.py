@@ -11,9 +11,8 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.client import BACKENDS, Backend, OpenAIBackend, PdserveGrpcBackend
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
@@ -21,13 +20,20 @@ from pdserve.bench.workload import (
     WorkloadError,
     arrival_times,
     length_pairs_random,
+    loop_trace,
     read_sharegpt_lengths,
     read_trace,
     synthetic_requests,
     trace_requests,
 )
 
+if TYPE_CHECKING:
+    from pdserve.bench.client import Backend
+
 DATASETS = ("random", "sharegpt", "trace")
+# The client (grpc, httpx) is imported only to send: ``pdserve simulate`` and ``pdserve plan``
+# share this module's workload flags and must run where only the pure packages are installed.
+BACKENDS = ("openai", "pdserve-grpc")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +98,17 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name trace needs --dataset-path")
         rows = read_trace(args.dataset_path)
+        if n > len(rows):
+            print(
+                f"{args.dataset_path}: {len(rows)} rows for {n} requests: replaying the trace "
+                f"{math.ceil(n / len(rows))} times",
+                file=sys.stderr,
+            )
+            rows = loop_trace(rows, n)
         scale = args.time_scale
         if math.isfinite(args.request_rate):  # replay the trace's pattern at this mean rate
-            span = rows[min(n, len(rows)) - 1].timestamp_s - rows[0].timestamp_s
-            native = (min(n, len(rows)) - 1) / span if span > 0 else math.inf
+            span = rows[n - 1].timestamp_s - rows[0].timestamp_s if len(rows) >= n > 1 else 0.0
+            native = (n - 1) / span if span > 0 else math.inf
             scale = args.request_rate / native if math.isfinite(native) else 1.0
         return trace_requests(rows, n, scale, args.vocab_size, args.block_size, rng)
     if args.dataset_name == "sharegpt":
@@ -112,6 +125,8 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
 
 
 def make_backend(args: argparse.Namespace) -> Backend:
+    from pdserve.bench.client import OpenAIBackend, PdserveGrpcBackend
+
     if args.backend == "openai":
         base = args.base_url or f"http://{args.host}:{args.port or 8000}"
         return OpenAIBackend(base, args.endpoint, args.model, args.api_key, args.temperature)

@@ -123,6 +123,33 @@ def _read_jsonl(path: Path) -> Iterator[TraceRow]:
                 raise WorkloadError(f"{path}:{lineno}: {e}") from None
 
 
+def loop_trace(rows: Sequence[TraceRow], n: int) -> list[TraceRow]:
+    """``n`` rows: the trace, then the trace again after its end as often as needed.
+
+    A lap starts one mean inter-arrival gap after the previous one ends, so the rate stays the
+    trace's own. Each lap gets its own block hashes: a replayed conversation would otherwise hit
+    the prefix cache its first lap filled, which the real workload never offered.
+    """
+    if not rows or n <= len(rows):
+        return list(rows[:n])
+    span = rows[-1].timestamp_s - rows[0].timestamp_s
+    period = span + (span / (len(rows) - 1) if len(rows) > 1 else 1.0)
+    stride = 1 + max((h for r in rows for h in r.hash_ids), default=-1)
+    out: list[TraceRow] = []
+    for i in range(n):
+        lap, r = divmod(i, len(rows))
+        row = rows[r]
+        out.append(
+            TraceRow(
+                row.timestamp_s + lap * period,
+                row.input_len,
+                row.output_len,
+                tuple(h + lap * stride for h in row.hash_ids),
+            )
+        )
+    return out
+
+
 def trace_requests(
     rows: Sequence[TraceRow], n: int, time_scale: float, vocab: int, block_size: int, rng: random.Random
 ) -> list[RequestSpec]:

@@ -208,3 +208,27 @@ def test_goodput_search_stops_early_and_reports_unbracketed_runs() -> None:
 
     never = run_search(search(1.0, 3, 6), lambda rate: 1.0)
     assert (never.goodput, never.failed_at, never.bracketed) == (4.0, None, False)
+
+
+def test_short_trace_is_replayed_lap_after_lap(tmp_path: Path) -> None:
+    """More requests than rows: the trace repeats at its own rate, each lap with fresh block
+    hashes (a replay must not hit the prefix cache the first lap filled)."""
+    import argparse
+
+    from pdserve.bench.runner import build_workload
+    from pdserve.bench.workload import loop_trace
+
+    row = {"input_length": 32, "output_length": 2, "hash_ids": [7, 8]}
+    rows = [{"timestamp": i * 1000, **row} for i in range(3)]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    looped = loop_trace(read_trace(p), 7)
+    assert [r.timestamp_s for r in looped] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # one gap between laps
+    assert [r.hash_ids for r in looped[::3]] == [(7, 8), (16, 17), (25, 26)]
+    args = argparse.Namespace(
+        seed=0, num_prompts=7, dataset_name="trace", dataset_path=p, time_scale=1.0, request_rate=2.0,
+        vocab_size=256, block_size=16,
+    )  # fmt: skip
+    reqs = build_workload(args)
+    assert len(reqs) == 7 and reqs[-1].arrival_s == pytest.approx(3.0)  # 1 req/s native, at 2
+    assert reqs[0].prompt == reqs[1].prompt != reqs[3].prompt  # shared within a lap, not across

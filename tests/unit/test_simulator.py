@@ -97,6 +97,9 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     assert "2 colocated conditional" in out and "1P+1D conditional" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["conditional_over_better_pure"] > 0
+    # 60 requests end before any backlog is felt: plan says its numbers are a transient
+    assert summary["recommended_per_gpu"] > summary["work_bound_per_gpu"] and summary["transient"]
+    assert "warning: above the work bound" in out
     pp = next(c for c in candidates(4, priority_budgets=(2048,)) if c.family == "prefill-priority")
     flags = pp.serve_flags("h100-llama3-8b", "least_loaded", "default:ttft=250")
     assert "--colocated 4 --colocated-schedule prefill-priority --max-num-batched-tokens 2048" in flags
@@ -104,3 +107,36 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
         bad = p.parse_args(["--gpus", "2", *lengths, *slo, *flag])
         assert cmd_plan(bad) == 2
         assert "chosen per candidate" in capsys.readouterr().err
+
+
+def test_work_bound_by_hand_and_with_shared_prefixes() -> None:
+    """Uniform requests on the roofline: per request, the linear FLOPs of every token, the
+    prompt's attention FLOPs and each decode token's KV reads; a repeated prompt is free."""
+    from simulator.bound import work_bound
+
+    l, o = 1000, 101
+    lin = 2 * P.params / (P.peak_flops * P.mfu)
+    attn = 4 * P.layers * P.heads * P.head_dim * l * (l / 2) / (P.peak_flops * P.mfu_attn)
+    kv = sum(l + k for k in range(1, o)) * P.kv_bytes_per_token / (P.mem_bw * P.mbu)
+    by_hand = lin * l + attn + lin * (o - 1) + kv
+    rng = random.Random(0)
+    specs = [RequestSpec(0.0, tuple(rng.randrange(32000) for _ in range(l)), l, o) for _ in range(3)]
+    b = work_bound(P, specs)
+    assert b.seconds_per_request == pytest.approx(by_hand, rel=1e-6)
+    assert b.cached_fraction == 0.0
+    again = work_bound(P, specs + specs)  # the second copy of each prompt hits an infinite cache
+    assert again.cached_fraction == pytest.approx((l // 16 * 16) / (2 * l))  # whole blocks only
+    assert again.prefill_s < b.prefill_s and again.decode_s == pytest.approx(b.decode_s)
+
+
+def test_no_layout_serves_faster_than_the_work_bound() -> None:
+    """Offered twice the bound, every simulated layout completes requests no faster than the bound
+    allows (the simulator never charges a step less than its tokens' marginal work)."""
+    lengths = ["--random-input-len", "1500", "--random-output-len", "200", "--random-range-ratio", "0.5"]
+    for layout in (("--colocated", "2"), ("--prefill", "1", "--decode", "1")):
+        probe = simulate(args(*layout, "--num-prompts", "20", *lengths))
+        bound = probe["work_bound_rate_per_gpu"]
+        m = simulate(args(*layout, "--num-prompts", "600", "--request-rate", str(4 * bound), *lengths))
+        assert m["offered_load_vs_bound"] == pytest.approx(2.0, rel=0.05)
+        assert m["completed"] == 600
+        assert m["request_throughput"] / 2 <= m["work_bound_rate_per_gpu"] * 1.01
