@@ -50,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import coactivity
 from benchmarks.client import Server, start_pdserve
 from benchmarks.common import emit
 from pdserve.bench.client import PdserveGrpcBackend
@@ -126,7 +127,9 @@ class HostLoad:
             except OSError:
                 continue
             parent[int(d)] = int(fields[1])
-            cpu[int(d)] = float(int(fields[11]) + int(fields[12]))
+            # utime + stime, and cutime + cstime: children that already exited and were reaped
+            # (a finished `pdserve profile`) leave /proc, and their time moves to their parent's
+            cpu[int(d)] = float(sum(int(x) for x in fields[11:15]))
         total = 0.0
         for pid, t in cpu.items():
             q, hops = pid, 0
@@ -189,7 +192,8 @@ def simulate_point(layout: str, profile: str, specs: list[RequestSpec], slo: lis
     common = (
         f"--profile {profile} --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --block-size 16"
     )
-    ns = p.parse_args([*LAYOUTS[layout]["sim"], *common.split(), "--goodput", *slo])
+    # every layout here runs on this one host (co-activity factors apply where the profile has them)
+    ns = p.parse_args([*LAYOUTS[layout]["sim"], *common.split(), "--shared-host", "--goodput", *slo])
     return simulate(ns, specs)
 
 
@@ -228,6 +232,17 @@ async def unloaded(server: Server, args: argparse.Namespace, n: int = 6) -> dict
         "ttft_ms": statistics.median(r.ttft * 1000 for r in ok),
         "tpot_ms": statistics.median((r.tpot or 0.0) * 1000 for r in ok),
     }
+
+
+def measure_coactivity(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """The two workers' slowdown of each other on this host (``benchmarks/coactivity.py``)."""
+    HOST.wait_quiet()
+    a = HOST.sample()
+    longest = int(args.input_len * (1 + args.range_ratio))
+    c = asyncio.run(coactivity.probe(server.grpc, args.input_len, longest))
+    out = {**dataclasses.asdict(c), "foreign_cores": round(HOST.foreign(a, HOST.sample()), 2)}
+    log(f"co-activity: {out}")
+    return out
 
 
 def serve(layout: str) -> Server:
@@ -326,14 +341,22 @@ def calibrate(
         lone = [RequestSpec(30.0 * i, lone_prompt(i + 1, n), n, args.output_len) for i in range(6)]
         sim = simulate_point(layout, profiles[layout], lone, real["slo"])
         overhead = max(0.0, (base["tpot_ms"] - sim["median_tpot_ms"]) / 1000)
-        cal = dataclasses.replace(prof, name=f"{prof.name}+service", step_overhead_s=overhead)
+        co = real.get("coactivity", {}) if layout == "disaggregated" else {}
+        cal = dataclasses.replace(
+            prof,
+            name=f"{prof.name}+service",
+            step_overhead_s=overhead,
+            decode_coactive_x=co.get("decode_coactive_x", 1.0),
+            prefill_coactive_x=co.get("prefill_coactive_x", 1.0),
+        )
         path = out_dir / f"{cal.name}-{layout}.json"
         path.write_text(cal.to_json() + "\n")
         again = simulate_point(layout, str(path), lone, real["slo"])
         print(
             f"{layout} unloaded: TPOT real {base['tpot_ms']:.2f} ms, model {sim['median_tpot_ms']:.2f} ms"
             f" -> service overhead {overhead * 1000:.2f} ms/step; TTFT real {base['ttft_ms']:.1f} ms, model"
-            f" {sim['median_ttft_ms']:.1f} ms without it, {again['median_ttft_ms']:.1f} ms with it"
+            f" {sim['median_ttft_ms']:.1f} ms without it, {again['median_ttft_ms']:.1f} ms with it;"
+            f" co-activity: decode x{cal.decode_coactive_x:.2f}, prefill x{cal.prefill_coactive_x:.2f}"
         )
         out[layout] = str(path)
     return out
@@ -427,11 +450,14 @@ def measure_real(
         profiles = {name: (p1 if LAYOUTS[name]["threads"] == 1 else p2) for name in LAYOUTS}
         log(f"profiles ready in {time.perf_counter() - t0:.0f}s")
         base: dict[str, dict[str, float]] = {}
+        coact: dict[str, Any] = {}
         for layout in layouts:
             server = serve(layout)
             try:
                 HOST.wait_quiet()
                 base[layout] = asyncio.run(unloaded(server, args))
+                if layout == "disaggregated":
+                    coact = measure_coactivity(server, args)
             finally:
                 server.stop()
             log(f"{layout} unloaded: {base[layout]}")
@@ -441,6 +467,8 @@ def measure_real(
         log(f"SLO: {' '.join(slo)}")
         workload = {k: getattr(args, k) for k in WORKLOAD_KEYS}
         real = {"profiles": profiles, "unloaded": base, "slo": slo, "workload": workload, "layouts": {}}
+        if coact:
+            real["coactivity"] = coact
 
     def save(layout: str, points: list[dict[str, Any]]) -> None:
         real["layouts"].setdefault(layout, {"points": []})["points"] = points
@@ -475,6 +503,11 @@ def main() -> None:
     p.add_argument("--rate-floor", type=float, default=0.2, help="rates below this are not measured (req/s)")
     p.add_argument("--real-results", type=Path, default=None, help="skip the real runs: re-simulate these")
     p.add_argument("--resume", type=Path, default=None, help="continue an interrupted run from its real.json")
+    p.add_argument(
+        "--measure-coactivity",
+        action="store_true",
+        help="with --real-results: probe the disaggregated service's co-activity now and use it",
+    )
     args = p.parse_args()
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="pdserve-simval-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -488,6 +521,14 @@ def main() -> None:
             profiles[name] = given or profiles[name]
         for k, v in real.get("workload", {}).items():
             setattr(args, k, v)
+        if args.measure_coactivity:
+            server = serve("disaggregated")
+            try:
+                real["coactivity"] = measure_coactivity(server, args)
+            finally:
+                server.stop()
+            (out_dir / "real.json").write_text(json.dumps(real, indent=1))
+            log(f"real results with co-activity in {out_dir / 'real.json'}")
     else:
         real, profiles, path = measure_real(args, out_dir, layouts)
         log(f"real results in {path}")
@@ -504,6 +545,7 @@ def main() -> None:
         {
             "slo": " ".join(real["slo"]),
             "unloaded": real.get("unloaded"),
+            "coactivity": real.get("coactivity"),
             "profiles": profiles,
             "num_prompts": args.num_prompts,
         }

@@ -287,6 +287,14 @@ class FittedProfile:
     most ``a_d`` per mixed step. ``pdserve profile`` measures mixed steps and reports this
     model's error on them.
 
+    ``decode_coactive_x`` and ``prefill_coactive_x`` describe workers that share one host (this
+    CPU's cores, caches and memory system, and the router and client running beside them): a
+    decode-only step takes ``decode_coactive_x`` times as long while another worker on the host
+    runs a step with prefill work, and a step with prefill work ``prefill_coactive_x`` times as
+    long while another worker steps at all. GPUs do not share like that, so both are 1 unless
+    measured (``benchmarks/sim_validation.py`` probes the running service), and the simulator
+    applies them only to a deployment it is told shares a host (``--shared-host``).
+
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
     engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
     sharing its cores). ``pdserve profile`` measures the engine alone and leaves it at 0;
@@ -313,6 +321,8 @@ class FittedProfile:
     max_model_len: int
     source: str = ""  # what was measured, how, where
     step_overhead_s: float = 0.0  # per step, beyond the engine's step(): measured from the service
+    decode_coactive_x: float = 1.0  # decode-only step, while another worker on the host prefills
+    prefill_coactive_x: float = 1.0  # step with prefill, while another worker on the host steps
     prefill_fit_median_error: float = 0.0  # |relative error| of the fit on its own points
     prefill_fit_max_error: float = 0.0
     decode_fit_median_error: float = 0.0
@@ -328,6 +338,8 @@ class FittedProfile:
             raise ValueError("link_bw, kv_bytes_per_token and kv_capacity_tokens must be > 0")
         if self.max_model_len <= 0:
             raise ValueError("max_model_len must be > 0")
+        if self.decode_coactive_x < 1 or self.prefill_coactive_x < 1:
+            raise ValueError("co-activity factors are slowdowns: >= 1")
 
     @property
     def prefill_coefficients(self) -> tuple[float, float, float]:

@@ -9,6 +9,12 @@ reserves blocks (waiting for room when full), the prefill worker computes and em
 token, the KV takes the profile's link time, then the request joins the decode batch. Locally
 prefilled ones (colocated, or conditional disaggregation) join the decode worker's scheduler as
 new prompts; rejected ones end at once as failures.
+
+A deployment whose workers share one host (``shared_host``: this CPU, where the workers' cores
+share caches and memory and the router runs beside them) slows steps by the profile's measured
+co-activity factors: a decode-only step that starts while another worker runs a prefill step,
+and a prefill step that starts while another worker steps. The state at a step's start decides
+it; steps are short against the prefills that cause most of the slowdown.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from model_runtime.latency import LatencyProfile
+from model_runtime.latency import LatencyProfile, is_decode_chunk
 from model_runtime.request import Request
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler.colocated import ColocatedScheduler
@@ -84,6 +90,7 @@ class SimWorker:
         )
         self.requests: dict[str, SimRequest] = {}
         self.busy = False
+        self.prefilling = False  # the step in flight has prefill work
         self.reservations: deque[SimRequest] = deque()  # decode: waiting for room
         self.sending = 0  # prefill: requests whose KV is still being handed off
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
@@ -125,6 +132,8 @@ class SimWorker:
             return
         self.busy = True
         dur = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
+        self.prefilling = not all(is_decode_chunk(c.num_tokens, c.start_pos) for c in chunks)
+        dur *= self.cluster.coactivity(self)
         self.clock.at(self.clock.now + dur, lambda: self._done(chunks, plan))
 
     def _done(self, chunks: list[ScheduledChunk], plan: SchedulePlan | None) -> None:
@@ -149,7 +158,7 @@ class SimWorker:
             for r in update.finished:
                 self.cluster.finish(self.requests.pop(r.request_id))
             self.try_reserve()
-        self.busy = False
+        self.busy = self.prefilling = False
         self.kick()
 
     # -- decode side -----------------------------------------------------------------------------
@@ -192,9 +201,13 @@ class Cluster:
         decode_config: SchedulerConfig,
         block_size: int = 16,
         slo: SloClass | None = None,
+        shared_host: bool = False,
     ) -> None:
         self.clock = Clock()
         self.profile = profile
+        self.shared_host = shared_host
+        self._decode_x = float(getattr(profile, "decode_coactive_x", 1.0))
+        self._prefill_x = float(getattr(profile, "prefill_coactive_x", 1.0))
         self.colocated = colocated > 0
 
         def mk(i: int, role: WorkerRole, cfg: SchedulerConfig) -> SimWorker:
@@ -213,6 +226,15 @@ class Cluster:
         self.finished: list[SimRequest] = []
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
         self.max_model_len = profile.max_model_len
+
+    def coactivity(self, w: SimWorker) -> float:
+        """The slowdown of the step ``w`` is starting, from what the host's other workers run."""
+        if not self.shared_host:
+            return 1.0
+        others = [o for o in self.by_id.values() if o is not w and o.busy]
+        if w.prefilling:
+            return self._prefill_x if others else 1.0
+        return self._decode_x if any(o.prefilling for o in others) else 1.0
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)

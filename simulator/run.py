@@ -67,6 +67,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=64,
         help="KV block tokens (coarser than a GPU engine: 4x fewer blocks to track)",
     )
+    p.add_argument(
+        "--shared-host",
+        action="store_true",
+        help="all workers share one host (CPU): steps slow down by the profile's co-activity factors",
+    )
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
     p.add_argument("--save-result", type=Path, default=None, help="JSON path")
 
@@ -109,7 +114,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     )  # fmt: skip
     cluster = Cluster(
         profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, decode_cfg, args.block_size,
-        slo_class,
+        slo_class, shared_host=getattr(args, "shared_host", False),
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []

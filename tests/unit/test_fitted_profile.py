@@ -152,3 +152,51 @@ def test_both_kinds_are_latency_models() -> None:
         return m.step_time([(256, 0), (1, 100)]) + m.transfer_time(256) + m.kv_capacity_tokens * 0
 
     assert use(TRUE) > 0 and use(H100_LLAMA3_8B) > 0
+
+
+def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path: Path) -> None:
+    """1P+1D on one host: request A decodes alone, then B's long prompt is prefilled on the other
+    worker. With --shared-host, A's steps that start during that prefill take decode_coactive_x
+    times as long; on separate devices (the default) nothing changes."""
+    import argparse
+    import dataclasses
+
+    from pdserve.bench.workload import RequestSpec
+    from simulator.run import add_simulate_args, simulate
+
+    prof = dataclasses.replace(TRUE, name="shared", decode_coactive_x=2.0, prefill_coactive_x=1.5)
+    path = tmp_path / "p.json"
+    path.write_text(prof.to_json())
+    a = RequestSpec(0.0, tuple(range(1, 33)), 32, 200)
+    b = RequestSpec(0.5, tuple(range(100, 1100)), 1000, 2)
+    b_prefill = TRUE.prefill_time(1000)
+    itl = TRUE.decode_time(1, 33 + 50)  # A's step, about 14 ms
+
+    def run(*extra: str) -> dict[str, object]:
+        p = argparse.ArgumentParser()
+        add_simulate_args(p)
+        flags = [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--profile",
+            str(path),
+            "--max-num-batched-tokens",
+            "2048",
+        ]
+        return simulate(p.parse_args([*flags, *extra]), [a, b])
+
+    alone, shared = run(), run("--shared-host")
+    a_alone, a_shared = alone["itls"][0][1:], shared["itls"][0][1:]  # type: ignore[index]  # [0]: hand-off
+    # apart from the one step B joins with its 1,000-token context, A's steps never slow alone
+    assert sum(x > 1.2 * itl for x in a_alone) == 1 and max(a_alone) < 1.4 * itl
+    ratios = [x / y for x, y in zip(a_shared, a_alone, strict=True)]  # same token, same batch
+    slow = [r for r in ratios if r > 1.6]
+    assert all(r == pytest.approx(2.0, rel=0.02) for r in slow)
+    assert sum(abs(r - 1) < 0.02 for r in ratios) >= len(ratios) - len(slow) - 2
+    # as many of A's steps as fit in B's prefill (itself 1.5x slower: A was stepping) are slowed
+    assert len(slow) == pytest.approx(1.5 * b_prefill / (2 * itl), abs=2)
+    assert shared["ttfts"][1] > alone["ttfts"][1] * 1.4  # type: ignore[index]
+    with pytest.raises(ValueError, match="slowdowns"):
+        dataclasses.replace(TRUE, decode_coactive_x=0.5)

@@ -1,0 +1,52 @@
+"""``benchmarks/sim_farm.py``: points files, the compact result, and a real two-point run with a
+deadline that stops one of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sim_farm import compact, parse_points
+
+FARM = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_farm.py"
+
+
+def test_points_file_parsing() -> None:
+    pts = parse_points("# comment\n\na-1: --prefill 1 --decode 1  # trailing\nb_2: --colocated 2\n")
+    assert pts == [("a-1", ["--prefill", "1", "--decode", "1"]), ("b_2", ["--colocated", "2"])]
+    for bad in ("no colon here", "a b: --x", "a: --x\na: --y"):
+        with pytest.raises(SystemExit):
+            parse_points(bad)
+
+
+def test_compact_counts_shed_requests_and_their_prompt_tokens() -> None:
+    errors = ["", "RESOURCE_EXHAUSTED: rejected", "", "not finished"]
+    m = {"slo_attainment": 0.5, "num_prompts": 4, "itls": [[0.1] * 9], "input_lens": [100, 300, 100, 500]}
+    m["errors"] = errors
+    c = compact(m, ["--x"])
+    assert c["rejected"] == 1 and c["rejected_fraction"] == 0.25
+    assert c["rejected_prompt_token_fraction"] == pytest.approx(300 / 1000)
+    assert "itls" not in c and c["flags"] == "--x"
+
+
+def test_farm_runs_points_in_parallel_and_stops_at_the_deadline(tmp_path: Path) -> None:
+    pts = tmp_path / "p.txt"
+    pts.write_text(
+        "quick: --prefill 1 --decode 1 --num-prompts 20 --random-input-len 200 --random-output-len 8\n"
+        "slow: --colocated 2 --num-prompts 200000 --request-rate 50 --random-input-len 400\n"
+        "never: --colocated 1 --num-prompts 5\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(FARM), "--points", str(pts), "--out-dir", str(tmp_path / "o"), "--jobs", "2",
+         "--deadline-s", "6"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])["points"]
+    assert summary["quick"]["status"] == "ok" and summary["quick"]["completed"] == 20
+    assert summary["slow"]["status"] == "stopped at the deadline"
+    assert summary["never"]["status"] in ("skipped (deadline)", "ok")  # starts once quick frees a slot
+    assert json.loads((tmp_path / "o" / "quick.json").read_text())["layout"] == "1P+1D"
