@@ -28,7 +28,7 @@ KEEP = (
     "slo_attainment", "request_throughput", "request_goodput", "completed", "failed", "num_prompts",
     "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
     "layout", "policy", "admission", "colocated_schedule", "request_rate", "decisions", "duration",
-    "work_bound_rate_per_gpu", "offered_load_vs_bound", "simulation_wall_s",
+    "work_bound_rate_per_gpu", "offered_load_vs_bound", "admitted_load_vs_bound", "simulation_wall_s",
 )  # fmt: skip
 
 
@@ -72,24 +72,14 @@ def worker(name: str, out_dir: Path, flags: list[str]) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", type=Path)
-    ap.add_argument("--out-dir", type=Path)
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--deadline-s", type=float, default=float("inf"), help="stop everything after this")
-    ap.add_argument("--worker", nargs=2, metavar=("NAME", "OUT_DIR"), help=argparse.SUPPRESS)
-    args, rest = ap.parse_known_args()
-    if args.worker:
-        return worker(args.worker[0], Path(args.worker[1]), rest)
-    if rest or args.points is None or args.out_dir is None:
-        ap.error("--points and --out-dir are required" + (f"; unknown: {' '.join(rest)}" if rest else ""))
-    points = parse_points(args.points.read_text())
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    pending = list(points)
-    running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
-    status: dict[str, str] = {}
+def run_all(
+    args: argparse.Namespace,
+    pending: list[tuple[str, list[str]]],
+    running: dict[str, tuple[subprocess.Popen[bytes], float]],
+    status: dict[str, str],
+    start: float,
+) -> None:
+    """Start points as slots free up; past the deadline stop the running ones, skip the rest."""
     script = str(Path(__file__).resolve())
     while pending or running:
         late = time.monotonic() - start > args.deadline_s
@@ -106,7 +96,8 @@ def main() -> int:
             if rc is None and late:
                 proc.kill()
                 rc = proc.wait()
-                status[name] = "stopped at the deadline"
+                done = (args.out_dir / f"{name}.json").exists()  # it finished as the deadline passed
+                status[name] = "ok" if done else "stopped at the deadline"
             if rc is not None:
                 del running[name]
                 status.setdefault(name, "ok" if rc == 0 else f"failed (rc {rc}, see {name}.log)")
@@ -123,6 +114,36 @@ def main() -> int:
                 status[name] = "skipped (deadline)"
             pending.clear()
         time.sleep(0.2)
+
+
+def main() -> int:
+    # no abbreviations: a worker's simulate flags pass through parse_known_args untouched
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--points", type=Path)
+    ap.add_argument("--out-dir", type=Path)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--deadline-s", type=float, default=float("inf"), help="stop everything after this")
+    ap.add_argument("--worker", nargs=2, metavar=("NAME", "OUT_DIR"), help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    if args.worker:
+        return worker(args.worker[0], Path(args.worker[1]), rest)
+    if rest or args.points is None or args.out_dir is None:
+        ap.error("--points and --out-dir are required" + (f"; unknown: {' '.join(rest)}" if rest else ""))
+    if args.jobs < 1:
+        ap.error("--jobs must be >= 1")
+    points = parse_points(args.points.read_text())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name, _ in points:  # a point not finished this run must not show an earlier run's result
+        (args.out_dir / f"{name}.json").unlink(missing_ok=True)
+    start = time.monotonic()
+    pending = list(points)
+    running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+    status: dict[str, str] = {}
+    try:
+        run_all(args, pending, running, status, start)
+    finally:  # an error or Ctrl-C here must not leave simulations running
+        for proc, _ in running.values():
+            proc.kill()
     summary: dict[str, Any] = {}
     for name, _ in points:
         f = args.out_dir / f"{name}.json"

@@ -58,6 +58,14 @@ class Dilated:
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens
 
+    @property
+    def decode_coactive_x(self) -> float:  # ratios: stretching every duration leaves them as they are
+        return float(getattr(self.base, "decode_coactive_x", 1.0))
+
+    @property
+    def prefill_coactive_x(self) -> float:
+        return float(getattr(self.base, "prefill_coactive_x", 1.0))
+
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         return self.factor * self.base.step_time(chunks)
 

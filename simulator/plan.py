@@ -290,7 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         wb = float(max(passing, key=lambda p: p["rate"])["work_bound_per_gpu"])
         summary["work_bound_per_gpu"] = round(wb, 3)
         print(f"  {best_per_gpu / wb:.2f}x the work bound ({wb:.3f} per GPU, what no layout sustains unshed)")
-        if best_per_gpu > 1.05 * wb:
+        if best_per_gpu > 1.05 * wb and getattr(args, "admission", "none") == "none":  # shedding may pass it
             summary["transient"] = True
             print(
                 "  warning: above the work bound, so these goodputs are a transient (the arrivals end before "

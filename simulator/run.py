@@ -119,12 +119,14 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []
     tracked = []
+    submitted: list[RequestSpec] = []  # as the cluster sees them: the work bound's workload
     for i, s in enumerate(specs):
         prompt = s.prompt if isinstance(s.prompt, tuple) else tuple(range(s.prompt_len))
         if s.prompt_len + s.output_len > min(profile.max_model_len, capacity):
             results.append(RequestResult(s.prompt_len, error="INVALID_ARGUMENT: exceeds the context"))
             continue
         tracked.append(cluster.submit(s.arrival_s, f"r{i}", prompt, s.output_len))
+        submitted.append(RequestSpec(s.arrival_s, prompt, s.prompt_len, s.output_len))
     t0 = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - t0
@@ -150,14 +152,23 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         )
     duration = end - min((s.arrival_s for s in specs), default=0.0)
     m = summarize(results, duration, Slo.parse(args.goodput))
-    bound = work_bound(profile, specs, args.block_size)
+    bound = work_bound(profile, submitted, args.block_size)
+    admitted = work_bound(profile, [s for s, sr in zip(submitted, tracked, strict=True) if not sr.rejected],
+                          args.block_size)  # fmt: skip
     gpus = args.colocated or args.prefill + args.decode
+    finite = math.isfinite(args.request_rate)  # all at once: no load to speak of (None in the JSON)
+    rate = args.request_rate if finite else 0.0
     m.update(
         {
             # no layout sustains more than this without shedding (simulator/bound.py)
             "work_bound_rate_per_gpu": bound.rate_per_gpu,
-            "offered_load_vs_bound": (
-                args.request_rate / (gpus * bound.rate_per_gpu) if math.isfinite(args.request_rate) else "inf"
+            # offered (and admitted) work per second over the GPU-seconds available: above 1 the
+            # backlog grows for as long as arrivals last, so a passing point is a transient
+            "offered_load_vs_bound": rate / (gpus * bound.rate_per_gpu) if finite else None,
+            "admitted_load_vs_bound": (
+                rate * admitted.requests / max(1, bound.requests) / (gpus * admitted.rate_per_gpu)
+                if finite and admitted.requests
+                else (0.0 if finite else None)
             ),
             "simulated": True,
             "profile": profile.name,
@@ -182,10 +193,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 2
     print_summary(m, Slo.parse(args.goodput))
     print(f"simulated {m['num_prompts']} requests on {m['layout']} in {m['simulation_wall_s']:.1f}s")
-    load = m["offered_load_vs_bound"]
+    load, adm = m["offered_load_vs_bound"], m["admitted_load_vs_bound"]
     print(
         f"work bound: {m['work_bound_rate_per_gpu']:.2f} req/s per GPU without shedding"
-        + (f" (offered load {load:.2f}× of it)" if isinstance(load, float) else "")
+        + (f" (offered load {load:.2f}x of it, admitted {adm:.2f}x)" if load is not None else "")
     )
     if args.save_result:
         args.save_result.write_text(json.dumps(m))

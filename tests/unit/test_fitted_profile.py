@@ -200,3 +200,7 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     assert shared["ttfts"][1] > alone["ttfts"][1] * 1.4  # type: ignore[index]
     with pytest.raises(ValueError, match="slowdowns"):
         dataclasses.replace(TRUE, decode_coactive_x=0.5)
+    from model_runtime.time_dilation import Dilated
+
+    stretched = Dilated(prof, 8.0)  # time dilation stretches durations, not their ratios
+    assert (stretched.decode_coactive_x, stretched.prefill_coactive_x) == (2.0, 1.5)

@@ -140,3 +140,27 @@ def test_no_layout_serves_faster_than_the_work_bound() -> None:
         assert m["offered_load_vs_bound"] == pytest.approx(2.0, rel=0.05)
         assert m["completed"] == 600
         assert m["request_throughput"] / 2 <= m["work_bound_rate_per_gpu"] * 1.01
+
+
+def test_work_bound_of_a_fitted_profile_by_hand() -> None:
+    """DistServe's form: a prompt's marginal is b_p·l + c_p·l² (its own attention only), a
+    decode token's b_d·(context + 1) + c_d; neither step base is charged. A prompt whose blocks
+    are all cached still computes its last token."""
+    from model_runtime.latency import FittedProfile
+    from simulator.bound import work_bound
+
+    f = FittedProfile(
+        name="f", prefill_base_s=0.03, prefill_per_token_s=8e-4, prefill_per_token2_s=3e-7,
+        decode_base_s=0.013, decode_per_context_s=5e-6, decode_per_seq_s=1e-3,
+        link_latency_s=1e-4, link_bw=1e10,
+        kv_bytes_per_token=1000, kv_capacity_tokens=100000, max_model_len=8192,
+    )  # fmt: skip
+    l, o = 512, 9
+    prefill = 8e-4 * l + 3e-7 * l * l
+    decode = sum(5e-6 * (l + k) + 1e-3 for k in range(1, o))
+    prompt = tuple(range(1, l + 1))
+    b = work_bound(f, [RequestSpec(0.0, prompt, l, o)])
+    assert b.prefill_s == pytest.approx(prefill, rel=1e-6) and b.decode_s == pytest.approx(decode, rel=1e-6)
+    again = work_bound(f, [RequestSpec(0.0, prompt, l, o)] * 2)  # 512 = 32 whole blocks, all cached
+    last = 5e-6 * l + 1e-3  # one token after 511 cached: charged as a decode token, as every profile does
+    assert again.prefill_s == pytest.approx((prefill + last) / 2, rel=1e-6)
