@@ -84,6 +84,7 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
         dataset_name="trace" if args.trace else ("sharegpt" if getattr(args, "sharegpt", None) else "random"),
         dataset_path=args.trace or getattr(args, "sharegpt", None),
         time_scale=args.time_scale,
+        trace_start=getattr(args, "trace_start", 0),
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         random_input_len=args.random_input_len,

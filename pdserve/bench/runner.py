@@ -53,6 +53,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--trace-start",
+        type=int,
+        default=0,
+        help="first trace row to replay (it wraps around): varies a trace run as --seed varies a random one",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -98,13 +104,14 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name trace needs --dataset-path")
         rows = read_trace(args.dataset_path)
-        if n > len(rows):
+        start = getattr(args, "trace_start", 0)
+        if start + n > len(rows):
             print(
-                f"{args.dataset_path}: {len(rows)} rows for {n} requests: replaying the trace "
-                f"{math.ceil(n / len(rows))} times",
+                f"{args.dataset_path}: {len(rows)} rows for rows {start}..{start + n - 1}: replaying the "
+                "trace lap after lap",
                 file=sys.stderr,
             )
-            rows = loop_trace(rows, n)
+        rows = loop_trace(rows, n, start)
         scale = args.time_scale
         if math.isfinite(args.request_rate):  # replay the trace's pattern at this mean rate
             span = rows[n - 1].timestamp_s - rows[0].timestamp_s if len(rows) >= n > 1 else 0.0

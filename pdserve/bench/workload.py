@@ -123,20 +123,27 @@ def _read_jsonl(path: Path) -> Iterator[TraceRow]:
                 raise WorkloadError(f"{path}:{lineno}: {e}") from None
 
 
-def loop_trace(rows: Sequence[TraceRow], n: int) -> list[TraceRow]:
-    """``n`` rows: the trace, then the trace again after its end as often as needed.
+def loop_trace(rows: Sequence[TraceRow], n: int, start: int = 0) -> list[TraceRow]:
+    """``n`` rows of the trace from row ``start`` on, the trace again after its end as often as
+    needed (so a start row near the end wraps around to the beginning).
 
     A lap starts one mean inter-arrival gap after the previous one ends, so the rate stays the
     trace's own. Each lap gets its own block hashes: a replayed conversation would otherwise hit
-    the prefix cache its first lap filled, which the real workload never offered.
+    the prefix cache its first lap filled, which the real workload never offered. Different
+    start rows are what varies a trace replay between runs (its lengths and arrivals are fixed).
     """
-    if not rows or n <= len(rows):
+    if not rows:
+        return []
+    if not 0 <= start < len(rows):
+        raise WorkloadError(f"--trace-start {start} is outside the trace's {len(rows)} rows")
+    if start == 0 and n <= len(rows):
         return list(rows[:n])
     span = rows[-1].timestamp_s - rows[0].timestamp_s
     period = span + (span / (len(rows) - 1) if len(rows) > 1 else 1.0)
-    stride = 1 + max((h for r in rows for h in r.hash_ids), default=-1)
+    hashes = [h for r in rows for h in r.hash_ids]
+    stride = (max(hashes) - min(hashes) + 1) if hashes else 0
     out: list[TraceRow] = []
-    for i in range(n):
+    for i in range(start, start + n):
         lap, r = divmod(i, len(rows))
         row = rows[r]
         out.append(

@@ -224,7 +224,7 @@ def test_short_trace_is_replayed_lap_after_lap(tmp_path: Path) -> None:
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     looped = loop_trace(read_trace(p), 7)
     assert [r.timestamp_s for r in looped] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # one gap between laps
-    assert [r.hash_ids for r in looped[::3]] == [(7, 8), (16, 17), (25, 26)]
+    assert [r.hash_ids for r in looped[::3]] == [(7, 8), (9, 10), (11, 12)]  # shifted past the range
     args = argparse.Namespace(
         seed=0, num_prompts=7, dataset_name="trace", dataset_path=p, time_scale=1.0, request_rate=2.0,
         vocab_size=256, block_size=16,
@@ -232,3 +232,33 @@ def test_short_trace_is_replayed_lap_after_lap(tmp_path: Path) -> None:
     reqs = build_workload(args)
     assert len(reqs) == 7 and reqs[-1].arrival_s == pytest.approx(3.0)  # 1 req/s native, at 2
     assert reqs[0].prompt == reqs[1].prompt != reqs[3].prompt  # shared within a lap, not across
+
+
+def test_trace_start_row_varies_a_replay_and_wraps_around(tmp_path: Path) -> None:
+    """--trace-start picks the first row; past the end the trace wraps with fresh hashes, so
+    different start rows give different workloads where a different --seed does not."""
+    import argparse
+
+    from pdserve.bench.runner import build_workload
+    from pdserve.bench.workload import loop_trace
+
+    lens = [10, 20, 30, 40]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": n, "output_length": 2,
+                                     "hash_ids": [5 + i]}) + "\n" for i, n in enumerate(lens)))  # fmt: skip
+    rows = read_trace(p)
+    wrapped = loop_trace(rows, 3, start=2)
+    assert [r.input_len for r in wrapped] == [30, 40, 10]
+    assert [r.timestamp_s for r in wrapped] == [2.0, 3.0, 4.0] and wrapped[2].hash_ids == (9,)  # 5 + stride 4
+    with pytest.raises(WorkloadError, match="outside"):
+        loop_trace(rows, 3, start=4)
+
+    def workload(start: int, seed: int) -> list[int]:
+        args = argparse.Namespace(
+            seed=seed, num_prompts=3, dataset_name="trace", dataset_path=p, time_scale=1.0,
+            request_rate=float("inf"), vocab_size=256, block_size=16, trace_start=start,
+        )  # fmt: skip
+        return [r.prompt_len for r in build_workload(args)]
+
+    assert workload(0, 0) == workload(0, 1) == [10, 20, 30]  # a seed leaves a trace's lengths alone
+    assert workload(1, 0) == [20, 30, 40]
