@@ -132,8 +132,9 @@ class SimWorker:
             return
         self.busy = True
         dur = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
-        self.prefilling = not all(is_decode_chunk(c.num_tokens, c.start_pos) for c in chunks)
-        dur *= self.cluster.coactivity(self)
+        if self.cluster.shared_host:  # only workers sharing a host read each other's step kind
+            self.prefilling = not all(is_decode_chunk(c.num_tokens, c.start_pos) for c in chunks)
+            dur *= self.cluster.coactivity(self)
         self.clock.at(self.clock.now + dur, lambda: self._done(chunks, plan))
 
     def _done(self, chunks: list[ScheduledChunk], plan: SchedulePlan | None) -> None:
@@ -228,9 +229,8 @@ class Cluster:
         self.max_model_len = profile.max_model_len
 
     def coactivity(self, w: SimWorker) -> float:
-        """The slowdown of the step ``w`` is starting, from what the host's other workers run."""
-        if not self.shared_host:
-            return 1.0
+        """The slowdown of the step ``w`` is starting on the shared host, from what the host's
+        other workers run."""
         others = [o for o in self.by_id.values() if o is not w and o.busy]
         if w.prefilling:
             return self._prefill_x if others else 1.0

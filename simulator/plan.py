@@ -268,7 +268,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: -r[0])
     # Every family is deployable (prefill-priority with --colocated-schedule); ties keep the
     # earlier family in the search order: chunked colocation first.
-    best_per_gpu, rec, _ = rows[0]
+    best_per_gpu, rec, rec_result = rows[0]
 
     def family_best(name: str) -> tuple[float, Candidate, dict[str, Any]] | None:
         return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)
@@ -285,7 +285,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "recommended_per_gpu": round(best_per_gpu, 3),
     }
     # The bound of the workload the recommendation was measured on (its highest passing point).
-    passing = [p for p in rows[0][2]["points"] if p["rate"] <= rows[0][2]["goodput_rate"]]
+    passing = [p for p in rec_result["points"] if p["rate"] <= rec_result["goodput_rate"]]
     if passing:
         wb = float(max(passing, key=lambda p: p["rate"])["work_bound_per_gpu"])
         summary["work_bound_per_gpu"] = round(wb, 3)

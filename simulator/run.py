@@ -154,8 +154,12 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     duration = end - min((s.arrival_s for s in specs), default=0.0)
     m = summarize(results, duration, Slo.parse(args.goodput))
     bound = work_bound(profile, submitted, args.block_size)
-    admitted = work_bound(profile, [s for s, sr in zip(submitted, tracked, strict=True) if not sr.rejected],
-                          args.block_size)  # fmt: skip
+    shed = [sr.rejected for sr in tracked]
+    admitted = (
+        work_bound(profile, [s for s, no in zip(submitted, shed, strict=True) if not no], args.block_size)
+        if any(shed)
+        else bound  # nothing shed: the same workload, no second pass over its prompts
+    )
     gpus = args.colocated or args.prefill + args.decode
     finite = math.isfinite(args.request_rate)  # all at once: no load to speak of (None in the JSON)
     rate = args.request_rate if finite else 0.0

@@ -136,8 +136,6 @@ def loop_trace(rows: Sequence[TraceRow], n: int, start: int = 0) -> list[TraceRo
         return []
     if not 0 <= start < len(rows):
         raise WorkloadError(f"--trace-start {start} is outside the trace's {len(rows)} rows")
-    if start == 0 and n <= len(rows):
-        return list(rows[:n])
     span = rows[-1].timestamp_s - rows[0].timestamp_s
     period = span + (span / (len(rows) - 1) if len(rows) > 1 else 1.0)
     hashes = [h for r in rows for h in r.hash_ids]
