@@ -7,21 +7,27 @@ In one run:
    (the colocated engine's two cores), each in a fresh process (or ``--profile-1t/--profile-2t``);
 2. for each layout on the same 2 cores — **colocated**: one engine, ``--cpus-per-worker 2``;
    **disaggregated**: 1 prefill + 1 decode worker, one core each, KV over shm (as
-   ``benchmarks/interference.py``) — the unloaded latency (requests of the mean shape one at a
-   time), then the SLO: TTFT <= ``--ttft-x`` x and TPOT <= ``--tpot-x`` x the better layout's
-   unloaded median (Splitwise's portable form, field notes §2), one SLO for both layouts;
+   ``benchmarks/interference.py``), both routed by ``least_loaded`` as the simulator is — a
+   calibration server with ``--step-log``: the unloaded latency (requests of the mean shape one
+   at a time), for 1P+1D the co-activity probe (``benchmarks/coactivity.py``), and a
+   calibration load (Poisson at ``--calibration-rate``, a seed no sweep point uses); then the
+   SLO: TTFT <= ``--ttft-x`` x and TPOT <= ``--tpot-x`` x the better layout's unloaded median
+   (Splitwise's portable form, field notes §2), one SLO for both layouts;
 3. ``pdserve bench`` (the library, in this process) against each layout: Poisson arrivals,
    ``--num-prompts`` requests per point, the rate doubled from ``--min-rate`` until joint
    attainment falls below 90 %, then bisected ``--steps`` times, never below ``--rate-floor``
-   (a point takes num-prompts / rate seconds);
+   (a point takes num-prompts / rate seconds); each point's per-request times and the sweep
+   server's step log are kept in DIR for a look afterwards;
 4. ``pdserve simulate`` with the layout's fitted profile on exactly the requests each real point
    sent (same lengths, same arrival times), and a simulated sweep of its own;
 5. tables per layout and rate — attainment real / simulated (difference in points), median TTFT
    and TPOT real / simulated (difference in %), the load other jobs put on the host during the
-   point — and both goodputs; first with the engine's profiles as fitted, then with one measured
-   term added per layout: the serving worker's own cost per step, the real unloaded TPOT minus
-   the simulated one (``FittedProfile.step_overhead_s``). Targets: 5 points and 15 %. Last line:
-   JSON.
+   point — and both goodputs; first with the engine's profiles as fitted, then as the service
+   runs them, from the calibration server's step logs only (``simulator.service_fit``): the
+   engine's coefficients scaled by the workers' measured step times against the profile, the
+   co-activity their steps show, and the serving worker's own cost per step beyond its forward
+   pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``).
+   Targets: 5 points and 15 %. Last line: JSON.
 
 The host is a 2-core VM shared with other people's jobs: every measurement first waits (a few
 minutes at most) for the rest of the host to be idle, and each point records how many cores
@@ -60,17 +66,24 @@ from pdserve.bench.sweep import run_search, search
 from pdserve.bench.workload import RequestSpec
 
 BUDGET = 512
+CALIBRATION_SEED = 1000  # added to --seed: the calibration load's requests are not a sweep point's
 KV_MIB = 512
 MAX_SEQS = 64
+# The router policy is held the same on both sides: this validates the model of workers, steps
+# and transfers, not a policy's decisions. It must be named on both, because their defaults
+# differ: `pdserve serve` routes with `goodput`, which with no SLO class configured may prefill
+# on the decode worker (conditional disaggregation) and so stall its batch for a whole prompt,
+# while `pdserve simulate` defaults to `least_loaded`, which never does.
+POLICY = ["--policy", "least_loaded"]
 LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated": {
-        "serve": ["--colocated", "1", "--cpus-per-worker", "2"],
-        "sim": ["--colocated", "1"],
+        "serve": ["--colocated", "1", "--cpus-per-worker", "2", *POLICY],
+        "sim": ["--colocated", "1", *POLICY],
         "threads": 2,
     },
     "disaggregated": {
-        "serve": ["--prefill", "1", "--decode", "1", "--cpus-per-worker", "1"],
-        "sim": ["--prefill", "1", "--decode", "1"],
+        "serve": ["--prefill", "1", "--decode", "1", "--cpus-per-worker", "1", *POLICY],
+        "sim": ["--prefill", "1", "--decode", "1", *POLICY],
         "threads": 1,
     },
 }
@@ -245,11 +258,38 @@ def measure_coactivity(server: Server, args: argparse.Namespace) -> dict[str, An
     return out
 
 
-def serve(layout: str) -> Server:
+def service_fit(step_dir: Path, profile_path: str) -> dict[str, Any]:
+    """The calibration traffic's step logs (the unloaded requests and, for 1P+1D, the
+    co-activity probe) against the engine's profile (``simulator.service_fit``)."""
+    from model_runtime.engine.step_log import read_steps
+    from model_runtime.latency import FittedProfile, load_profile
+    from simulator.service_fit import fit_service
+
+    prof = load_profile(profile_path)
+    if not isinstance(prof, FittedProfile):
+        return {}
+    logs = {p.stem: read_steps(p) for p in sorted(step_dir.glob("*.jsonl"))}
+    return dataclasses.asdict(fit_service(logs, prof))
+
+
+def calibration_load(server: Server, args: argparse.Namespace) -> None:
+    """Poisson traffic of the workload's shape at ``--calibration-rate`` with a seed no sweep
+    point uses: its step logs show the workers' steps under load (the in-service factors and
+    co-activity); nothing else of it is kept."""
+    n = max(30, args.num_prompts // 2)
+    port = server.grpc.rsplit(":", 1)[1]
+    ns = bench_ns(args, port, args.calibration_rate, args.seed + CALIBRATION_SEED, [])
+    ns.num_prompts = n
+    HOST.wait_quiet()
+    log(f"  calibration load: {n} requests at {args.calibration_rate} req/s")
+    asyncio.run(bench(ns))
+
+
+def serve(layout: str, step_log: Path | None = None) -> Server:
     common = (
         f"--model bench --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --kv-cache-mib {KV_MIB}"
     )
-    flags = [*common.split(), *LAYOUTS[layout]["serve"]]
+    flags = [*common.split(), *LAYOUTS[layout]["serve"], *(["--step-log", str(step_log)] if step_log else [])]
     log(f"{layout}: pdserve serve {' '.join(flags)}")
     return start_pdserve(*flags)
 
@@ -270,9 +310,16 @@ def bisect(measure: Callable[[float], float], args: argparse.Namespace) -> dict[
 
 
 def real_sweep(
-    layout: str, args: argparse.Namespace, slo: list[str], save: Any, done: list[dict[str, Any]]
+    layout: str,
+    args: argparse.Namespace,
+    slo: list[str],
+    save: Any,
+    done: list[dict[str, Any]],
+    raw_dir: Path,
 ) -> dict[str, Any]:
-    """The real sweep; points already in ``done`` (an interrupted run of the same SLO) are reused."""
+    """The real sweep; points already in ``done`` (an interrupted run of the same SLO) are reused.
+    Each point's per-request times go to ``raw_dir`` (``pdserve bench --save-result``'s fields)
+    for a look at where the simulator and the service part."""
     points: list[dict[str, Any]] = list(done)
     server: Server | None = None
     try:
@@ -282,8 +329,8 @@ def real_sweep(
             for pt in points:
                 if abs(pt["rate"] - rate) < 1e-9:
                     return float(pt["slo_attainment"])
-            if server is None:
-                server = serve(layout)
+            if server is None:  # its step log is for a look afterwards, never for calibration
+                server = serve(layout, raw_dir / "steps" / f"{layout}-sweep")
             port = server.grpc.rsplit(":", 1)[1]
             HOST.wait_quiet()
             t0, a = time.perf_counter(), HOST.sample()
@@ -298,6 +345,8 @@ def real_sweep(
             }
             points.append(row)
             save(layout, points)
+            raw = {k: m[k] for k in ("ttfts", "itls", "input_lens", "output_lens", "errors")}
+            (raw_dir / f"{layout}-{rate:.3f}.json").write_text(json.dumps(raw))
             log(
                 f"  {layout} real {rate:6.3f} req/s: attainment {m['slo_attainment']:.3f}, "
                 f"TTFT p50 {m['median_ttft_ms']:.0f} ms, TPOT p50 {m['median_tpot_ms']:.1f} ms, "
@@ -326,10 +375,13 @@ def pct(sim: float, real: float) -> float:
 def calibrate(
     real: dict[str, Any], profiles: dict[str, str], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, str]:
-    """Each layout's profile plus the serving worker's own cost per step, measured at zero load:
-    the real unloaded TPOT minus the simulator's for the same lone requests (one number per
-    layout, from the service's unloaded run, never from the sweep's points)."""
+    """Each layout's profile as the service runs it, from calibration traffic only (never the
+    sweep's points): the engine's coefficients scaled by what the workers' step logs measured
+    and the co-activity they show (``real["service_fit"]``; runs that predate step logs use the
+    client-side co-activity probe instead), then the serving worker's own cost per step beyond
+    its forward pass: the real unloaded TPOT minus the simulator's for the same lone requests."""
     from model_runtime.latency import FittedProfile, load_profile
+    from simulator.service_fit import ServiceFit, apply_fit
 
     out: dict[str, str] = {}
     for layout, base in real["unloaded"].items():
@@ -337,18 +389,24 @@ def calibrate(
         if not isinstance(prof, FittedProfile):
             out[layout] = profiles[layout]
             continue
+        fit = real.get("service_fit", {}).get(layout)
+        if fit:
+            prof = apply_fit(prof, ServiceFit(**fit))
+        else:
+            co = real.get("coactivity", {}) if layout == "disaggregated" else {}
+            prof = dataclasses.replace(
+                prof,
+                name=f"{prof.name}+service",
+                decode_coactive_x=co.get("decode_coactive_x", 1.0),
+                prefill_coactive_x=co.get("prefill_coactive_x", 1.0),
+            )
+        scaled = out_dir / f"{prof.name}-{layout}-steps.json"
+        scaled.write_text(prof.to_json() + "\n")
         n = args.input_len
         lone = [RequestSpec(30.0 * i, lone_prompt(i + 1, n), n, args.output_len) for i in range(6)]
-        sim = simulate_point(layout, profiles[layout], lone, real["slo"])
+        sim = simulate_point(layout, str(scaled), lone, real["slo"])
         overhead = max(0.0, (base["tpot_ms"] - sim["median_tpot_ms"]) / 1000)
-        co = real.get("coactivity", {}) if layout == "disaggregated" else {}
-        cal = dataclasses.replace(
-            prof,
-            name=f"{prof.name}+service",
-            step_overhead_s=overhead,
-            decode_coactive_x=co.get("decode_coactive_x", 1.0),
-            prefill_coactive_x=co.get("prefill_coactive_x", 1.0),
-        )
+        cal = dataclasses.replace(prof, step_overhead_s=overhead)
         path = out_dir / f"{cal.name}-{layout}.json"
         path.write_text(cal.to_json() + "\n")
         again = simulate_point(layout, str(path), lone, real["slo"])
@@ -356,6 +414,7 @@ def calibrate(
             f"{layout} unloaded: TPOT real {base['tpot_ms']:.2f} ms, model {sim['median_tpot_ms']:.2f} ms"
             f" -> service overhead {overhead * 1000:.2f} ms/step; TTFT real {base['ttft_ms']:.1f} ms, model"
             f" {sim['median_ttft_ms']:.1f} ms without it, {again['median_ttft_ms']:.1f} ms with it;"
+            f" in-service steps: {'as in the step logs' if fit else 'as profiled'};"
             f" co-activity: decode x{cal.decode_coactive_x:.2f}, prefill x{cal.prefill_coactive_x:.2f}"
         )
         out[layout] = str(path)
@@ -424,6 +483,7 @@ WORKLOAD_KEYS = (
     "steps",
     "seed",
     "rate_floor",
+    "calibration_rate",
 )
 
 
@@ -451,22 +511,34 @@ def measure_real(
         log(f"profiles ready in {time.perf_counter() - t0:.0f}s")
         base: dict[str, dict[str, float]] = {}
         coact: dict[str, Any] = {}
+        fits: dict[str, Any] = {}
         for layout in layouts:
-            server = serve(layout)
+            steps = out_dir / "steps" / f"{layout}-calibration"
+            server = serve(layout, steps)
             try:
                 HOST.wait_quiet()
                 base[layout] = asyncio.run(unloaded(server, args))
                 if layout == "disaggregated":
                     coact = measure_coactivity(server, args)
+                calibration_load(server, args)
             finally:
                 server.stop()
             log(f"{layout} unloaded: {base[layout]}")
+            fits[layout] = service_fit(steps, profiles[layout])
+            log(f"{layout} steps in the service against the engine's profile: {fits[layout]}")
         ttft = args.ttft_x * min(b["ttft_ms"] for b in base.values())
         tpot = args.tpot_x * min(b["tpot_ms"] for b in base.values())
         slo = [f"ttft:{ttft:.0f}", f"tpot:{tpot:.1f}"]
         log(f"SLO: {' '.join(slo)}")
         workload = {k: getattr(args, k) for k in WORKLOAD_KEYS}
-        real = {"profiles": profiles, "unloaded": base, "slo": slo, "workload": workload, "layouts": {}}
+        real = {
+            "profiles": profiles,
+            "unloaded": base,
+            "service_fit": fits,
+            "slo": slo,
+            "workload": workload,
+            "layouts": {},
+        }
         if coact:
             real["coactivity"] = coact
 
@@ -478,7 +550,7 @@ def measure_real(
         prior = real["layouts"].get(layout, {})
         if "goodput_rate" in prior:
             continue
-        res = real_sweep(layout, args, real["slo"], save, prior.get("points", []))
+        res = real_sweep(layout, args, real["slo"], save, prior.get("points", []), path.parent)
         real["layouts"][layout] = res
         path.write_text(json.dumps(real, indent=1))
         log(f"{layout}: real goodput {res['goodput_rate']:.3f} req/s")
@@ -500,6 +572,12 @@ def main() -> None:
     p.add_argument("--tpot-x", type=float, default=1.5, help="TPOT SLO as a multiple of unloaded")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument(
+        "--calibration-rate",
+        type=float,
+        default=0.5,
+        help="req/s of the calibration load whose step logs calibrate the profiles (not a sweep point)",
+    )
     p.add_argument("--rate-floor", type=float, default=0.2, help="rates below this are not measured (req/s)")
     p.add_argument("--real-results", type=Path, default=None, help="skip the real runs: re-simulate these")
     p.add_argument("--resume", type=Path, default=None, help="continue an interrupted run from its real.json")

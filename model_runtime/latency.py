@@ -292,13 +292,22 @@ class FittedProfile:
     decode-only step takes ``decode_coactive_x`` times as long while another worker on the host
     runs a step with prefill work, and a step with prefill work ``prefill_coactive_x`` times as
     long while another worker steps at all. GPUs do not share like that, so both are 1 unless
-    measured (``benchmarks/sim_validation.py`` probes the running service), and the simulator
-    applies them only to a deployment it is told shares a host (``--shared-host``).
+    measured (from the running service's step logs, ``simulator.service_fit``), and the
+    simulator applies them only to a deployment it is told shares a host (``--shared-host``).
+
+    ``service_prefill_x`` and ``service_decode_x`` turn the engine's step into the serving
+    worker's: a step with prefill work (mixed steps included) takes ``service_prefill_x`` times
+    the engine's time for it, a decode-only step ``service_decode_x`` times — whole steps, as
+    the service's step logs measure them (``simulator.service_fit``), because what slows a
+    serving worker's step (its other threads, and on a shared CPU the router and client taking
+    a core from a multi-threaded step) does not split along the prefill and decode parts. Both
+    are 1 for a profile of the engine alone.
 
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
     engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
     sharing its cores). ``pdserve profile`` measures the engine alone and leaves it at 0;
-    ``benchmarks/sim_validation.py`` measures it from the running service at zero load.
+    ``benchmarks/sim_validation.py`` measures it from the running service at zero load, after
+    scaling the coefficients by what the service's own steps take (``simulator.service_fit``).
 
     A KV hand-off of ``n`` tokens takes ``link_latency_s + n · kv_bytes_per_token / link_bw``
     (measured over the worker's real transport when ``pdserve profile`` can). The KV capacity is
@@ -321,6 +330,8 @@ class FittedProfile:
     max_model_len: int
     source: str = ""  # what was measured, how, where
     step_overhead_s: float = 0.0  # per step, beyond the engine's step(): measured from the service
+    service_prefill_x: float = 1.0  # the serving worker's step with prefill work / the engine's
+    service_decode_x: float = 1.0  # the same, decode-only steps
     decode_coactive_x: float = 1.0  # decode-only step, while another worker on the host prefills
     prefill_coactive_x: float = 1.0  # step with prefill, while another worker on the host steps
     prefill_fit_median_error: float = 0.0  # |relative error| of the fit on its own points
@@ -340,6 +351,8 @@ class FittedProfile:
             raise ValueError("max_model_len must be > 0")
         if self.decode_coactive_x < 1 or self.prefill_coactive_x < 1:
             raise ValueError("co-activity factors are slowdowns: >= 1")
+        if self.service_prefill_x <= 0 or self.service_decode_x <= 0:
+            raise ValueError("service factors must be > 0")
 
     @property
     def prefill_coefficients(self) -> tuple[float, float, float]:
@@ -355,11 +368,10 @@ class FittedProfile:
         d = decode_features(cs)
         if not (p[0] or d[0]):
             return 0.0
-        return (
-            self.step_overhead_s
-            + sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True))
-            + sum(c * x for c, x in zip(self.decode_coefficients, d, strict=True))
+        engine = sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True)) + sum(
+            c * x for c, x in zip(self.decode_coefficients, d, strict=True)
         )
+        return self.step_overhead_s + engine * (self.service_prefill_x if p[0] else self.service_decode_x)
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.step_time([(new_tokens, cached_tokens)])
@@ -369,7 +381,7 @@ class FittedProfile:
         if batch == 0:
             return 0.0
         d = self.decode_per_context_s * total_context + self.decode_per_seq_s * batch
-        return self.step_overhead_s + self.decode_base_s + d
+        return self.step_overhead_s + (self.decode_base_s + d) * self.service_decode_x
 
     def transfer_time(self, tokens: int) -> float:
         return self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bw

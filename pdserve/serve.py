@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import time
+from pathlib import Path
 
 from deploy.pools import PoolSpec
 from deploy.service import Service
@@ -81,6 +82,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="model",
         help=f"{' | '.join(COMPUTE_MODES)}: the model, no math, or a GPU's timing (emulated:h100-llama3-8b)",
     )
+    p.add_argument(
+        "--step-log",
+        default="",
+        metavar="DIR",
+        help="each worker appends a JSON line per forward step (start, end, chunks) to DIR/<worker>.jsonl: "
+        "what calibrates `pdserve simulate` against this service (off by default)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
     p.add_argument(
         "--kv-host",
@@ -108,6 +116,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         ),
         max_logprobs=args.max_logprobs,
         compute=args.compute,
+        step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
     )
     colocated = args.colocated if args.colocated >= 0 else args.prefill + args.decode
     spec = PoolSpec(

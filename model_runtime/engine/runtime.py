@@ -51,6 +51,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=512))
     max_logprobs: int = MAX_LOGPROBS_DEFAULT
     compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
+    step_log: str = ""  # a directory: each worker logs its steps there (``engine.step_log``); "" off
 
     def __post_init__(self) -> None:
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):

@@ -23,6 +23,7 @@ import torch
 
 from kvtransfer.transport import KVTransport, TransportConfig
 from model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
+from model_runtime.engine.step_log import LoggedRunner, StepLog
 from model_runtime.worker.loop import EngineLoop, RoleEngine
 from model_runtime.worker.messages import OutputBatch, WorkerLoad, WorkerRole
 from model_runtime.worker.push import OutputPusher
@@ -86,6 +87,10 @@ class WorkerHost:
         self.spec = spec
         allocator, shm_paths = _shared_cache_allocator(spec)
         self.rt: Runtime = build_runtime(spec.engine, allocator)
+        self.step_log: StepLog | None = None
+        if spec.engine.step_log:
+            self.step_log = StepLog(Path(spec.engine.step_log) / f"{spec.worker_id}.jsonl")
+            self.rt.runner = LoggedRunner(self.rt.runner, self.step_log)
         self.transport: KVTransport | None = None
         self.address = ""
         if spec.role is not WorkerRole.COLOCATED:
@@ -157,3 +162,5 @@ class WorkerHost:
         self.loop.stop()
         if self.transport is not None:
             self.transport.close()
+        if self.step_log is not None:
+            self.step_log.close()

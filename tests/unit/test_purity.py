@@ -26,6 +26,8 @@ PURE = (
     "pdserve.bench.runner",
     "simulator.run",
     "simulator.plan",
+    "simulator.service_fit",
+    "model_runtime.engine.step_log",
 )
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}
 

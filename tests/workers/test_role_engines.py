@@ -3,6 +3,7 @@ real KV transfers must give exactly the colocated engine's tokens and leak no bl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -14,6 +15,7 @@ from decode_worker.actor import DecodeWorker
 from kvtransfer.transport import TransportConfig
 from model_runtime.config import CacheConfig
 from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from model_runtime.engine.step_log import read_steps
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler.plan import SchedulerConfig
 from model_runtime.worker.host import WorkerSpec
@@ -92,6 +94,29 @@ def test_disaggregated_matches_colocated(pair) -> None:
     assert d.engine.transfers_failed == 0 and d.engine.recomputed == 0  # type: ignore[attr-defined]
     # r0 ended on its first token; its push may still have completed before the cancel.
     assert p.transport is not None and p.transport.stats.transfers_sent >= 9
+
+
+def test_step_logs_record_each_workers_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--step-log``: each worker logs its own forward steps, prompts on prefill, one token per
+    request per step on decode, on one clock (a request's decode steps follow its prefill)."""
+    eng = dataclasses.replace(ENGINE, step_log=str(tmp_path))
+    tcfg = TransportConfig(backend="shm")
+    p = PrefillWorker(WorkerSpec("p0", WorkerRole.PREFILL, eng, tcfg, SECRET))
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, eng, tcfg, SECRET))
+    try:
+        ps = prompts(3, seed=5)
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        run_disaggregated(p, d, [WorkItem(f"s{i}", pr, params) for i, pr in enumerate(ps)])
+        assert p.wait_idle(5.0) and d.wait_idle(5.0)
+    finally:
+        p.shutdown()
+        d.shutdown()
+    pre, dec = read_steps(tmp_path / "p0.jsonl"), read_steps(tmp_path / "d0.jsonl")
+    # chunked or whole, every prompt token is computed once (distinct prompts: no cache hits)
+    assert sum(n for r in pre for n, _ in r.chunks) == sum(len(x) for x in ps)
+    assert all(r.has_prefill for r in pre) and not any(r.has_prefill for r in dec)
+    assert sum(len(r.chunks) for r in dec) == 3 * 4  # 4 decode tokens each after the first
+    assert min(r.start for r in dec) > min(r.end for r in pre)
 
 
 def test_seeded_sampling_matches_colocated(pair) -> None:
