@@ -9,8 +9,9 @@ In one run:
    **disaggregated**: 1 prefill + 1 decode worker, one core each, KV over shm (as
    ``benchmarks/interference.py``), both routed by ``least_loaded`` as the simulator is — a
    calibration server with ``--step-log``: the unloaded latency (requests of the mean shape one
-   at a time), for 1P+1D the co-activity probe (``benchmarks/coactivity.py``), and a
-   calibration load (Poisson at ``--calibration-rate``, a seed no sweep point uses); then the
+   at a time), for 1P+1D the co-activity probe (``benchmarks/coactivity.py``), a calibration
+   load (Poisson at ``--calibration-rate``, a seed no sweep point uses) and a batch ladder
+   (2, 4, 8 requests at once: decode steps of every batch size); then the
    SLO: TTFT <= ``--ttft-x`` x and TPOT <= ``--tpot-x`` x the better layout's unloaded median
    (Splitwise's portable form, field notes §2), one SLO for both layouts;
 3. ``pdserve bench`` (the library, in this process) against each layout: Poisson arrivals,
@@ -24,7 +25,7 @@ In one run:
    and TPOT real / simulated (difference in %), the load other jobs put on the host during the
    point — and both goodputs; first with the engine's profiles as fitted, then as the service
    runs them, from the calibration server's step logs only (``simulator.service_fit``): the
-   engine's coefficients scaled by the workers' measured step times against the profile, the
+   workers' measured steps against the profile (a constant and a factor a step, by kind), the
    co-activity their steps show, and the serving worker's own cost per step beyond its forward
    pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``).
    Targets: 5 points and 15 %. Last line: JSON.
@@ -36,6 +37,7 @@ other jobs used while it ran.
     .venv/bin/python benchmarks/sim_validation.py --out-dir DIR              # ~1 hour on 2 cores
     .venv/bin/python benchmarks/sim_validation.py --resume DIR/real.json     # finish an interrupted run
     .venv/bin/python benchmarks/sim_validation.py --real-results DIR/real.json [--profile-2t P]  # re-simulate
+                                                  # (re-fitting the service from DIR/steps when it is there)
 """
 
 from __future__ import annotations
@@ -285,6 +287,39 @@ def calibration_load(server: Server, args: argparse.Namespace) -> None:
     asyncio.run(bench(ns))
 
 
+LADDER = (2, 4, 8)  # requests sent at once, after the calibration load
+
+
+def batch_ladder(server: Server, args: argparse.Namespace, base: dict[str, float]) -> None:
+    """``k`` requests at once for each ``k`` in ``LADDER``, each decoding long enough to
+    overlap all ``k`` prefills: decode steps of every batch size up to 8 in the step log, so the
+    service fit can tell a constant per step from a factor (a calibration load at a low rate
+    decodes mostly one request at a time)."""
+
+    async def run() -> None:
+        backend = PdserveGrpcBackend(server.grpc, None, temperature=0.0)
+        j = 0
+        try:
+            for k in LADDER:
+                out = args.output_len + int(k * base["ttft_ms"] / max(1.0, base["tpot_ms"]))
+                specs = []
+                for _ in range(k):
+                    # 130 + 7j stays clear of every other calibration prompt (no cache hits)
+                    n = args.input_len
+                    specs.append(RequestSpec(0.0, lone_prompt(130 + 7 * j, n), n, out))
+                    j += 1
+                rs = await asyncio.gather(*(backend.send(s) for s in specs))
+                failed = [r.error for r in rs if not r.success]
+                if failed:
+                    raise RuntimeError(f"batch ladder requests failed: {failed}")
+        finally:
+            await backend.close()
+
+    HOST.wait_quiet()
+    log(f"  batch ladder: {', '.join(map(str, LADDER))} requests at once")
+    asyncio.run(run())
+
+
 def serve(layout: str, step_log: Path | None = None) -> Server:
     common = (
         f"--model bench --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --kv-cache-mib {KV_MIB}"
@@ -521,6 +556,7 @@ def measure_real(
                 if layout == "disaggregated":
                     coact = measure_coactivity(server, args)
                 calibration_load(server, args)
+                batch_ladder(server, args, base[layout])
             finally:
                 server.stop()
             log(f"{layout} unloaded: {base[layout]}")
@@ -607,13 +643,20 @@ def main() -> None:
                 server.stop()
             (out_dir / "real.json").write_text(json.dumps(real, indent=1))
             log(f"real results with co-activity in {out_dir / 'real.json'}")
+        steps = args.real_results.parent / "steps"
+        for layout in real["unloaded"]:  # the fit again, as this code fits the run's own logs
+            if (steps / f"{layout}-calibration").is_dir():
+                real.setdefault("service_fit", {})[layout] = service_fit(
+                    steps / f"{layout}-calibration", profiles[layout]
+                )
+                log(f"{layout} service fit from {steps}: {real['service_fit'][layout]}")
     else:
         real, profiles, path = measure_real(args, out_dir, layouts)
         log(f"real results in {path}")
     engine_only = compare(
         real, profiles, args, "== simulator with the engine's fitted profiles (pdserve profile)"
     )
-    calibrated = calibrate(real, profiles, args, args.real_results.parent if args.real_results else out_dir)
+    calibrated = calibrate(real, profiles, args, out_dir)
     result = compare(
         real, calibrated, args, "== the same profiles + the service's per-step overhead (zero load)"
     )

@@ -295,13 +295,13 @@ class FittedProfile:
     measured (from the running service's step logs, ``simulator.service_fit``), and the
     simulator applies them only to a deployment it is told shares a host (``--shared-host``).
 
-    ``service_prefill_x`` and ``service_decode_x`` turn the engine's step into the serving
-    worker's: a step with prefill work (mixed steps included) takes ``service_prefill_x`` times
-    the engine's time for it, a decode-only step ``service_decode_x`` times — whole steps, as
-    the service's step logs measure them (``simulator.service_fit``), because what slows a
-    serving worker's step (its other threads, and on a shared CPU the router and client taking
-    a core from a multi-threaded step) does not split along the prefill and decode parts. Both
-    are 1 for a profile of the engine alone.
+    ``service_prefill_s`` + ``service_prefill_x`` x and ``service_decode_s`` +
+    ``service_decode_x`` x turn the engine's step into the serving worker's: a step with
+    prefill work (mixed steps included) takes the first, a decode-only step the second — whole
+    steps, as the service's step logs measure them (``simulator.service_fit``), because what
+    slows a serving worker's step does not split along the prefill and decode parts: a
+    constant a step (the router and client taking a core from a multi-threaded step) and a
+    factor (a slower core, the worker's other threads). 0 and 1 for the engine alone.
 
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
     engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
@@ -332,6 +332,8 @@ class FittedProfile:
     step_overhead_s: float = 0.0  # per step, beyond the engine's step(): measured from the service
     service_prefill_x: float = 1.0  # the serving worker's step with prefill work / the engine's
     service_decode_x: float = 1.0  # the same, decode-only steps
+    service_prefill_s: float = 0.0  # added to each step with prefill work in the serving worker
+    service_decode_s: float = 0.0  # the same, decode-only steps
     decode_coactive_x: float = 1.0  # decode-only step, while another worker on the host prefills
     prefill_coactive_x: float = 1.0  # step with prefill, while another worker on the host steps
     prefill_fit_median_error: float = 0.0  # |relative error| of the fit on its own points
@@ -353,6 +355,8 @@ class FittedProfile:
             raise ValueError("co-activity factors are slowdowns: >= 1")
         if self.service_prefill_x <= 0 or self.service_decode_x <= 0:
             raise ValueError("service factors must be > 0")
+        if self.service_prefill_s < 0 or self.service_decode_s < 0:
+            raise ValueError("service constants must be >= 0")
 
     @property
     def prefill_coefficients(self) -> tuple[float, float, float]:
@@ -371,7 +375,9 @@ class FittedProfile:
         engine = sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True)) + sum(
             c * x for c, x in zip(self.decode_coefficients, d, strict=True)
         )
-        return self.step_overhead_s + engine * (self.service_prefill_x if p[0] else self.service_decode_x)
+        if p[0]:
+            return self.step_overhead_s + self.service_prefill_s + engine * self.service_prefill_x
+        return self.step_overhead_s + self.service_decode_s + engine * self.service_decode_x
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.step_time([(new_tokens, cached_tokens)])
@@ -381,7 +387,7 @@ class FittedProfile:
         if batch == 0:
             return 0.0
         d = self.decode_per_context_s * total_context + self.decode_per_seq_s * batch
-        return self.step_overhead_s + (self.decode_base_s + d) * self.service_decode_x
+        return self.step_overhead_s + self.service_decode_s + (self.decode_base_s + d) * self.service_decode_x
 
     def transfer_time(self, tokens: int) -> float:
         return self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bw

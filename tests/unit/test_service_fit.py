@@ -4,12 +4,13 @@ are than the engine's profile, alone and while the other worker steps."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 
 from model_runtime.engine.step_log import StepRecord
 from model_runtime.latency import FittedProfile
-from simulator.service_fit import ServiceFit, apply_fit, fit_service
+from simulator.service_fit import ServiceFit, apply_fit, fit_line, fit_service
 
 ENGINE = FittedProfile("engine", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 PX, DX, PCO, DCO = 1.15, 1.10, 1.2, 1.3  # the truth the logs are written from
@@ -83,3 +84,44 @@ def test_applied_fit_scales_whole_steps_by_kind_and_sets_coactivity() -> None:
     assert dataclasses.replace(unit, name=ENGINE.name) == ENGINE
     with pytest.raises(ValueError, match="service factors"):
         dataclasses.replace(ENGINE, service_decode_x=0.0)
+
+
+def test_fit_line_tells_a_constant_from_a_factor() -> None:
+    preds = [0.009 + 0.001 * i for i in range(40)]  # 9-48 ms: a span a constant shows in
+    on_line = [(p, 0.008 + 1.1 * p) for p in preds]
+    a, x = fit_line(on_line)
+    assert a == pytest.approx(0.008, rel=1e-6) and x == pytest.approx(1.1, rel=1e-6)
+    # a descheduled step or two barely move the bins' medians (least squares would be off by
+    # far more: 0.5 s and 0.9 s steps among 20-60 ms ones)
+    noisy = [*on_line[:-2], (preds[5], 0.5), (preds[30], 0.9)]
+    a, x = fit_line(noisy)
+    assert a == pytest.approx(0.008, abs=1e-3) and x == pytest.approx(1.1, rel=0.05)
+
+
+def test_fit_line_falls_back_to_a_factor() -> None:
+    narrow = [(0.010 + 0.0001 * i, 0.018 + 0.0001 * i) for i in range(40)]  # 10-14 ms only
+    a, x = fit_line(narrow)
+    assert a == 0.0 and x == statistics.median(m / p for p, m in narrow)
+    below_zero = [(p, 1.3 * p - 0.005) for p in (0.02 + 0.005 * i for i in range(40))]
+    a, x = fit_line(below_zero)
+    assert a == 0.0 and 1.0 < x < 1.3  # the median ratio, not a line starting below zero
+
+
+def test_a_batch_ladder_lets_the_fit_find_a_constant_per_step() -> None:
+    """Decode steps of 1-8 requests, each 8 ms over the engine's (a core lost to the router):
+    the fit puts it in the constant, so a batch of 8 is not charged 8 ms x a ratio."""
+    steps, t = [], 0.0
+    for b, n in ((1, 400), (2, 20), (4, 20), (8, 20)):  # mostly one at a time, as under light load
+        for k in range(n):
+            chunks = tuple((1, 300 + (4 * k) % 120) for _ in range(b))
+            dur = 0.008 + ENGINE.step_time(chunks) * 1.05
+            steps.append(StepRecord(t, t + dur, chunks))
+            t += dur + 0.001
+    prompts = [StepRecord(1e3 + i, 1e3 + i + ENGINE.step_time(((100 + 40 * i, 0),)), ((100 + 40 * i, 0),))
+               for i in range(12)]  # fmt: skip
+    fit = fit_service({"colocated-0": steps + prompts}, ENGINE)
+    assert fit.decode_s == pytest.approx(0.008, rel=0.02) and fit.decode_x == pytest.approx(1.05, rel=0.02)
+    served = apply_fit(ENGINE, fit)
+    big = ((1, 300),) * 8
+    assert served.step_time(big) == pytest.approx(0.008 + 1.05 * ENGINE.step_time(big), rel=0.02)
+    assert fit.prefill_s == pytest.approx(0.0, abs=1e-9) and fit.prefill_x == pytest.approx(1.0)
