@@ -261,8 +261,9 @@ def measure_coactivity(server: Server, args: argparse.Namespace) -> dict[str, An
 
 
 def service_fit(step_dir: Path, profile_path: str) -> dict[str, Any]:
-    """The calibration traffic's step logs (the unloaded requests and, for 1P+1D, the
-    co-activity probe) against the engine's profile (``simulator.service_fit``)."""
+    """The calibration traffic's step logs (the unloaded requests, for 1P+1D the co-activity
+    probe, the calibration load and the batch ladder) against the engine's profile
+    (``simulator.service_fit``)."""
     from model_runtime.engine.step_log import read_steps
     from model_runtime.latency import FittedProfile, load_profile
     from simulator.service_fit import fit_service
@@ -411,10 +412,11 @@ def calibrate(
     real: dict[str, Any], profiles: dict[str, str], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, str]:
     """Each layout's profile as the service runs it, from calibration traffic only (never the
-    sweep's points): the engine's coefficients scaled by what the workers' step logs measured
-    and the co-activity they show (``real["service_fit"]``; runs that predate step logs use the
-    client-side co-activity probe instead), then the serving worker's own cost per step beyond
-    its forward pass: the real unloaded TPOT minus the simulator's for the same lone requests."""
+    sweep's points): the engine's steps as the workers' step logs measured them and the
+    co-activity they show (``real["service_fit"]``; runs that predate step logs keep the
+    engine's steps and take co-activity from the client-side probe), then the serving worker's
+    own cost per step beyond its forward pass: the real unloaded TPOT minus the simulator's for
+    the same lone requests."""
     from model_runtime.latency import FittedProfile, load_profile
     from simulator.service_fit import ServiceFit, apply_fit
 
@@ -429,12 +431,8 @@ def calibrate(
             prof = apply_fit(prof, ServiceFit(**fit))
         else:
             co = real.get("coactivity", {}) if layout == "disaggregated" else {}
-            prof = dataclasses.replace(
-                prof,
-                name=f"{prof.name}+service",
-                decode_coactive_x=co.get("decode_coactive_x", 1.0),
-                prefill_coactive_x=co.get("prefill_coactive_x", 1.0),
-            )
+            probed = (co.get("prefill_coactive_x", 1.0), co.get("decode_coactive_x", 1.0))
+            prof = apply_fit(prof, ServiceFit(1.0, 1.0, *probed, 0, 0, 0, 0))
         scaled = out_dir / f"{prof.name}-{layout}-steps.json"
         scaled.write_text(prof.to_json() + "\n")
         n = args.input_len
@@ -657,9 +655,7 @@ def main() -> None:
         real, profiles, args, "== simulator with the engine's fitted profiles (pdserve profile)"
     )
     calibrated = calibrate(real, profiles, args, out_dir)
-    result = compare(
-        real, calibrated, args, "== the same profiles + the service's per-step overhead (zero load)"
-    )
+    result = compare(real, calibrated, args, "== as the service runs them (step-log fit, per-step overhead)")
     result["engine_only"] = {k: v for k, v in engine_only.items() if not k.endswith("_points")}
     result["calibrated_profiles"] = calibrated
     result.update(

@@ -306,8 +306,8 @@ class FittedProfile:
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
     engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
     sharing its cores). ``pdserve profile`` measures the engine alone and leaves it at 0;
-    ``benchmarks/sim_validation.py`` measures it from the running service at zero load, after
-    scaling the coefficients by what the service's own steps take (``simulator.service_fit``).
+    ``benchmarks/sim_validation.py`` measures it from the running service at zero load, on top
+    of the service factors and constants above.
 
     A KV hand-off of ``n`` tokens takes ``link_latency_s + n · kv_bytes_per_token / link_bw``
     (measured over the worker's real transport when ``pdserve profile`` can). The KV capacity is

@@ -111,9 +111,10 @@ def fit_service(
             if predicted <= 0:
                 continue
             kind = rec.has_prefill
-            if _overlap(rec, others) <= ISOLATED:
+            shared = _overlap(rec, others)
+            if shared <= ISOLATED:
                 iso[kind].append((predicted, rec.duration))
-            elif _overlap(rec, others if kind else prefilling) >= COACTIVE:
+            elif (shared if kind else _overlap(rec, prefilling)) >= COACTIVE:
                 co[kind].append((predicted, rec.duration))
     for kind, name in ((True, "with prefill work"), (False, "decode-only")):
         if len(iso[kind]) < min_steps:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, TypeVar
 
+from model_runtime.latency import is_decode_chunk
 from model_runtime.request import Request
 from model_runtime.scheduler.plan import ScheduledChunk
 
@@ -56,8 +57,8 @@ class StepRecord:
 
     @property
     def has_prefill(self) -> bool:
-        """Any chunk that is not a decode token (the profiles' ``is_decode_chunk``)."""
-        return any(not (new == 1 and cached > 0) for new, cached in self.chunks)
+        """Any chunk that is not a decode token (as every profile counts them)."""
+        return any(not is_decode_chunk(new, cached) for new, cached in self.chunks)
 
     def to_json(self) -> str:
         return json.dumps({"t0": self.start, "t1": self.end, "chunks": [list(c) for c in self.chunks]})
