@@ -27,8 +27,12 @@ In one run:
    runs them, from the calibration server's step logs only (``simulator.service_fit``): the
    workers' measured steps against the profile (a constant and a factor a step, by kind), the
    co-activity their steps show, and the serving worker's own cost per step beyond its forward
-   pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``).
-   Targets: 5 points and 15 %. Last line: JSON.
+   pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``),
+   and how the steps scatter around all that (``simulator.jitter``: each simulated point is
+   the mean of ``--sim-seeds`` seeds of it); then once more with each point's profile set to
+   the host's speed during that point, measured from the sweep server's step log
+   (``benchmarks/point_speed.py``: two medians a point, by step kind). Targets: 5 points and
+   15 %. Last line: JSON.
 
 The host is a 2-core VM shared with other people's jobs: every measurement first waits (a few
 minutes at most) for the rest of the host to be idle, and each point records how many cores
@@ -61,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import coactivity
 from benchmarks.client import Server, start_pdserve
 from benchmarks.common import emit
+from benchmarks.point_speed import point_profiles
 from pdserve.bench.client import PdserveGrpcBackend
 from pdserve.bench.metrics import RequestResult
 from pdserve.bench.runner import add_bench_args, bench, build_workload
@@ -199,7 +204,9 @@ def specs_for(args: argparse.Namespace, rate: float, seed: int) -> list[RequestS
     return build_workload(bench_ns(args, "0", rate, seed, []))
 
 
-def simulate_point(layout: str, profile: str, specs: list[RequestSpec], slo: list[str]) -> dict[str, Any]:
+def simulate_point(
+    layout: str, profile: str, specs: list[RequestSpec], slo: list[str], jitter_seed: int = 0
+) -> dict[str, Any]:
     from simulator.run import add_simulate_args, simulate
 
     p = argparse.ArgumentParser()
@@ -208,8 +215,24 @@ def simulate_point(layout: str, profile: str, specs: list[RequestSpec], slo: lis
         f"--profile {profile} --max-num-batched-tokens {BUDGET} --max-num-seqs {MAX_SEQS} --block-size 16"
     )
     # every layout here runs on this one host (co-activity factors apply where the profile has them)
-    ns = p.parse_args([*LAYOUTS[layout]["sim"], *common.split(), "--shared-host", "--goodput", *slo])
-    return simulate(ns, specs)
+    flags = [*LAYOUTS[layout]["sim"], *common.split(), "--shared-host", "--jitter-seed", str(jitter_seed)]
+    return simulate(p.parse_args([*flags, "--goodput", *slo]), specs)
+
+
+MEAN_KEYS = ("slo_attainment", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def simulate_mean(
+    layout: str, profile: str, specs: list[RequestSpec], slo: list[str], seeds: int
+) -> dict[str, float]:
+    """``simulate_point`` averaged over ``seeds`` seeds of the profile's step-time variability
+    (one run where it has none: every seed would give the same)."""
+    from model_runtime.latency import load_profile
+
+    prof = load_profile(profile)
+    varies = bool(getattr(prof, "prefill_jitter", ()) or getattr(prof, "decode_jitter", ()))
+    runs = [simulate_point(layout, profile, specs, slo, seed) for seed in range(seeds if varies else 1)]
+    return {k: statistics.fmean(float(r[k]) for r in runs) for k in MEAN_KEYS}
 
 
 def profile(threads: int, out: Path) -> Path:
@@ -279,7 +302,7 @@ def calibration_load(server: Server, args: argparse.Namespace) -> None:
     """Poisson traffic of the workload's shape at ``--calibration-rate`` with a seed no sweep
     point uses: its step logs show the workers' steps under load (the in-service factors and
     co-activity); nothing else of it is kept."""
-    n = max(30, args.num_prompts // 2)
+    n = max(30, min(60, args.num_prompts // 2))  # as many steps whatever the points' size
     port = server.grpc.rsplit(":", 1)[1]
     ns = bench_ns(args, port, args.calibration_rate, args.seed + CALIBRATION_SEED, [])
     ns.num_prompts = n
@@ -369,7 +392,7 @@ def real_sweep(
                 server = serve(layout, raw_dir / "steps" / f"{layout}-sweep")
             port = server.grpc.rsplit(":", 1)[1]
             HOST.wait_quiet()
-            t0, a = time.perf_counter(), HOST.sample()
+            t0, a, mono0 = time.perf_counter(), HOST.sample(), time.monotonic()
             m = asyncio.run(bench(bench_ns(args, port, rate, args.seed, slo)))
             foreign = round(HOST.foreign(a, HOST.sample()), 2)
             row = {
@@ -378,6 +401,7 @@ def real_sweep(
                 **{k: m[k] for k in KEYS},
                 "wall_s": time.perf_counter() - t0,
                 "foreign_cores": foreign,
+                "mono": [mono0, time.monotonic()],  # the workers' step-log clock: this point's steps
             }
             points.append(row)
             save(layout, points)
@@ -399,7 +423,8 @@ def real_sweep(
 
 def sim_sweep(layout: str, prof: str, args: argparse.Namespace, slo: list[str]) -> dict[str, Any]:
     def measure(rate: float) -> float:
-        return float(simulate_point(layout, prof, specs_for(args, rate, args.seed), slo)["slo_attainment"])
+        specs = specs_for(args, rate, args.seed)
+        return simulate_mean(layout, prof, specs, slo, args.sim_seeds)["slo_attainment"]
 
     return bisect(measure, args)
 
@@ -437,12 +462,12 @@ def calibrate(
         scaled.write_text(prof.to_json() + "\n")
         n = args.input_len
         lone = [RequestSpec(30.0 * i, lone_prompt(i + 1, n), n, args.output_len) for i in range(6)]
-        sim = simulate_point(layout, str(scaled), lone, real["slo"])
+        sim = simulate_mean(layout, str(scaled), lone, real["slo"], args.sim_seeds)
         overhead = max(0.0, (base["tpot_ms"] - sim["median_tpot_ms"]) / 1000)
         cal = dataclasses.replace(prof, step_overhead_s=overhead)
         path = out_dir / f"{cal.name}-{layout}.json"
         path.write_text(cal.to_json() + "\n")
-        again = simulate_point(layout, str(path), lone, real["slo"])
+        again = simulate_mean(layout, str(path), lone, real["slo"], args.sim_seeds)
         print(
             f"{layout} unloaded: TPOT real {base['tpot_ms']:.2f} ms, model {sim['median_tpot_ms']:.2f} ms"
             f" -> service overhead {overhead * 1000:.2f} ms/step; TTFT real {base['ttft_ms']:.1f} ms, model"
@@ -455,11 +480,22 @@ def calibrate(
 
 
 def compare(
-    real: dict[str, Any], profiles: dict[str, str], args: argparse.Namespace, title: str = ""
+    real: dict[str, Any],
+    profiles: dict[str, str],
+    args: argparse.Namespace,
+    title: str = "",
+    own_profiles: dict[str, dict[float, str]] | None = None,
 ) -> dict[str, Any]:
+    """Each real point against the simulator on the same requests (averaged over
+    ``--sim-seeds`` seeds of step-time variability), and both goodputs. ``own_profiles``: a
+    profile per real point (layout -> rate -> path) in place of the layout's; the simulated
+    goodput sweep is then left out (no other rate has a measured speed)."""
     slo = real["slo"]
     out: dict[str, Any] = {}
-    print(f"\n{title}\nSLO: {' '.join(slo)} (joint); {args.num_prompts} requests per point, one seed")
+    print(
+        f"\n{title}\nSLO: {' '.join(slo)} (joint); {args.num_prompts} requests per point, one seed; "
+        f"simulated: mean of {args.sim_seeds} seeds of step-time variability where the profile has it"
+    )
     hdr = (
         f"{'layout':<14} {'rate':>6} | {'attainment real/sim':>20} {'Δ pp':>6} | "
         f"{'TTFT p50 real/sim ms':>22} {'Δ %':>6} | {'TPOT p50 real/sim ms':>21} {'Δ %':>6} | other jobs"
@@ -469,8 +505,10 @@ def compare(
     worst: dict[str, float] = {"att_pp": 0.0, "ttft_pct": 0.0, "tpot_pct": 0.0}
     for layout, res in real["layouts"].items():
         rows = []
+        own = (own_profiles or {}).get(layout, {})
         for pt in sorted(res["points"], key=lambda r: r["rate"]):
-            sim = simulate_point(layout, profiles[layout], specs_for(args, pt["rate"], pt["seed"]), slo)
+            prof = own.get(pt["rate"], profiles[layout])
+            sim = simulate_mean(layout, prof, specs_for(args, pt["rate"], pt["seed"]), slo, args.sim_seeds)
             d_att = (sim["slo_attainment"] - pt["slo_attainment"]) * 100
             d_ttft = pct(sim["median_ttft_ms"], pt["median_ttft_ms"])
             d_tpot = pct(sim["median_tpot_ms"], pt["median_tpot_ms"])
@@ -491,14 +529,16 @@ def compare(
             worst["att_pp"] = max(worst["att_pp"], abs(d_att))
             worst["ttft_pct"] = max(worst["ttft_pct"], abs(d_ttft))
             worst["tpot_pct"] = max(worst["tpot_pct"], abs(d_tpot))
-        sim_good = sim_sweep(layout, profiles[layout], args, slo)
         out[f"{layout}_points"] = rows
+        if own_profiles is not None:
+            continue
+        sim_good = sim_sweep(layout, profiles[layout], args, slo)
         out[f"{layout}_goodput_real_rps"] = round(res.get("goodput_rate", float("nan")), 3)
         out[f"{layout}_goodput_below_floor"] = [bool(res.get("floored")), bool(sim_good["floored"])]
         out[f"{layout}_goodput_sim_rps"] = round(sim_good["goodput_rate"], 3)
         out[f"{layout}_bracketed"] = [res.get("bracketed"), sim_good["bracketed"]]
-    print("\ngoodput (req/s at >= 90 % attainment), real / simulated:")
-    for layout in real["layouts"]:
+    print("\ngoodput (req/s at >= 90 % attainment), real / simulated:" if own_profiles is None else "")
+    for layout in real["layouts"] if own_profiles is None else ():
         r, s = out[f"{layout}_goodput_real_rps"], out[f"{layout}_goodput_sim_rps"]
         below = ["(< floor)" if f else "" for f in out[f"{layout}_goodput_below_floor"]]
         print(f"  {layout:<14} {r:6.3f}{below[0]} / {s:6.3f}{below[1]}")
@@ -613,6 +653,12 @@ def main() -> None:
         help="req/s of the calibration load whose step logs calibrate the profiles (not a sweep point)",
     )
     p.add_argument("--rate-floor", type=float, default=0.2, help="rates below this are not measured (req/s)")
+    p.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=5,
+        help="seeds of the calibrated profile's step-time variability each simulated point averages",
+    )
     p.add_argument("--real-results", type=Path, default=None, help="skip the real runs: re-simulate these")
     p.add_argument("--resume", type=Path, default=None, help="continue an interrupted run from its real.json")
     p.add_argument(
@@ -648,9 +694,11 @@ def main() -> None:
                     steps / f"{layout}-calibration", profiles[layout]
                 )
                 log(f"{layout} service fit from {steps}: {real['service_fit'][layout]}")
+        steps_root = steps
     else:
         real, profiles, path = measure_real(args, out_dir, layouts)
         log(f"real results in {path}")
+        steps_root = path.parent / "steps"
     engine_only = compare(
         real, profiles, args, "== simulator with the engine's fitted profiles (pdserve profile)"
     )
@@ -658,6 +706,13 @@ def main() -> None:
     result = compare(real, calibrated, args, "== as the service runs them (step-log fit, per-step overhead)")
     result["engine_only"] = {k: v for k, v in engine_only.items() if not k.endswith("_points")}
     result["calibrated_profiles"] = calibrated
+    own, speeds = point_profiles(real, calibrated, steps_root, out_dir, args.num_prompts)
+    if own:
+        title = "== at each point's own host speed (measured from the sweep's step log)"
+        result["at_point_speed"] = {**compare(real, calibrated, args, title, own), "host_speed": speeds}
+        own, noise = point_profiles(real, calibrated, steps_root, out_dir, args.num_prompts, scatter=True)
+        title = "== at each point's own host speed and step-time scatter (both from the sweep's step log)"
+        result["at_point_speed_and_scatter"] = {**compare(real, calibrated, args, title, own), "host": noise}
     result.update(
         {
             "slo": " ".join(real["slo"]),

@@ -175,6 +175,15 @@ PROFILES: dict[str, LatencyModel] = {p.name: p for p in (H100_LLAMA3_8B,)}
 Chunks = Sequence[tuple[int, int]]
 
 
+def quantile_grid_checked(name: str, grid: Iterable[float]) -> tuple[float, ...]:
+    """``grid`` as a tuple, if it is a quantile grid: empty, or at least two positive,
+    non-decreasing values."""
+    g = tuple(float(q) for q in grid)
+    if g and (len(g) < 2 or g[0] <= 0 or any(b < a for a, b in itertools.pairwise(g))):
+        raise ValueError(f"{name} must be >= 2 positive, non-decreasing quantiles")
+    return g
+
+
 def is_decode_chunk(new: int, cached: int) -> bool:
     """A decode token: one new token after a cached context (the convention of every profile)."""
     return new == 1 and cached > 0
@@ -303,6 +312,14 @@ class FittedProfile:
     constant a step (the router and client taking a core from a multi-threaded step) and a
     factor (a slower core, the worker's other threads). 0 and 1 for the engine alone.
 
+    ``prefill_jitter`` / ``decode_jitter`` and ``jitter_corr`` say how the serving worker's real
+    steps scatter around all of the above (quantiles of measured / modelled at equally spaced
+    probabilities, median 1; and how long slow stretches last): the simulator draws each step's
+    factor from them (``simulator.jitter``), because SLO attainment is decided in the tails a
+    deterministic step time does not have. Empty (deterministic) unless measured from the
+    service's step logs (``simulator.service_fit``); this describes the step times, not the
+    engine, so ``step_time`` stays the typical step.
+
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
     engine's own ``step()`` (its loop, output push, transfer polling, and the router and client
     sharing its cores). ``pdserve profile`` measures the engine alone and leaves it at 0;
@@ -336,6 +353,9 @@ class FittedProfile:
     service_decode_s: float = 0.0  # the same, decode-only steps
     decode_coactive_x: float = 1.0  # decode-only step, while another worker on the host prefills
     prefill_coactive_x: float = 1.0  # step with prefill, while another worker on the host steps
+    prefill_jitter: tuple[float, ...] = ()  # quantiles of measured / modelled, median 1 (steps with prefill)
+    decode_jitter: tuple[float, ...] = ()  # the same, decode-only steps
+    jitter_corr: float = 0.0  # lag-1 correlation of a worker's successive steps' variability
     prefill_fit_median_error: float = 0.0  # |relative error| of the fit on its own points
     prefill_fit_max_error: float = 0.0
     decode_fit_median_error: float = 0.0
@@ -357,6 +377,10 @@ class FittedProfile:
             raise ValueError("service factors must be > 0")
         if self.service_prefill_s < 0 or self.service_decode_s < 0:
             raise ValueError("service constants must be >= 0")
+        for name in ("prefill_jitter", "decode_jitter"):  # JSON gives lists
+            object.__setattr__(self, name, quantile_grid_checked(name, getattr(self, name)))
+        if not 0 <= self.jitter_corr < 1:
+            raise ValueError("jitter_corr must be in [0, 1)")
 
     @property
     def prefill_coefficients(self) -> tuple[float, float, float]:

@@ -15,12 +15,18 @@ share caches and memory and the router runs beside them) slows steps by the prof
 co-activity factors: a decode-only step that starts while another worker runs a prefill step,
 and a prefill step that starts while another worker steps. The state at a step's start decides
 it; steps are short against the prefills that cause most of the slowdown.
+
+A profile that measured how its steps scatter (``FittedProfile.prefill_jitter`` /
+``decode_jitter`` / ``jitter_corr``) has each worker draw every step's factor from that
+distribution (``simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so a run is
+reproducible and runs with other seeds show the spread; other profiles step deterministically.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +43,7 @@ from model_runtime.worker.messages import WorkerLoad, WorkerRole
 from router.policy import Dispatcher, Outcome, RouteRequest
 from router.prefix import block_keys
 from router.slo import SloClass
+from simulator.jitter import StepJitter
 
 TOKEN = 1  # every sampled token: content does not matter to scheduling
 
@@ -94,6 +101,7 @@ class SimWorker:
         self.reservations: deque[SimRequest] = deque()  # decode: waiting for room
         self.sending = 0  # prefill: requests whose KV is still being handed off
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
+        self.jitter = cluster.jitter_for(wid)
 
     # -- load, as the router's policy sees it --------------------------------------------------
     def load(self) -> WorkerLoad:
@@ -132,9 +140,12 @@ class SimWorker:
             return
         self.busy = True
         dur = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
-        if self.cluster.shared_host:  # only workers sharing a host read each other's step kind
+        if self.cluster.shared_host or self.jitter is not None:  # the others skip classifying every step
             self.prefilling = not all(is_decode_chunk(c.num_tokens, c.start_pos) for c in chunks)
+        if self.cluster.shared_host:  # only workers sharing a host read each other's step kind
             dur *= self.cluster.coactivity(self)
+        if self.jitter is not None:
+            dur *= self.jitter.factor(self.prefilling)
         self.clock.at(self.clock.now + dur, lambda: self._done(chunks, plan))
 
     def _done(self, chunks: list[ScheduledChunk], plan: SchedulePlan | None) -> None:
@@ -203,10 +214,12 @@ class Cluster:
         block_size: int = 16,
         slo: SloClass | None = None,
         shared_host: bool = False,
+        jitter_seed: int = 0,
     ) -> None:
         self.clock = Clock()
         self.profile = profile
         self.shared_host = shared_host
+        self.jitter_seed = jitter_seed
         self._decode_x = float(getattr(profile, "decode_coactive_x", 1.0))
         self._prefill_x = float(getattr(profile, "prefill_coactive_x", 1.0))
         self.colocated = colocated > 0
@@ -227,6 +240,15 @@ class Cluster:
         self.finished: list[SimRequest] = []
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
         self.max_model_len = profile.max_model_len
+
+    def jitter_for(self, wid: str) -> StepJitter | None:
+        """``wid``'s step-time variability, if the profile measured any (its own stream of
+        draws: one worker's steps do not shift another's)."""
+        pj, dj = getattr(self.profile, "prefill_jitter", ()), getattr(self.profile, "decode_jitter", ())
+        if not (pj or dj):
+            return None
+        rng = random.Random(f"{self.jitter_seed}/{wid}")
+        return StepJitter(pj, dj, float(getattr(self.profile, "jitter_corr", 0.0)), rng)
 
     def coactivity(self, w: SimWorker) -> float:
         """The slowdown of the step ``w`` is starting on the shared host, from what the host's

@@ -72,6 +72,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="all workers share one host (CPU): steps slow down by the profile's co-activity factors",
     )
+    p.add_argument(
+        "--jitter-seed",
+        type=int,
+        default=0,
+        help="seed of the step-time variability a profile measured (FittedProfile.*_jitter); "
+        "other seeds show the spread of a run",
+    )
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
     p.add_argument("--save-result", type=Path, default=None, help="JSON path")
 
@@ -116,6 +123,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     cluster = Cluster(
         profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, decode_cfg, args.block_size,
         slo_class, shared_host=getattr(args, "shared_host", False),
+        jitter_seed=getattr(args, "jitter_seed", 0),
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []

@@ -15,7 +15,14 @@ calibration traffic — never a load test's own points — say by how much:
 - **co-activity** (``FittedProfile.decode_coactive_x`` / ``prefill_coactive_x``, defined there):
   the median of measured over the isolated line's time, over steps at least ``COACTIVE``
   overlapped — a decode-only step by another worker's step with prefill work, a step with
-  prefill work by any other worker's step.
+  prefill work by any other worker's step;
+- **step-time variability** (``FittedProfile.prefill_jitter`` / ``decode_jitter`` /
+  ``jitter_corr``, ``simulator.jitter``): how every step scatters around the calibrated model,
+  and how long slow stretches last.
+
+``host_speed`` measures, over any window of the service's steps (a load test's point, say), how
+much slower the host ran than in the calibration, for ``at_speed`` to apply: on a shared VM the
+host's speed drifts by more between runs than the effects the simulator is checked for.
 
 Medians, because a step log holds the odd step the OS descheduled; a kind with fewer than
 ``min_steps`` co-active steps keeps co-activity 1 (the counts say so).
@@ -25,11 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from model_runtime.engine.step_log import StepRecord
 from model_runtime.latency import FittedProfile
+from simulator.jitter import fit_jitter
 
 ISOLATED = 0.05  # at most this share of a step overlapped by other workers' steps
 COACTIVE = 0.5  # at least this share
@@ -51,6 +60,9 @@ class ServiceFit:
     decode_coactive_steps: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prefill_jitter: tuple[float, ...] = ()  # simulator.jitter's quantile grids and correlation
+    decode_jitter: tuple[float, ...] = ()
+    jitter_corr: float = 0.0
 
 
 def _overlap(rec: StepRecord, others: Sequence[StepRecord]) -> float:
@@ -97,25 +109,64 @@ def fit_line(
     return a, slope
 
 
+def _steps(logs: Mapping[str, Sequence[StepRecord]]) -> Iterator[tuple[str, StepRecord, float, float]]:
+    """Each worker's steps in order with the share of each that other workers' steps overlapped
+    and the share that other workers' steps with prefill work overlapped."""
+    for wid, steps in logs.items():
+        others = [r for w, rs in logs.items() if w != wid for r in rs]
+        prefilling = [r for r in others if r.has_prefill]
+        for rec in steps:
+            yield wid, rec, _overlap(rec, others), _overlap(rec, prefilling)
+
+
+def _coactive(rec: StepRecord, shared: float, shared_prefill: float) -> bool:
+    return (shared if rec.has_prefill else shared_prefill) >= COACTIVE
+
+
+def _running_at(t: float, others: Sequence[StepRecord]) -> bool:
+    return any(o.start <= t < o.end for o in others)
+
+
+def residuals(
+    logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile
+) -> dict[str, list[tuple[bool, float]]]:
+    """Worker id -> its steps in order as ``(has prefill work, measured / modelled)``, modelled
+    as the simulator models a step of a service on this host: ``profile``'s step (without the
+    per-step cost outside the forward pass, which a step log does not see), times its
+    co-activity factor where the simulator would apply it — by what the other workers run at
+    the step's start (``simulator.cluster.Cluster.coactivity``). Steps of no duration (a
+    clock's tick) are left out."""
+    forward = dataclasses.replace(profile, step_overhead_s=0.0)
+    out: dict[str, list[tuple[bool, float]]] = {w: [] for w in logs}
+    for wid, steps in logs.items():
+        others = [r for w, rs in logs.items() if w != wid for r in rs]
+        prefilling = [r for r in others if r.has_prefill]
+        for rec in steps:
+            modelled = forward.step_time(rec.chunks)
+            if modelled <= 0 or rec.duration <= 0:
+                continue
+            if rec.has_prefill and _running_at(rec.start, others):
+                modelled *= profile.prefill_coactive_x
+            elif not rec.has_prefill and _running_at(rec.start, prefilling):
+                modelled *= profile.decode_coactive_x
+            out[wid].append((rec.has_prefill, rec.duration / modelled))
+    return out
+
+
 def fit_service(
     logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile, min_steps: int = 5
 ) -> ServiceFit:
     """The fit from the step logs of the workers of one host (worker id -> its steps)."""
     iso: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # has_prefill -> (pred, meas)
     co: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    for wid, steps in logs.items():
-        others = [r for w, rs in logs.items() if w != wid for r in rs]
-        prefilling = [r for r in others if r.has_prefill]
-        for rec in steps:
-            predicted = profile.step_time(rec.chunks)
-            if predicted <= 0:
-                continue
-            kind = rec.has_prefill
-            shared = _overlap(rec, others)
-            if shared <= ISOLATED:
-                iso[kind].append((predicted, rec.duration))
-            elif (shared if kind else _overlap(rec, prefilling)) >= COACTIVE:
-                co[kind].append((predicted, rec.duration))
+    for _, rec, shared, shared_prefill in _steps(logs):
+        predicted = profile.step_time(rec.chunks)
+        if predicted <= 0:
+            continue
+        if shared <= ISOLATED:
+            iso[rec.has_prefill].append((predicted, rec.duration))
+        elif _coactive(rec, shared, shared_prefill):
+            co[rec.has_prefill].append((predicted, rec.duration))
     for kind, name in ((True, "with prefill work"), (False, "decode-only")):
         if len(iso[kind]) < min_steps:
             raise ValueError(
@@ -129,7 +180,7 @@ def fit_service(
             return 1.0
         return max(1.0, statistics.median(m / (a + x * p) for p, m in co[kind]))
 
-    return ServiceFit(
+    fit = ServiceFit(
         prefill_x=px,
         decode_x=dx,
         prefill_coactive_x=coactive(True, pa, px),
@@ -141,11 +192,34 @@ def fit_service(
         prefill_s=pa,
         decode_s=da,
     )
+    pj, dj, rho = fit_jitter(list(residuals(logs, apply_fit(profile, fit)).values()))
+    return dataclasses.replace(fit, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
+
+
+def host_speed(
+    logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile, min_steps: int = 5
+) -> tuple[float, float]:
+    """``(steps with prefill work, decode-only steps)``: the median of measured / modelled over
+    a window of the service's steps, against a profile already calibrated (``apply_fit``): how
+    much slower (> 1) or faster the host ran in that window than in the calibration. A kind
+    with fewer than ``min_steps`` steps in the window is 1."""
+    ratios: dict[bool, list[float]] = {True: [], False: []}
+    for seq in residuals(logs, profile).values():
+        for kind, ratio in seq:
+            ratios[kind].append(ratio)
+    for kind, name in ((True, "with prefill work"), (False, "decode-only")):
+        if len(ratios[kind]) < min_steps:
+            warnings.warn(
+                f"{len(ratios[kind])} steps {name} in the window: that kind keeps the calibration's speed",
+                stacklevel=2,
+            )
+    speed = {k: statistics.median(v) if len(v) >= min_steps else 1.0 for k, v in ratios.items()}
+    return speed[True], speed[False]
 
 
 def apply_fit(profile: FittedProfile, fit: ServiceFit) -> FittedProfile:
     """The engine's profile as the service runs it: whole steps scaled by kind (as they were
-    measured), co-activity set."""
+    measured), co-activity and step-time variability set."""
     return dataclasses.replace(
         profile,
         name=f"{profile.name}+service",
@@ -155,4 +229,19 @@ def apply_fit(profile: FittedProfile, fit: ServiceFit) -> FittedProfile:
         service_decode_s=fit.decode_s,
         prefill_coactive_x=fit.prefill_coactive_x,
         decode_coactive_x=fit.decode_coactive_x,
+        prefill_jitter=tuple(fit.prefill_jitter),
+        decode_jitter=tuple(fit.decode_jitter),
+        jitter_corr=fit.jitter_corr,
+    )
+
+
+def at_speed(profile: FittedProfile, prefill: float, decode: float) -> FittedProfile:
+    """A calibrated profile on a host running ``prefill`` / ``decode`` times as slow as in its
+    calibration (``host_speed``): each kind's whole in-service step scaled."""
+    return dataclasses.replace(
+        profile,
+        service_prefill_s=profile.service_prefill_s * prefill,
+        service_prefill_x=profile.service_prefill_x * prefill,
+        service_decode_s=profile.service_decode_s * decode,
+        service_decode_x=profile.service_decode_x * decode,
     )

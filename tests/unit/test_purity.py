@@ -27,6 +27,7 @@ PURE = (
     "simulator.run",
     "simulator.plan",
     "simulator.service_fit",
+    "simulator.jitter",
     "model_runtime.engine.step_log",
 )
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}

@@ -5,42 +5,47 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 import pytest
 
 from model_runtime.engine.step_log import StepRecord
 from model_runtime.latency import FittedProfile
-from simulator.service_fit import ServiceFit, apply_fit, fit_line, fit_service
+from simulator.service_fit import ServiceFit, apply_fit, at_speed, fit_line, fit_service, host_speed
 
 ENGINE = FittedProfile("engine", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 PX, DX, PCO, DCO = 1.15, 1.10, 1.2, 1.3  # the truth the logs are written from
 
 
-def logs(co_steps: int = 10) -> dict[str, list[StepRecord]]:
-    """A prefill worker and a decode worker: first each alone, then prefills while decoding."""
+def logs(
+    co_steps: int = 10, slower_prefill: float = 1.0, slower_decode: Callable[[int], float] = lambda k: 1.0
+) -> dict[str, list[StepRecord]]:
+    """A prefill worker and a decode worker: first each alone, then prefills while decoding
+    (every prefill ``slower_prefill`` times and the ``k``-th decode step ``slower_decode(k)``
+    times the truth: a slower host, or steps that scatter)."""
     p: list[StepRecord] = []
     d: list[StepRecord] = []
+
+    def decode_step(s: float, dc: tuple[tuple[int, int], ...], x: float) -> float:
+        dd = ENGINE.step_time(dc) * DX * x * slower_decode(len(d))
+        d.append(StepRecord(s, s + dd, dc))
+        return dd
+
     t = 0.0
     for i in range(8):  # alone: a prompt, then its decode steps with nothing else running
         chunks = ((128 + 16 * i, 0),)
-        dur = ENGINE.step_time(chunks) * PX
+        dur = ENGINE.step_time(chunks) * PX * slower_prefill
         p.append(StepRecord(t, t + dur, chunks))
         t += dur + 0.001
         for k in range(6):
-            dc = ((1, 128 + k),)
-            dd = ENGINE.step_time(dc) * DX
-            d.append(StepRecord(t, t + dd, dc))
-            t += dd + 0.0005
+            t += decode_step(t, ((1, 128 + k),), 1.0) + 0.0005
     for i in range(co_steps):  # a prefill with decode steps running under all of it
         chunks = ((256, 0),)
-        dur = ENGINE.step_time(chunks) * PX * PCO
+        dur = ENGINE.step_time(chunks) * PX * PCO * slower_prefill
         p.append(StepRecord(t, t + dur, chunks))
         s = t
         while s < t + dur:
-            dc = ((1, 300 + i),)
-            dd = ENGINE.step_time(dc) * DX * DCO
-            d.append(StepRecord(s, s + dd, dc))
-            s += dd
+            s += decode_step(s, ((1, 300 + i),), DCO)
         t = s + 0.05
     return {"prefill-0": p, "decode-0": d}
 
@@ -125,3 +130,33 @@ def test_a_batch_ladder_lets_the_fit_find_a_constant_per_step() -> None:
     big = ((1, 300),) * 8
     assert served.step_time(big) == pytest.approx(0.008 + 1.05 * ENGINE.step_time(big), rel=0.02)
     assert fit.prefill_s == pytest.approx(0.0, abs=1e-9) and fit.prefill_x == pytest.approx(1.0)
+
+
+def test_the_fit_measures_how_steps_scatter_around_it() -> None:
+    clean = fit_service(logs(), ENGINE)
+    inner = clean.decode_jitter[2:-2]  # the few decode steps sticking out of a prefill are the ends
+    assert all(q == pytest.approx(1.0) for q in inner)
+    # every other decode step 20 % slower, in runs of 5: a scatter of median 1 with a tail
+    fit = fit_service(logs(slower_decode=lambda k: 1.2 if (k // 5) % 2 else 1.0), ENGINE)
+    lo, hi = fit.decode_jitter[2], fit.decode_jitter[-3]
+    assert lo < 1.0 < hi and 1.15 < hi / lo < 1.45  # the 20 %, give or take the fit's own share
+    # slow steps came in runs: correlated, unlike the same steps alternating
+    alternating = fit_service(logs(slower_decode=lambda k: 1.2 if k % 2 else 1.0), ENGINE)
+    assert fit.jitter_corr > 0.3 and alternating.jitter_corr == 0.0  # anti-correlated: none
+    served = apply_fit(ENGINE, fit)
+    assert served.decode_jitter == fit.decode_jitter and served.jitter_corr == fit.jitter_corr
+
+
+def test_host_speed_is_measured_against_the_calibrated_profile_and_applied_by_kind() -> None:
+    calibrated = apply_fit(ENGINE, fit_service(logs(), ENGINE))
+    assert host_speed(logs(), calibrated) == pytest.approx((1.0, 1.0))
+    slower = logs(slower_prefill=1.15, slower_decode=lambda k: 1.05)
+    prefill, decode = host_speed(slower, calibrated)
+    assert prefill == pytest.approx(1.15) and decode == pytest.approx(1.05)
+    fast = at_speed(calibrated, prefill, decode)
+    prompt, decodes = [(200, 0)], [(1, 100), (1, 50)]
+    assert fast.step_time(prompt) == pytest.approx(calibrated.step_time(prompt) * 1.15)
+    assert fast.step_time(decodes) == pytest.approx(calibrated.step_time(decodes) * 1.05)
+    # too few steps of a kind in the window: that kind keeps the calibration's speed, and says so
+    with pytest.warns(UserWarning, match="with prefill work"):
+        assert host_speed({"decode-0": slower["decode-0"][:20]}, calibrated) == pytest.approx((1.0, 1.05))
