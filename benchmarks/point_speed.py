@@ -10,7 +10,7 @@ median of measured over modelled, by step kind) and the calibrated profile set t
 (``at_speed``): two numbers a point, measured from step durations alone, never from a request's
 latency or outcome. They are conditioning, not prediction: a median over all of a point's steps
 also absorbs whatever load-dependent error the model has at that rate (co-active steps, the
-steps slowed by a KV arrival). ``scatter`` goes further and replaces the calibration's
+steps slowed by a KV arrival). The second profile of each point goes further and replaces the calibration's
 step-time distribution (``simulator.jitter``'s grids and correlation) with the point's own —
 the host's noise during the point, and the model's residuals there with it.
 """
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from model_runtime.engine.step_log import StepRecord, read_steps
+from model_runtime.engine.step_log import StepRecord
 
 TAIL_S = 30.0  # after a point's last prompt, its last requests still decode
 
@@ -66,34 +66,27 @@ def window(
     return out
 
 
-def sweep_logs(step_dir: Path) -> dict[str, list[StepRecord]]:
-    """The sweep server's step logs, worker id -> steps in order."""
-    return {p.stem: read_steps(p) for p in sorted(step_dir.glob("*.jsonl"))}
-
-
 def point_profiles(
-    real: Mapping[str, Any],
-    calibrated: Mapping[str, str],
-    steps_root: Path,
-    out_dir: Path,
-    num_prompts: int,
-    scatter: bool = False,
-) -> tuple[dict[str, dict[float, str]], dict[str, list[dict[str, float]]]]:
+    real: Mapping[str, Any], calibrated: Mapping[str, str], steps_root: Path, out_dir: Path, num_prompts: int
+) -> tuple[dict[str, dict[float, str]], dict[str, dict[float, str]], dict[str, list[dict[str, float]]]]:
     """For each layout whose sweep left a step log, each point's calibrated profile at the
-    host speed of that point (layout -> rate -> path, written to ``out_dir``), and the speeds.
-    With ``scatter``, the point's steps also replace the calibration's step-time variability
-    (how they scattered around the profile at that speed): the host's noise during the point."""
+    host speed of that point, and the same with the point's steps also replacing the
+    calibration's step-time variability (how they scattered around the profile at that speed:
+    the host's noise during the point) — both layout -> rate -> path, written to ``out_dir`` —
+    and what was measured of each point."""
     import dataclasses
 
+    from model_runtime.engine.step_log import read_dir
     from model_runtime.latency import FittedProfile, load_profile
     from simulator.jitter import fit_jitter
     from simulator.service_fit import at_speed, host_speed, residuals
 
-    paths: dict[str, dict[float, str]] = {}
-    speeds: dict[str, list[dict[str, float]]] = {}
+    speed_paths: dict[str, dict[float, str]] = {}
+    noise_paths: dict[str, dict[float, str]] = {}
+    hosts: dict[str, list[dict[str, float]]] = {}
     for layout, res in real["layouts"].items():
         prof = load_profile(calibrated[layout])
-        logs = sweep_logs(steps_root / f"{layout}-sweep")
+        logs = read_dir(steps_root / f"{layout}-sweep")
         if not isinstance(prof, FittedProfile) or not logs:
             continue
         spans = point_windows(res["points"], logs, num_prompts)
@@ -104,18 +97,17 @@ def point_profiles(
             steps = window(logs, span)
             prefill, decode = host_speed(steps, prof)
             at = at_speed(prof, prefill, decode)
-            speed = {"rate": pt["rate"], "prefill_x": prefill, "decode_x": decode}
-            if scatter:
-                pj, dj, rho = fit_jitter(list(residuals(steps, at).values()))
-                at = dataclasses.replace(at, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
-                speed["decode_q90"] = dj[-3] if dj else 1.0
-            kind = "scatter" if scatter else "at"
-            path = out_dir / f"{prof.name}-{layout}-{kind}-{pt['rate']:.3f}.json"
-            path.write_text(at.to_json() + "\n")
-            paths.setdefault(layout, {})[pt["rate"]] = str(path)
-            speeds.setdefault(layout, []).append(speed)
-            what = f"x{prefill:.3f} prefill, x{decode:.3f} decode"
-            if scatter:
-                what += f"; decode steps' 90th percentile x{speed['decode_q90']:.3f} the median"
-            print(f"{layout} {pt['rate']:.3f} req/s: host speed {what}")
-    return paths, speeds
+            pj, dj, rho = fit_jitter(list(residuals(steps, at).values()))
+            noisy = dataclasses.replace(at, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
+            for paths, kind, p in ((speed_paths, "at", at), (noise_paths, "scatter", noisy)):
+                path = out_dir / f"{prof.name}-{layout}-{kind}-{pt['rate']:.3f}.json"
+                path.write_text(p.to_json() + "\n")
+                paths.setdefault(layout, {})[pt["rate"]] = str(path)
+            q90 = dj[round(0.9 * (len(dj) - 1))] if dj else 1.0  # the grid's probabilities run 0..1
+            host = {"rate": pt["rate"], "prefill_x": prefill, "decode_x": decode, "decode_q90": q90}
+            hosts.setdefault(layout, []).append(host)
+            print(
+                f"{layout} {pt['rate']:.3f} req/s: host speed x{prefill:.3f} prefill, x{decode:.3f} decode; "
+                f"decode steps' 90th percentile x{q90:.3f} the median"
+            )
+    return speed_paths, noise_paths, hosts

@@ -287,15 +287,14 @@ def service_fit(step_dir: Path, profile_path: str) -> dict[str, Any]:
     """The calibration traffic's step logs (the unloaded requests, for 1P+1D the co-activity
     probe, the calibration load and the batch ladder) against the engine's profile
     (``simulator.service_fit``)."""
-    from model_runtime.engine.step_log import read_steps
+    from model_runtime.engine.step_log import read_dir
     from model_runtime.latency import FittedProfile, load_profile
     from simulator.service_fit import fit_service
 
     prof = load_profile(profile_path)
     if not isinstance(prof, FittedProfile):
         return {}
-    logs = {p.stem: read_steps(p) for p in sorted(step_dir.glob("*.jsonl"))}
-    return dataclasses.asdict(fit_service(logs, prof))
+    return dataclasses.asdict(fit_service(read_dir(step_dir), prof))
 
 
 def calibration_load(server: Server, args: argparse.Namespace) -> None:
@@ -706,13 +705,12 @@ def main() -> None:
     result = compare(real, calibrated, args, "== as the service runs them (step-log fit, per-step overhead)")
     result["engine_only"] = {k: v for k, v in engine_only.items() if not k.endswith("_points")}
     result["calibrated_profiles"] = calibrated
-    own, speeds = point_profiles(real, calibrated, steps_root, out_dir, args.num_prompts)
-    if own:
+    speed, noise, host = point_profiles(real, calibrated, steps_root, out_dir, args.num_prompts)
+    if speed:
         title = "== at each point's own host speed (measured from the sweep's step log)"
-        result["at_point_speed"] = {**compare(real, calibrated, args, title, own), "host_speed": speeds}
-        own, noise = point_profiles(real, calibrated, steps_root, out_dir, args.num_prompts, scatter=True)
+        result["at_point_speed"] = {**compare(real, calibrated, args, title, speed), "host_speed": host}
         title = "== at each point's own host speed and step-time scatter (both from the sweep's step log)"
-        result["at_point_speed_and_scatter"] = {**compare(real, calibrated, args, title, own), "host": noise}
+        result["at_point_speed_and_scatter"] = {**compare(real, calibrated, args, title, noise), "host": host}
     result.update(
         {
             "slo": " ".join(real["slo"]),

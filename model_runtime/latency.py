@@ -184,6 +184,18 @@ def quantile_grid_checked(name: str, grid: Iterable[float]) -> tuple[float, ...]
     return g
 
 
+def coactivity_factor(
+    profile: object, has_prefill: bool, others_busy: bool, others_prefilling: bool
+) -> float:
+    """How much slower a step runs on a host it shares, by what the host's other workers run as
+    it starts (``FittedProfile.prefill_coactive_x`` / ``decode_coactive_x``; 1 for a profile
+    without them): a step with prefill work beside any other step, a decode-only step beside a
+    step with prefill work. The simulator applies it; the service fit models steps with it."""
+    if has_prefill:
+        return float(getattr(profile, "prefill_coactive_x", 1.0)) if others_busy else 1.0
+    return float(getattr(profile, "decode_coactive_x", 1.0)) if others_prefilling else 1.0
+
+
 def is_decode_chunk(new: int, cached: int) -> bool:
     """A decode token: one new token after a cached context (the convention of every profile)."""
     return new == 1 and cached > 0

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from model_runtime.latency import LatencyProfile, is_decode_chunk
+from model_runtime.latency import LatencyProfile, coactivity_factor, is_decode_chunk
 from model_runtime.request import Request
 from model_runtime.sampling_params import SamplingParams
 from model_runtime.scheduler.colocated import ColocatedScheduler
@@ -220,8 +220,6 @@ class Cluster:
         self.profile = profile
         self.shared_host = shared_host
         self.jitter_seed = jitter_seed
-        self._decode_x = float(getattr(profile, "decode_coactive_x", 1.0))
-        self._prefill_x = float(getattr(profile, "prefill_coactive_x", 1.0))
         self.colocated = colocated > 0
 
         def mk(i: int, role: WorkerRole, cfg: SchedulerConfig) -> SimWorker:
@@ -254,9 +252,7 @@ class Cluster:
         """The slowdown of the step ``w`` is starting on the shared host, from what the host's
         other workers run."""
         others = [o for o in self.by_id.values() if o is not w and o.busy]
-        if w.prefilling:
-            return self._prefill_x if others else 1.0
-        return self._decode_x if any(o.prefilling for o in others) else 1.0
+        return coactivity_factor(self.profile, w.prefilling, bool(others), any(o.prefilling for o in others))
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)

@@ -43,12 +43,14 @@ def quantile_grid(ratios: Sequence[float], points: int = GRID) -> tuple[float, .
         raise ValueError("step-time ratios must be > 0")
     s = sorted(ratios)
     med = statistics.median(s)
-    out = []
-    for k in range(points):
-        pos = k / (points - 1) * (len(s) - 1)
-        i = min(len(s) - 2, int(pos))
-        out.append((s[i] + (s[i + 1] - s[i]) * (pos - i)) / med)
-    return tuple(out)
+    return tuple(_at(s, k / (points - 1)) / med for k in range(points))
+
+
+def _at(values: Sequence[float], p: float) -> float:
+    """Linear interpolation in sorted ``values`` (at least two) at probability ``p`` in [0, 1]."""
+    pos = p * (len(values) - 1)
+    i = min(len(values) - 2, int(pos))
+    return values[i] + (values[i + 1] - values[i]) * (pos - i)
 
 
 def normal_scores(values: Sequence[float]) -> list[float]:
@@ -134,6 +136,4 @@ class StepJitter:
         grid = self.grids[has_prefill]
         if not grid:
             return 1.0
-        pos = _NORMAL.cdf(self.state) * (len(grid) - 1)
-        i = min(len(grid) - 2, int(pos))
-        return grid[i] + (grid[i + 1] - grid[i]) * (pos - i)
+        return _at(grid, _NORMAL.cdf(self.state))

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from model_runtime.engine.step_log import StepRecord
-from model_runtime.latency import FittedProfile
+from model_runtime.latency import FittedProfile, coactivity_factor
 from simulator.jitter import fit_jitter
 
 ISOLATED = 0.05  # at most this share of a step overlapped by other workers' steps
@@ -109,12 +109,19 @@ def fit_line(
     return a, slope
 
 
+def _beside(
+    logs: Mapping[str, Sequence[StepRecord]],
+) -> Iterator[tuple[str, Sequence[StepRecord], list[StepRecord], list[StepRecord]]]:
+    """Each worker's steps with the other workers' steps, and those of them with prefill work."""
+    for wid, steps in logs.items():
+        others = [r for w, rs in logs.items() if w != wid for r in rs]
+        yield wid, steps, others, [r for r in others if r.has_prefill]
+
+
 def _steps(logs: Mapping[str, Sequence[StepRecord]]) -> Iterator[tuple[str, StepRecord, float, float]]:
     """Each worker's steps in order with the share of each that other workers' steps overlapped
     and the share that other workers' steps with prefill work overlapped."""
-    for wid, steps in logs.items():
-        others = [r for w, rs in logs.items() if w != wid for r in rs]
-        prefilling = [r for r in others if r.has_prefill]
+    for wid, steps, others, prefilling in _beside(logs):
         for rec in steps:
             yield wid, rec, _overlap(rec, others), _overlap(rec, prefilling)
 
@@ -138,17 +145,14 @@ def residuals(
     clock's tick) are left out."""
     forward = dataclasses.replace(profile, step_overhead_s=0.0)
     out: dict[str, list[tuple[bool, float]]] = {w: [] for w in logs}
-    for wid, steps in logs.items():
-        others = [r for w, rs in logs.items() if w != wid for r in rs]
-        prefilling = [r for r in others if r.has_prefill]
+    for wid, steps, others, prefilling in _beside(logs):
         for rec in steps:
             modelled = forward.step_time(rec.chunks)
             if modelled <= 0 or rec.duration <= 0:
                 continue
-            if rec.has_prefill and _running_at(rec.start, others):
-                modelled *= profile.prefill_coactive_x
-            elif not rec.has_prefill and _running_at(rec.start, prefilling):
-                modelled *= profile.decode_coactive_x
+            modelled *= coactivity_factor(
+                profile, rec.has_prefill, _running_at(rec.start, others), _running_at(rec.start, prefilling)
+            )
             out[wid].append((rec.has_prefill, rec.duration / modelled))
     return out
 

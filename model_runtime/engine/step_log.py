@@ -98,6 +98,11 @@ def read_steps(path: Path, since: float = float("-inf"), until: float = float("i
     return out
 
 
+def read_dir(step_dir: Path) -> dict[str, list[StepRecord]]:
+    """Every worker's log in a ``--step-log`` directory: worker id -> its steps in order."""
+    return {p.stem: read_steps(p) for p in sorted(step_dir.glob("*.jsonl"))}
+
+
 class StepLog:
     """Appends step records to a file; safe to call from any thread."""
 
