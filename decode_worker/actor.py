@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from decode_worker.engine import DecodeEngine
 from model_runtime.worker.host import WorkerHost
+from model_runtime.worker.loop import WorkerFailed
 from model_runtime.worker.messages import KVTarget, WorkItem
 
-RESERVE_RETRY_S = 0.005
+# Ray runs ``reserve`` calls in a concurrency group of their own (``deploy.ray_pools``): each
+# may wait for room for seconds, and must never hold a thread other commands need.
+RESERVE_GROUP = "reserve"
 
 
 class DecodeWorker(WorkerHost):
@@ -24,13 +29,24 @@ class DecodeWorker(WorkerHost):
 
     def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float) -> KVTarget | None:
         """Reserve blocks for ``work``'s prompt KV, waiting up to ``timeout_s`` for room; ``None``
-        if none freed up in time (the router answers RESOURCE_EXHAUSTED)."""
-        deadline = time.monotonic() + timeout_s
+        if none freed up in time or the request was aborted meanwhile (the router answers
+        RESOURCE_EXHAUSTED). The wait is on the engine's own queue of reservations, served
+        between steps: it costs the loop nothing while it waits."""
+        pending: Future[KVTarget | None] = self.loop.call(self._decode.reserve, work, transfer_id, timeout_s)
+        # The engine resolves it by the deadline; the margin covers one step in progress.
+        give_up = time.monotonic() + max(0.0, timeout_s) + 30.0
         while True:
-            target: KVTarget | None = self.loop.call(self._decode.reserve, work, transfer_id)
-            if target is not None or time.monotonic() >= deadline:
-                return target
-            time.sleep(RESERVE_RETRY_S)
+            try:
+                return pending.result(timeout=0.25)
+            except FutureTimeout:
+                if self.loop.error is not None:
+                    raise WorkerFailed(f"worker loop stopped: {self.loop.error!r}") from None
+                if time.monotonic() > give_up:
+                    raise TimeoutError(f"reservation for {work.request_id!r} never resolved") from None
+
+    def kv_lost(self, request_id: str) -> bool:
+        """The request's KV will not come from its prefill worker: recompute it here."""
+        return bool(self.loop.call(self._decode.kv_lost, request_id))
 
     def start(self, request_id: str, first_token: int, cached_tokens: int) -> bool:
         return bool(self.loop.call(self._decode.start, request_id, first_token, cached_tokens))

@@ -7,13 +7,23 @@ recompute of requests preempted when the pool runs dry.
 
 A remotely prefilled request on this worker::
 
+    reserve() -> PENDING (no room yet: waits, first come first served, until its deadline)
+      PENDING --room--> RESERVED;  PENDING --deadline | abort--> gone (the caller gets None)
     reserve() -> RESERVED (blocks allocated, transport expects the transfer)
       RESERVED --transfer DONE + start(first token)--> DECODING (in the continuous batch)
-      RESERVED --transfer FAILED--> blocks freed; on start(first token): recomputed locally
-                                    (prompt + first token prefilled here), then DECODING
+      RESERVED --transfer FAILED | kv_lost()--> blocks freed; on start(first token): recomputed
+                                    locally (prompt + first token prefilled here), then DECODING
       RESERVED --abort--> transfer cancelled; blocks freed once the transport reports it failed
                           (a direct-write sender may still be writing until then)
     DECODING --finished | abort--> blocks freed
+
+A pending reservation is a future the engine resolves on its own thread (between steps, when
+room frees or its deadline passes), so a caller waiting for room holds no engine time and other
+commands never queue behind it.
+
+Ids: the router sends an abort only after the call that put the request here returned, so an
+unknown id is simply not here. When that call failed or timed out it may still land:
+``abort(remember=True)`` keeps the id until that late add arrives and is refused.
 
 Single-threaded: one caller serializes every method.
 """
@@ -22,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtransfer.states import FailureCause
@@ -49,6 +61,14 @@ class Reservation:
     ready_at: float = 0.0  # emulated GPU link: the KV counts as arrived only from then on
 
 
+@dataclass
+class PendingReservation:
+    request: Request
+    transfer_id: str
+    deadline: float  # time.monotonic()
+    future: Future[KVTarget | None]
+
+
 class DecodeEngine(RoleEngineBase):
     def __init__(
         self,
@@ -70,6 +90,7 @@ class DecodeEngine(RoleEngineBase):
         self._reserved: dict[str, Reservation] = {}
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
+        self._pending: OrderedDict[str, PendingReservation] = OrderedDict()  # waiting for room
         self._tombstones = Tombstones()
         self._deferred: set[str] = set()  # KV in, waiting out the emulated link time
         self.transfers_failed = 0
@@ -77,28 +98,46 @@ class DecodeEngine(RoleEngineBase):
 
     # -- commands ----------------------------------------------------------------------------
     def _new_request(self, work: WorkItem) -> Request:
-        if work.request_id in self._requests:
+        if work.request_id in self._requests or work.request_id in self._pending:
             raise ValueError(f"request {work.request_id!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
         return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
 
+    def _refused(self, request_id: str) -> bool:
+        """An add the router already aborted (its abort asked us to remember the id)."""
+        return self._tombstones.take(request_id)
+
     def add_local(self, work: WorkItem) -> None:
         """Prefill and decode here (colocated path)."""
-        if work.request_id in self._tombstones:
-            return  # aborted before it arrived
+        if self._refused(work.request_id):
+            return
         req = self._new_request(work)
         self._requests[req.request_id] = req
         self._emitted[req.request_id] = 0
         self.scheduler.add_request(req)
 
-    def reserve(self, work: WorkItem, transfer_id: str) -> KVTarget | None:
-        """Reserve blocks for the prompt's KV; ``None`` when the pool cannot take it now (the
-        caller retries). Keeps one free block per running request so they can keep growing."""
+    def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float = 0.0) -> Future[KVTarget | None]:
+        """Reserve blocks for the prompt's KV, waiting up to ``timeout_s`` for room; the future
+        resolves to the target, or ``None`` if no room freed in time (or the request was
+        aborted meanwhile). Raises at once for a request this worker cannot serve."""
         if self.transport is None:
             raise RuntimeError("this worker has no KV transport (colocated)")
-        if work.request_id in self._tombstones:
-            return None  # aborted before it arrived
-        req = self._new_request(work)
+        fut: Future[KVTarget | None] = Future()
+        if self._refused(work.request_id):
+            fut.set_result(None)
+            return fut
+        req = self._new_request(work)  # validates, and refuses an id already here
+        target = None if self._pending else self._try_reserve(req, transfer_id)
+        if target is not None or timeout_s <= 0:
+            fut.set_result(target)
+        else:
+            deadline = time.monotonic() + timeout_s
+            self._pending[work.request_id] = PendingReservation(req, transfer_id, deadline, fut)
+        return fut
+
+    def _try_reserve(self, req: Request, transfer_id: str) -> KVTarget | None:
+        """Keeps one free block per running request so they can keep growing."""
+        assert self.transport is not None
         n = req.num_prompt_tokens
         headroom = self.kv.num_free_blocks - blocks_needed(n, self.rt.block_size)
         if headroom < self.scheduler.num_running or not self.kv.allocate_slots(req, n):
@@ -110,6 +149,28 @@ class DecodeEngine(RoleEngineBase):
         self._by_transfer[transfer_id] = req.request_id
         return KVTarget(transfer_id, self.transport.address, tuple(self.transport.offers), blocks)
 
+    def _serve_pending(self) -> None:
+        """Grant waiting reservations in arrival order while room lasts; expire late ones."""
+        now = time.monotonic()
+        blocked = False
+        for rid, p in list(self._pending.items()):
+            target = None
+            if not blocked:
+                target = self._try_reserve(p.request, p.transfer_id)
+                blocked = target is None
+            if target is not None or now >= p.deadline:
+                del self._pending[rid]
+                p.future.set_result(target)
+
+    def kv_lost(self, request_id: str) -> bool:
+        """The prefill worker will not deliver this request's KV (its push failed, or it died):
+        stop waiting for it and recompute once the first token is known."""
+        res = self._reserved.get(request_id)
+        if res is None or res.received or res.failed or self.transport is None:
+            return False
+        self.transport.cancel(res.transfer_id)  # reported FAILED(cancelled) by the next poll
+        return True
+
     def start(self, request_id: str, first_token: int, cached: int) -> bool:
         """The prefill worker sampled ``first_token``; decode starts once the KV is in."""
         res = self._reserved.get(request_id)
@@ -119,10 +180,15 @@ class DecodeEngine(RoleEngineBase):
         self._maybe_begin(request_id, res)
         return True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, remember: bool = False) -> bool:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.future.set_result(None)
+            return True
         req = self._requests.pop(request_id, None)
         if req is None:
-            self._tombstones.add(request_id)
+            if remember:
+                self._tombstones.add(request_id)
             return False
         self._emitted.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
@@ -203,11 +269,25 @@ class DecodeEngine(RoleEngineBase):
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._reserved or self._cancelling)
+        return bool(self._reserved or self._cancelling or self._pending)
 
     @property
     def idle(self) -> bool:
-        return not self._requests and not self._cancelling
+        return not self._requests and not self._cancelling and not self._pending
+
+    def request_state(self) -> dict[str, int]:
+        return {
+            **self.kv.request_state(),
+            "requests": len(self._requests),
+            "emitted": len(self._emitted),
+            "reserved": len(self._reserved),
+            "by_transfer": len(self._by_transfer),
+            "cancelling": len(self._cancelling),
+            "pending_reservations": len(self._pending),
+            "deferred": len(self._deferred),
+            "tombstones": len(self._tombstones),
+            **self._transport_state(),
+        }
 
     def io_wait_s(self) -> float:
         if not self._deferred:
@@ -217,6 +297,8 @@ class DecodeEngine(RoleEngineBase):
 
     def step(self) -> list[TokenDelta]:
         self._poll_transfers()
+        if self._pending:
+            self._serve_pending()
         for rid in [r for r in self._deferred if self._reserved[r].ready_at <= time.monotonic()]:
             self._maybe_begin(rid, self._reserved[rid])
         if not self.scheduler.has_work:
@@ -237,6 +319,8 @@ class DecodeEngine(RoleEngineBase):
             self._requests.pop(req.request_id, None)
             self._emitted.pop(req.request_id, None)
             self.rt.runner.release(req.request_id)
+        if self._pending and update.finished:
+            self._serve_pending()
         return deltas
 
     def _delta(self, req: Request, logprobs: list[TokenLogprobs]) -> TokenDelta:
@@ -245,4 +329,5 @@ class DecodeEngine(RoleEngineBase):
         return delta_for(req, since, logprobs)
 
     def counts(self) -> tuple[int, int]:
-        return self.scheduler.num_running, self.scheduler.num_waiting + len(self._reserved)
+        waiting = self.scheduler.num_waiting + len(self._reserved) + len(self._pending)
+        return self.scheduler.num_running, waiting

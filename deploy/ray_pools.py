@@ -15,12 +15,17 @@ import time
 import uuid
 from typing import Any
 
+from decode_worker.actor import RESERVE_GROUP
 from deploy.pools import PoolSpec, host_class
 from router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 64
+# Calls that may wait long (a reservation waiting for KV room) get threads of their own, so
+# that however many wait, aborts, starts and targets never queue behind them.
+WAITING_GROUPS = {"reserve": RESERVE_GROUP}
+WAITING_CONCURRENCY = 256
 
 
 class RayCaller:
@@ -28,7 +33,11 @@ class RayCaller:
         self.actor = actor
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        ref = getattr(self.actor, method).remote(*args)
+        fn = getattr(self.actor, method)
+        group = WAITING_GROUPS.get(method)
+        if group is not None:
+            fn = fn.options(concurrency_group=group)
+        ref = fn.remote(*args)
         fut = asyncio.wrap_future(ref.future())
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
@@ -85,7 +94,8 @@ def launch_ray(
         )
     actors = []
     for i, ws in enumerate(specs):
-        cls = ray.remote(host_class(ws.role))
+        groups = {g: WAITING_CONCURRENCY for g in set(WAITING_GROUPS.values())}
+        cls = ray.remote(concurrency_groups=groups)(host_class(ws.role))
         actors.append(
             cls.options(
                 name=f"pdserve-{deployment}-{ws.worker_id}",

@@ -215,7 +215,27 @@ def server_handshake(
     conn: Connection, secret: bytes, layout: dict[str, Any], offers: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """Authenticate a client and check its layout and backend (one of ``offers``, each with the
-    info a sender needs for it); returns its hello. Refuses, then raises, otherwise."""
+    info a sender needs for it); returns its hello. Refuses, then raises, otherwise.
+
+    The whole exchange has one deadline (the connection's I/O timeout): the per-read timeout
+    alone would let an unauthenticated peer that trickles a byte every few seconds hold a
+    connection slot for ever. Past it the connection is closed, which ends the read.
+    """
+    timer = threading.Timer(conn.io_timeout_s, conn.close)
+    timer.daemon = True
+    timer.start()
+    try:
+        hello = _server_exchange(conn, secret, layout, offers)
+    finally:
+        timer.cancel()
+    if conn.closed.is_set():
+        raise ConnectionBroken(FailureCause.TIMEOUT, f"handshake with {conn.peer} took too long")
+    return hello
+
+
+def _server_exchange(
+    conn: Connection, secret: bytes, layout: dict[str, Any], offers: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     nonce = os.urandom(16)
     conn.send("challenge", nonce=nonce)
     # Unauthenticated bytes: a small cap before anything is decoded.

@@ -136,6 +136,11 @@ class TransferTable(Generic[T]):
             t = self._transfers.get(transfer_id)
             return t.state if t else None
 
+    def num_records(self) -> int:
+        """Transfers this side still keeps a record of (0 once each was reported and forgotten)."""
+        with self._lock:
+            return len(self._transfers)
+
     def _pop_terminal(self, transfer_id: str) -> T | None:
         """Remove a finished record (caller holds the lock); ``None`` if absent or still live."""
         t = self._transfers.get(transfer_id)

@@ -228,6 +228,11 @@ class KVTransport:
         for s in list(self._senders.values()):
             s.forget(transfer_id)
 
+    def num_records(self) -> int:
+        """Transfer records held on both sides; 0 once every transfer was reported and
+        ``forget`` was called for it (the owners' per-request state check reads it)."""
+        return self._receiver.num_records() + sum(s.num_records() for s in list(self._senders.values()))
+
     def _reap_loop(self) -> None:
         while not self._reaper_stop.wait(0.05):
             try:

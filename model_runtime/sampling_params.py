@@ -13,14 +13,18 @@ from dataclasses import dataclass
 from model_runtime.errors import InvalidRequestError
 
 MAX_LOGPROBS_DEFAULT = 20
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
+# (softmax then yields NaN), and a distribution that sharp is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` means greedy; ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes a request's samples depend only on the seed and the request's own tokens.
+    ``temperature < GREEDY_TEMPERATURE`` (0 included) means greedy; ``top_k <= 0`` and
+    ``top_p == 1`` disable those filters. ``seed`` makes a request's samples depend only on the
+    seed and the request's own tokens.
     ``logprobs`` is the number of top alternatives to report per token (``None`` reports none;
     ``0`` reports only the chosen token's log-probability).
     """
@@ -43,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

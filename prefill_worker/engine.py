@@ -6,9 +6,16 @@ Per request::
     add(work, target?) -> WAITING --scheduled--> PREFILLING --last chunk--> PREFILLED
         PREFILLED: first token reported (TokenDelta.prefilled); source blocks held while the KV
         streams out (or until ``set_target`` names where it goes, then it streams)
-        --transport: finished_sending | failed--> source blocks freed (they stay prefix-cached)
+        --transport: finished_sending | failed--> source blocks freed (they stay prefix-cached);
+          a failed push is reported as ``TokenDelta.kv_lost`` (not an error: the first token is
+          out, and the decode worker recomputes the prompt)
     the first token already ends the request (EOS, max_tokens=1): reported finished, the
     transfer is cancelled; abort: removed wherever it is, its transfer cancelled.
+
+Ids: the router aborts a request here only after the call that added it returned, so an
+unknown id is simply not here (it was handed off or finished); only an abort that asks to
+remember the id (the add failed or timed out on the router's side) keeps it, until the late
+add arrives and is refused.
 
 The router may send the request before the decode worker has reserved blocks (both at once,
 so the reservation is off the TTFT path); the target follows with ``set_target``. A push that
@@ -57,8 +64,8 @@ class PrefillEngine(RoleEngineBase):
 
     # -- commands ----------------------------------------------------------------------------
     def add(self, work: WorkItem, target: KVTarget | None = None) -> None:
-        if work.request_id in self._tombstones:
-            return  # aborted before it arrived
+        if self._tombstones.take(work.request_id):
+            return  # the router aborted it before it arrived
         if work.request_id in self._requests:
             raise ValueError(f"request {work.request_id!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
@@ -90,9 +97,10 @@ class PrefillEngine(RoleEngineBase):
                 self._pending_errors.append(error_delta(request_id, UNREACHABLE))
         return True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, remember: bool = False) -> bool:
         if request_id not in self._requests:
-            self._tombstones.add(request_id)
+            if remember:
+                self._tombstones.add(request_id)
             return False
         target = self._targets.pop(request_id, None)
         if target is not None and target.transfer_id in self._sending:
@@ -118,6 +126,18 @@ class PrefillEngine(RoleEngineBase):
     @property
     def idle(self) -> bool:
         return not self._requests and not self._sending
+
+    def request_state(self) -> dict[str, int]:
+        return {
+            **self.kv.request_state(),
+            "requests": len(self._requests),
+            "targets": len(self._targets),
+            "sending": len(self._sending),
+            "awaiting_target": len(self._awaiting_target),
+            "scheduled": self.scheduler.num_waiting + self.scheduler.num_running,
+            "tombstones": len(self._tombstones),
+            **self._transport_state(),
+        }
 
     def step(self) -> list[TokenDelta]:
         deltas = self._reap_transfers()
@@ -192,8 +212,8 @@ class PrefillEngine(RoleEngineBase):
                 self.kv.free(rid)
             if tid in done.failed and not aborted:
                 self.transfers_failed += 1
-                cause = done.failed[tid]
-                deltas.append(error_delta(rid, f"KV transfer failed: {cause.value}"))
+                log.info("%s: KV push failed (%s); decode recomputes", rid, done.failed[tid].value)
+                deltas.append(TokenDelta(rid, (), kv_lost=True))
         return deltas
 
     def _end(self, request_id: str, cancel: bool) -> None:

@@ -30,6 +30,11 @@ already on ``d`` takes) breaks the remaining ties, e.g. for requests without tar
 The step model does not let a prefill chunk hide under the decodes riding with it: the
 profile charges the chunk's attention on top of the shared GEMMs (``model_runtime.latency``).
 
+Local prefill needs a TPOT target to weigh: with none on the request nor on ``d``'s batch
+(e.g. no SLO class configured), nothing prices the stall a local prompt puts into every stream
+on ``d``, so with prefill workers up the request goes to one of them; a deployment never turns
+colocated for want of targets.
+
 Admission: when the best option does not meet the request's SLO (or meets it only by making
 others miss theirs), its class decides: ``reject`` (a REJECTED decision with a retry hint),
 ``best-effort`` (placed at the lowest priority) or ``none`` (placed as usual).
@@ -126,7 +131,9 @@ class GoodputPolicy:
             room = self._room_wait(d, batch, steps[1])
             opts = [self._remote(request, d, batch, steps, room, p, ttft, comp, cached, ttft_slo, tpot_slo)
                     for p, ttft, comp, cached in remote]  # fmt: skip
-            if self.config.local_prefill or not prefill:
+            if not prefill or (
+                self.config.local_prefill and (tpot_slo < math.inf or batch.tightest_slo() < math.inf)
+            ):
                 opts.append(self._local(request, d, batch, now, ttft_slo, tpot_slo))
             for o in opts:
                 if best is None or o.key() > best.key():

@@ -14,11 +14,22 @@
 Contract: when ``run``'s iterator ends, however it ends, no worker still works on the
 request (aborts are sent; workers free the blocks). A worker that dies fails exactly the
 requests it held, with UNAVAILABLE; later requests go to the survivors.
+
+Request ids: the router mints its own id for every request; that id, never the client's, is
+what workers, the dispatcher and the output channel see. A client's ``request_id`` is only
+echoed back (and names the request for ``abort``), so no choice of a client's reaches another
+request's state on a worker.
+
+Command order per worker: an ``abort`` goes out only once the call that put the request on
+that worker (``prefill``, ``reserve``, ``add_local``) has returned, so it cannot overtake it
+and workers keep no record of ids they never saw. Only when that call failed or timed out
+(it may still land) does the abort ask the worker to remember the id and refuse a late add.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -43,6 +54,8 @@ from router.workers import WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
 __all__ = ["Admitted", "GenerateInput", "ModelInfo", "Router", "SloHint"]
+
+MAX_CLIENT_ID_CHARS = 256  # a client's request id is echoed back and kept while in flight
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,8 @@ class Router:
         self.outputs = outputs
         self.workers = {w.worker_id: w for w in workers}
         self.tokenizer = tokenizer
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}  # by the router's own request id
+        self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         info = workers[0].info
@@ -171,7 +185,8 @@ class Router:
 
     # -- requests ----------------------------------------------------------------------------
     def prepare(self, inp: GenerateInput) -> tuple[str, tuple[int, ...]]:
-        """Tokenize and validate; raises ``RouterError(INVALID_ARGUMENT)`` naming the field."""
+        """Tokenize and validate; returns (the router's request id, prompt ids). Raises
+        ``RouterError(INVALID_ARGUMENT)`` naming the field."""
         prompt = inp.prompt
         if isinstance(prompt, str):
             if not prompt:
@@ -187,12 +202,15 @@ class Router:
             validate_request(ids, inp.params, self.limits)
         except InvalidRequestError as e:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), e.field) from None
-        rid = inp.request_id or f"req-{uuid.uuid4().hex}"
-        if rid in self._streams:
+        if len(inp.request_id) > MAX_CLIENT_ID_CHARS:
             raise RouterError(
-                Code.INVALID_ARGUMENT, f"request_id: {rid!r} is already in flight", "request_id"
+                Code.INVALID_ARGUMENT, f"request_id: at most {MAX_CLIENT_ID_CHARS} characters", "request_id"
             )
-        return rid, ids
+        if inp.request_id in self._client_ids:
+            raise RouterError(
+                Code.INVALID_ARGUMENT, f"request_id: {inp.request_id!r} is already in flight", "request_id"
+            )
+        return f"req-{uuid.uuid4().hex}", ids
 
     def admit(self, inp: GenerateInput) -> Admitted:
         """Check a request, route it and take it in (raises ``RouterError`` before anything is
@@ -221,8 +239,9 @@ class Router:
                 " retry later",
                 retry_after_s=decision.retry_after_s,
             )
-        stream = RequestStream(rid, ids, inp.params, self.tokenizer)
+        stream = RequestStream(rid, ids, inp.params, self.tokenizer, inp.request_id or rid)
         self._streams[rid] = stream
+        self._client_ids[stream.client_id] = rid
         return Admitted(stream, WorkItem(rid, ids, inp.params, decision.priority), decision, slo)
 
     def _decide(self, route: RouteRequest) -> Decision:
@@ -235,8 +254,13 @@ class Router:
 
     def discard(self, admitted: Admitted) -> None:
         """Forget an admitted request that will not be run (nothing was sent for it)."""
-        self._streams.pop(admitted.request_id, None)
+        self._forget(admitted.stream)
         self.accounting.dropped(admitted.request_id)
+
+    def _forget(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        if self._client_ids.get(stream.client_id) == stream.request_id:
+            del self._client_ids[stream.client_id]
 
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
@@ -251,7 +275,7 @@ class Router:
         finally:
             if not dispatch.done():
                 dispatch.cancel()
-            self._streams.pop(stream.request_id, None)
+            self._forget(stream)
             if not stream.done:
                 stream.abort()
             self._release(stream)
@@ -267,7 +291,7 @@ class Router:
             if decision.prefill_worker is None:
                 stream.decode_worker = decode.worker_id
                 decode.inflight.add(stream.request_id)
-                await decode.call("add_local", work, timeout_s=timeout)
+                await self._open(stream, decode, "add_local", work, timeout_s=timeout)
             else:
                 await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
         except WorkerLost as e:
@@ -290,12 +314,13 @@ class Router:
         wait = self.config.reserve_timeout_s
         # Prefill goes out first: its call is on the TTFT path, the reservation is not.
         started, target = await asyncio.gather(
-            prefill.call("prefill", work, None, timeout_s=self.config.call_timeout_s),
-            decode.call(
-                "reserve", work, f"kv-{uuid.uuid4().hex}", wait, timeout_s=wait + self.config.call_timeout_s
+            self._open(stream, prefill, "prefill", work, None, timeout_s=self.config.call_timeout_s),
+            self._open(
+                stream, decode, "reserve", work, f"kv-{uuid.uuid4().hex}", wait,
+                timeout_s=wait + self.config.call_timeout_s,
             ),
             return_exceptions=True,
-        )
+        )  # fmt: skip
         for outcome in (started, target):
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -306,8 +331,26 @@ class Router:
             )
         stream.reserved_at = time.perf_counter()
         stream.reserved.set()
-        if not stream.done:
+        if stream.done:
+            return
+        try:
             await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)
+        except (WorkerLost, asyncio.TimeoutError):
+            if stream.first_token is None:
+                raise  # nothing came out yet: the request fails (UNAVAILABLE)
+            # The first token is out, so the request goes on: decode recomputes the prompt
+            # (told here, or by the worker-loss handler if it saw the loss first).
+            self._spawn(self._kv_lost(stream))
+
+    async def _open(
+        self, stream: RequestStream, w: WorkerHandle, method: str, *args: Any, timeout_s: float
+    ) -> Any:
+        """A call that puts the request on ``w``. It runs to its end even when the dispatch is
+        cancelled (it may already be on its way), so that an abort can wait for it."""
+        call = asyncio.ensure_future(w.call(method, *args, timeout_s=timeout_s))
+        call.add_done_callback(_retrieve)
+        stream.opening[w.worker_id] = call
+        return await asyncio.shield(call)
 
     def _release(self, stream: RequestStream) -> None:
         """Abort the request on every worker still holding it (fire and forget)."""
@@ -316,21 +359,28 @@ class Router:
             if w is not None and stream.request_id in w.inflight:
                 w.inflight.discard(stream.request_id)
                 if w.healthy:
-                    self._spawn(self._abort_on(w, stream.request_id))
+                    self._spawn(self._abort_on(w, stream.request_id, stream.opening.get(wid)))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _abort_on(self, w: WorkerHandle, rid: str) -> None:
+    async def _abort_on(self, w: WorkerHandle, rid: str, opening: asyncio.Future[Any] | None = None) -> None:
+        remember = False
+        if opening is not None:
+            # Wait for the call that put the request there: an abort that overtook it would
+            # find nothing, and the add would then start work nobody collects.
+            await asyncio.wait([opening])
+            remember = opening.cancelled() or opening.exception() is not None
         try:
-            await w.call("abort", rid, timeout_s=self.config.call_timeout_s)
+            await w.call("abort", rid, remember, timeout_s=self.config.call_timeout_s)
         except Exception as e:  # a dead worker frees nothing, and needs nothing freed
             log.debug("abort %s on %s: %s", rid, w.worker_id, e)
 
     async def abort(self, request_id: str) -> bool:
-        stream = self._streams.get(request_id)
+        """Abort the request the client named ``request_id``; False if none is in flight."""
+        stream = self._streams.get(self._client_ids.get(request_id, ""))
         if stream is None:
             return False
         stream.abort()
@@ -344,6 +394,12 @@ class Router:
             if stream is None or stream.done:
                 continue
             self.accounting.on_delta(worker.role, stream, d)
+            if d.kv_lost:
+                # Prefill's push failed after the first token: it holds nothing any more, and
+                # decode recomputes the prompt (a lost transfer costs time, not the request).
+                worker.inflight.discard(d.request_id)
+                self._spawn(self._kv_lost(stream))
+                continue
             if d.error is not None:
                 stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
                 continue
@@ -392,6 +448,21 @@ class Router:
         except Exception as e:
             stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
 
+    async def _kv_lost(self, stream: RequestStream) -> None:
+        """Tell the decode worker that the request's KV will not come, so it recomputes the
+        prompt now instead of waiting out the transfer's lease."""
+        decode = self.workers.get(stream.decode_worker)
+        if decode is None or stream.done:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stream.reserved.wait(), self.config.reserve_timeout_s + 5)
+        if stream.done or not stream.reserved.is_set():
+            return
+        try:
+            await decode.call("kv_lost", stream.request_id, timeout_s=self.config.call_timeout_s)
+        except Exception as e:  # a lost decode worker fails the stream through its own path
+            log.debug("kv_lost %s on %s: %s", stream.request_id, decode.worker_id, e)
+
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self.dispatcher.on_worker_lost(worker.worker_id)
         for rid in list(worker.inflight):
@@ -399,9 +470,19 @@ class Router:
             if stream is None:
                 continue
             if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
-                continue  # decode has the first token: a lost transfer is recomputed there
+                self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
+                continue
             stream.fail(RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}"))
         worker.inflight.clear()
+        # Its channel is gone, but the process may live on (a broken connection, a wedged
+        # pusher): stop it, or it keeps computing requests nobody collects.
+        self._spawn(self._stop_worker(worker))
+
+    async def _stop_worker(self, worker: WorkerHandle) -> None:
+        try:
+            await asyncio.to_thread(worker.caller.kill)
+        except Exception as e:  # already gone is the common case
+            log.debug("stopping lost worker %s: %s", worker.worker_id, e)
 
     # -- status ------------------------------------------------------------------------------
     async def cluster_status(self) -> tuple[bool, str, list[WorkerLoad]]:
@@ -419,6 +500,12 @@ class Router:
         loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
         mode = "colocated" if self.colocated else "disaggregated"
         return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a call's outcome as seen (whoever waits on it may have gone)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:

@@ -18,6 +18,7 @@ import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from model_runtime.request import Usage
 from model_runtime.sampling_params import SamplingParams
@@ -74,8 +75,10 @@ class RequestStream:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
         tokenizer: TextTokenizer | None,
+        client_id: str = "",
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # minted by the router: the only id workers ever see
+        self.client_id = client_id or request_id  # the client's, echoed back in ``Final``
         self.prompt_ids = prompt_ids
         self.params = params
         self.text = TextStream(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
@@ -95,6 +98,8 @@ class RequestStream:
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
         self.reserved_at = 0.0  # when it did (perf_counter)
+        # worker id -> the call that put the request on it (an abort waits for it)
+        self.opening: dict[str, asyncio.Future[Any]] = {}
 
     @property
     def done(self) -> bool:
@@ -151,7 +156,7 @@ class RequestStream:
         ttft = ((self.first_token or now) - self.arrival) * 1000
         n = len(self.token_ids)
         return Final(
-            request_id=self.request_id,
+            request_id=self.client_id,
             finish_reason=reason,
             stop_reason=stop_reason,
             usage=Usage(len(self.prompt_ids), n, self.cached_tokens),

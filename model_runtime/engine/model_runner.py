@@ -40,24 +40,11 @@ class ModelRunner:
             kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
         self.kv_cache = kv_cache
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
-
-    def generator_for(self, req: Request) -> torch.Generator | None:
-        if req.params.seed is None or req.params.greedy:
-            return None
-        g = self._generators.get(req.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(req.params.seed)
-            # A request that arrives with tokens already sampled elsewhere (its prefill ran on
-            # another worker) skips the draws those tokens used: the stream of samples is then
-            # the one a single engine would have drawn.
-            for _ in req.output_token_ids:
-                torch.empty(self.config.vocab_size, device=self.device).exponential_(generator=g)
-            self._generators[req.request_id] = g
-        return g
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        """The request is gone. The runner keeps no per-request state (seeded draws depend on
+        the seed and the token's position alone), so there is nothing to drop; the hook stays
+        for runners that do."""
 
     def execute(
         self,
@@ -83,7 +70,6 @@ class ModelRunner:
                     prompt_ids=req.prompt_token_ids,
                     output_ids=req.output_token_ids,
                     eos_ids=req.eos_token_ids,
-                    generator=self.generator_for(req),
                 )
             )
         result = self.sampler(logits, rows)

@@ -7,6 +7,10 @@ Contract:
 * ``free`` returns every reference the request holds; after it the request owns no block.
 * A block's KV is published to the prefix cache (``cache_computed_blocks``) only once all of its
   tokens have been computed, so a prefix hit never reads a half-written block.
+* Per-request state (block table, chained block keys, published count) exists exactly while the
+  request holds blocks: ``get_computed_blocks`` on a request without blocks keeps nothing, and
+  ``free`` drops all of it. Keys are never carried over from an earlier holder of the same id,
+  whose tokens may differ (that would publish one context's KV under another's keys).
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ class KVCacheManager:
         return request_id in self._blocks
 
     def _request_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
-        keys = self._keys.setdefault(req.request_id, [])
+        """The chained keys of ``req``'s first blocks; memoised only while it holds blocks."""
+        held = req.request_id in self._blocks
+        keys = self._keys.setdefault(req.request_id, []) if held else []
         bs = self.block_size
         while len(keys) < num_full_blocks:
             i = len(keys)
@@ -127,8 +133,17 @@ class KVCacheManager:
         return self.pool.stats()
 
     def check_integrity(self) -> PoolStats:
+        stray = (self._keys.keys() | self._num_published.keys()) - self._blocks.keys()
+        if stray:
+            raise AssertionError(
+                f"per-request KV state kept for requests without blocks: {sorted(stray)[:5]}"
+            )
         return self.pool.check_integrity(self._blocks)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._blocks)
+    def request_state(self) -> dict[str, int]:
+        """Sizes of the per-request maps (all 0 once no request holds blocks)."""
+        return {
+            "kv_tables": len(self._blocks),
+            "kv_keys": len(self._keys),
+            "kv_published": len(self._num_published),
+        }

@@ -13,9 +13,11 @@ Order of transforms on a row of float32 logits (each skipped when neutral for ev
 7. min_p: tokens with probability below ``min_p * max probability`` are masked;
 8. top_k: tokens outside the k largest logits are masked;
 9. top_p: the smallest set of most-likely tokens whose probability reaches ``top_p`` is kept;
-10. a draw: ``argmax(probs / Exp(1) noise)``, an exact sample from ``probs``. Seeded requests
-    draw their noise from their own generator, a full vocabulary row per step, so a request's
-    samples depend only on its seed and its own tokens, never on the rest of the batch.
+10. a draw: ``argmax(probs / Exp(1) noise)``, an exact sample from ``probs``. A seeded row's
+    noise is a full vocabulary row drawn from a generator seeded by (seed, position of the
+    token drawn), so a request's samples depend only on its seed and its own tokens: never on
+    the rest of the batch, on which worker drew the earlier tokens, or on any state kept
+    between steps (a request resumed elsewhere, or a re-used id, draws exactly the same).
 """
 
 from __future__ import annotations
@@ -36,7 +38,22 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     eos_ids: frozenset[int]
-    generator: torch.Generator | None
+
+    @property
+    def seed(self) -> int | None:
+        return None if self.params.seed is None else position_seed(self.params.seed, len(self.output_ids))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at output ``position`` of a request seeded ``seed``: a
+    SplitMix64 finaliser over both, so neighbouring seeds and positions get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass
@@ -115,12 +132,14 @@ def filter_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tenso
 
 def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    unseeded = [i for i, r in enumerate(rows) if r.seed is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
     for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
+        seed = r.seed
+        if seed is not None:
+            g = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[i].exponential_(generator=g)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -6,7 +6,7 @@ frame ``{"v", "worker", "mac"}`` where ``mac = HMAC-SHA256(secret, b"worker" + c
 worker id)``; then the worker sends one ``OutputBatch`` frame per collect (a heartbeat when
 idle). A frame is ``{"v", "w": worker id, "d": [delta...], "l": load}`` with each delta
 ``[request id, [token ids], logprobs | None, finished, finish reason | None,
-stop token id | None, cached tokens, prefilled, error | None]`` and each logprob
+stop token id | None, cached tokens, prefilled, error | None, kv lost]`` and each logprob
 ``[token id, logprob, [[token id, logprob]...]]``.
 """
 
@@ -29,7 +29,7 @@ from model_runtime.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 1
+VERSION = 2
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
@@ -103,6 +103,7 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                     d.num_cached_tokens,
                     d.prefilled,
                     d.error,
+                    d.kv_lost,
                 ]
                 for d in batch.deltas
             ],
@@ -167,12 +168,14 @@ def _logprob(x: Any) -> Logprob:
 
 
 def _delta(x: Any) -> TokenDelta:
-    if not isinstance(x, list) or len(x) != 9:
+    if not isinstance(x, list) or len(x) != 10:
         raise ChannelError("bad delta")
-    rid, ids, lps, finished, reason, stop_id, cached, prefilled, error = x
+    rid, ids, lps, finished, reason, stop_id, cached, prefilled, error, kv_lost = x
     if not isinstance(rid, str) or not isinstance(ids, list) or not isinstance(finished, bool):
         raise ChannelError("bad delta")
     if not isinstance(prefilled, bool) or (lps is not None and not isinstance(lps, list)):
+        raise ChannelError("bad delta")
+    if not isinstance(kv_lost, bool):
         raise ChannelError("bad delta")
     return TokenDelta(
         request_id=rid,
@@ -184,6 +187,7 @@ def _delta(x: Any) -> TokenDelta:
         num_cached_tokens=_int(cached),
         prefilled=prefilled,
         error=_opt_str(error),
+        kv_lost=kv_lost,
     )
 
 

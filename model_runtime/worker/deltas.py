@@ -36,9 +36,10 @@ def error_delta(request_id: str, message: str) -> TokenDelta:
 
 
 class Tombstones:
-    """Ids aborted before this worker saw them. Router calls may arrive in any order (an abort
-    can overtake the add it cancels), so a late add for a tombstoned id is refused instead of
-    starting work nobody will collect. Bounded: the oldest ids are forgotten first."""
+    """Ids the router aborted while the call adding them had failed or timed out on its side
+    (so it may still arrive): a late add for such an id is refused, and takes the id out,
+    instead of starting work nobody will collect. The router waits for an add's answer before
+    aborting otherwise, so this stays empty in normal operation. Bounded: oldest first out."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
@@ -49,5 +50,15 @@ class Tombstones:
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
+    def take(self, request_id: str) -> bool:
+        """True (once) if ``request_id`` was aborted before it arrived."""
+        if request_id not in self._ids:
+            return False
+        del self._ids[request_id]
+        return True
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)

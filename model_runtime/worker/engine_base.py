@@ -59,8 +59,23 @@ class RoleEngineBase:
             failures=tuple(sorted(stats.failures.items())),
         )
 
+    def request_state(self) -> dict[str, int]:
+        """Sizes of every per-request map this engine, its KV manager and its transport keep;
+        all 0 whenever the engine is idle."""
+        raise NotImplementedError
+
+    def _transport_state(self) -> dict[str, int]:
+        records = getattr(self.transport, "num_records", None)
+        return {} if records is None else {"transfer_records": records()}
+
     def check_integrity(self) -> None:
-        """Raise if the pool's bookkeeping is inconsistent or blocks leaked while idle."""
+        """Raise if the pool's bookkeeping is inconsistent, or blocks or per-request state
+        leaked while idle."""
         stats = self.kv.check_integrity()
-        if self.idle and stats.used:
+        if not self.idle:
+            return
+        if stats.used:
             raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
+        left = {k: v for k, v in self.request_state().items() if v}
+        if left:
+            raise AssertionError(f"per-request state left with no request in flight: {left}")

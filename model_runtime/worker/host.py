@@ -141,11 +141,19 @@ class WorkerHost:
         deltas = self.loop.collect(min(max(timeout_s, 0.0), 10.0))
         return OutputBatch(tuple(deltas), self.load())
 
-    def abort(self, request_id: str) -> bool:
-        return bool(self.loop.call(self.engine.abort, request_id))
+    def abort(self, request_id: str, remember: bool = False) -> bool:
+        """Drop the request wherever it is; ``remember``: also refuse a later add of this id
+        (the router's add call failed or timed out, so it may still arrive)."""
+        return bool(self.loop.call(self.engine.abort, request_id, remember))
 
     def check_integrity(self) -> None:
+        """Raise if blocks or per-request state leaked (checked while no request is held)."""
         self.loop.call(self.engine.check_integrity)
+
+    def request_state(self) -> dict[str, int]:
+        """Sizes of every per-request map of the engine, its KV manager and its transport."""
+        state: dict[str, int] = self.loop.call(self.engine.request_state)
+        return state
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is held (tests use it to wait for cleanup to settle)."""

@@ -68,9 +68,11 @@ class Logprob:
 class TokenDelta:
     """What one step added to one request.
 
-    ``prefilled`` marks a prefill worker's only message for a request that goes on decoding
-    elsewhere. ``finished`` is the request's last message from that worker; ``finish_reason``
-    is a ``FinishReason`` value, or "error" with ``error`` set (the worker could not serve it).
+    ``prefilled`` marks a prefill worker's message with the first token of a request that goes
+    on decoding elsewhere; ``kv_lost`` its later word that the prompt's KV will not arrive
+    there (the push failed), so the decode worker must recompute it. ``finished`` is the
+    request's last message from that worker; ``finish_reason`` is a ``FinishReason`` value, or
+    "error" with ``error`` set (the worker could not serve it).
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     prefilled: bool = False
     error: str | None = None
+    kv_lost: bool = False
 
 
 @dataclass(frozen=True)

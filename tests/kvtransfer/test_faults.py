@@ -468,3 +468,40 @@ def test_oversized_hello_is_dropped_before_decoding() -> None:
         assert_empty(pool)
     finally:
         receiver.close()
+
+
+def test_trickling_unauthenticated_peer_is_cut_at_the_handshake_deadline() -> None:
+    """One byte every 0.3 s never trips a 1 s per-read timeout; the handshake's own deadline
+    must still close the connection (and free its slot) about 1 s after it opened."""
+    receiver = transport("tcp", io_timeout_s=1.0)
+    pool = BlockPool(SHAPE[1])
+    try:
+        host, _, port = receiver.listen().rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=2)
+        t0 = time.monotonic()
+        (n,) = wire.LENGTH.unpack(sock.recv(4))
+        sock.recv(n)  # the challenge
+        sock.sendall(wire.LENGTH.pack(200))
+        sock.settimeout(0.3)
+        closed_after = None
+        while time.monotonic() - t0 < 5.0:
+            try:
+                if sock.recv(1) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+            try:
+                sock.sendall(b"\x80")
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+        sock.close()
+        assert closed_after is not None and closed_after < 2.0, closed_after
+        serves_next(receiver, pool)
+        assert_empty(pool)
+    finally:
+        receiver.close()

@@ -126,3 +126,28 @@ def hf_reference(prompt: list[int], n: int) -> list[int]:
 
         _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL))).eval()
     return hf_greedy(_HF["model"], prompt, n)[0]
+
+
+def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
+    """Once traffic is over: no block in use and every per-request map empty, on every live
+    worker (engine, KV manager, transport) and in the router."""
+    router = st.service.router
+    assert router is not None
+
+    def leftovers() -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for h in st.service.handles:
+            if h.healthy:
+                state = st.run(h.call("request_state", timeout_s=10))
+                left = {k: v for k, v in state.items() if v}
+                if left:
+                    out[h.worker_id] = left
+        routed = {"streams": len(router._streams), "client_ids": len(router._client_ids)}
+        if any(routed.values()):
+            out["router"] = routed
+        return out
+
+    wait_for(lambda: not leftovers(), timeout_s, "no per-request state left", leftovers)
+    for h in st.service.handles:
+        if h.healthy:
+            st.run(h.call("check_integrity", timeout_s=10))

@@ -18,6 +18,7 @@ from router.config import Caps
 from tests.service.helpers import (
     MODEL,
     all_free,
+    assert_no_request_state,
     grpc_request,
     hf_reference,
     start_service,
@@ -34,6 +35,7 @@ def svc():
     st, ep = start_service(use_ray=False, caps=Caps(max_tokens=512, max_n=4, max_logprobs=5))
     yield ep
     wait_for(lambda: all_free(status(ep)), 5, "blocks freed after the module")
+    assert_no_request_state(st)
     st.stop()
 
 
@@ -394,3 +396,72 @@ def test_metrics_endpoint_exposes_the_slo_metrics(svc) -> None:
         assert name in text, name
     count = next(ln for ln in text.splitlines() if ln.startswith("pdserve:e2e_request_latency_seconds_count"))
     assert float(count.split()[-1]) >= 1
+
+
+def test_reused_and_hostile_client_ids_reach_no_other_request(svc) -> None:
+    """Workers only ever see ids the router minted: a client id is echoed back and names the
+    request for Abort, and re-using one (also one that looks like a router id) is harmless."""
+    s = stub(svc)
+    p = prompts(1, seed=41)[0]
+    ref = hf_reference(p, 6)
+    for rid in ("dup", "dup", "req-0123", "", "x" * 200):
+        req = grpc_request(p, 6)
+        req.request_id = rid
+        [msg] = list(s.Generate(req))
+        assert list(msg.chunk.token_ids) == ref
+        if rid:
+            assert msg.result.request_id == rid
+        else:
+            assert msg.result.request_id.startswith("req-")
+    req = grpc_request(p, 6)
+    req.request_id = "x" * 257
+    with pytest.raises(grpc.RpcError) as e:
+        list(s.Generate(req))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in str(e.value.details())
+
+
+def test_prefill_lost_after_the_first_token_is_recomputed_on_decode() -> None:
+    """The prefill worker dies after sending the first token but before it learnt where the KV
+    goes (decode had no room yet). The request must go on: decode recomputes the prompt, and
+    the client gets exactly the reference tokens."""
+    from model_runtime.config import CacheConfig
+
+    st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
+    try:
+        s = stub(ep)
+        hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
+        got = 0
+        while got < 290:  # by now it holds 37-38 of the decode worker's 40 blocks
+            got += len(next(hog).chunk.token_ids)
+        p = [9, 10, 11] * 60
+        blocked = s.Generate(grpc_request(p, 8, stream=True))  # needs 12 blocks: must wait
+        first = next(blocked)
+        assert len(first.chunk.token_ids) == 1  # prefilled while decode has no room
+        prefill = next(h for h in st.service.handles if h.role.value == "prefill")
+        prefill.caller.kill()  # its output channel ends: the router sees it dead
+        wait_for(lambda: not prefill.healthy, 5.0, "prefill seen dead")
+        hog.cancel()  # room on decode: the reservation goes through, the target has nowhere to go
+        rest = list(blocked)
+        tokens = list(first.chunk.token_ids) + [t for m in rest for t in m.chunk.token_ids]
+        assert tokens == hf_reference(p, 8)
+        assert rest[-1].result.finish_reason == pb.FINISH_REASON_LENGTH
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
+def test_a_worker_whose_channel_broke_is_stopped() -> None:
+    """The output channel ends while the process lives on (a broken connection): the router
+    marks the worker dead and must also stop it, or it computes requests nobody collects."""
+    st, ep = start_service(use_ray=False, decode=2)
+    try:
+        d0 = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        host = d0.caller.host  # type: ignore[attr-defined]
+        assert host.pusher is not None
+        host.pusher.close()  # only the channel: the worker's loop still runs
+        wait_for(lambda: not d0.healthy, 5.0, "decode-0 seen lost")
+        wait_for(lambda: not host.loop._thread.is_alive(), 5.0, "decode-0's loop stopped")
+        [msg] = list(stub(ep).Generate(grpc_request([5, 6, 7], 3)))
+        assert msg.result.decode_worker == "decode-1"
+    finally:
+        st.stop()

@@ -19,6 +19,7 @@ from pdserve.v1 import inference_pb2 as pb
 from tests.service.helpers import (
     MODEL,
     all_free,
+    assert_no_request_state,
     grpc_request,
     hf_reference,
     start_service,
@@ -37,6 +38,7 @@ LONG = 1500  # tokens: a request that is still running when the test interrupts 
 def cluster():
     st, ep = start_service(use_ray=True, prefill=1, decode=1)
     yield st, ep
+    assert_no_request_state(st)
     st.stop()
 
 

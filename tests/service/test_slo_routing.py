@@ -13,6 +13,7 @@ from router.slo import Admission, SloClass
 from tests.service.helpers import (
     MODEL,
     all_free,
+    assert_no_request_state,
     grpc_request,
     hf_reference,
     start_service,
@@ -34,6 +35,7 @@ def svc():
     st, ep = start_service(use_ray=False, local_prefill=True, slo_classes=CLASSES)
     yield ep
     wait_for(lambda: all_free(status(ep)), 5, "blocks freed after the module")
+    assert_no_request_state(st)
     st.stop()
 
 

@@ -198,3 +198,19 @@ def test_an_unobserved_worker_starts_from_its_peers_correction() -> None:
     m.forget("d0")  # its inbound link goes with it, and stops being the peers' prior
     assert m.factor(inbound("d1"), Phase.TRANSFER) == 1.0
     assert m.factor("d0", Phase.DECODE) == 1.0
+
+
+@pytest.mark.parametrize("n", [16, 64, 512, 4096])
+def test_without_targets_prompts_go_to_prefill_workers(n: int) -> None:
+    """No SLO class: nothing prices the stall a local prefill puts into d's streams, so with
+    prefill workers up no prompt is prefilled on a decode worker, even while they queue."""
+    pol = policy()
+    fill_prefill(pol, "p0", 4)
+    fill_prefill(pol, "p1", 4)
+    none = SloClass("default")
+    for i in range(8):
+        d = pol.decide(req(f"r{i}", n=n, slo=none), P, D, now=0.0)
+        assert d.prefill_worker is not None and d.outcome is Outcome.REMOTE_PREFILL
+    # With no prefill worker left, decode workers prefill themselves.
+    d = pol.decide(req("alone", n=n, slo=none), [], D, now=0.0)
+    assert d.prefill_worker is None

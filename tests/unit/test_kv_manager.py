@@ -61,3 +61,35 @@ def test_only_fully_computed_blocks_are_published() -> None:
     kv.cache_computed_blocks(a)
     _, n = kv.get_computed_blocks(b)
     assert n == 8
+
+
+def test_reused_request_id_cannot_publish_stale_keys() -> None:
+    """A request only looked at (allocation failed, then aborted while queued) leaves no keys: a
+    later request re-using its id with another prompt must publish its blocks under its own
+    keys, or a third request sharing the first prompt would hit KV computed in another context."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = [1, 2, 3, 4]
+    shared = [5, 6, 7, 8]
+    d = req("d", [*first, 99])
+    assert kv.allocate_slots(d, 5)
+    d.num_computed_tokens = 5
+    kv.cache_computed_blocks(d)
+    kv.free("d")  # its first block stays cached under the key of [1, 2, 3, 4]
+
+    looked_at = req("r", [*first, *shared, 9])
+    kv.get_computed_blocks(looked_at)  # then the request is aborted while still queued
+    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0}
+
+    reused = req("r", [11, 12, 13, 14, *shared, 9])
+    hits, _ = kv.get_computed_blocks(reused)
+    assert hits == []
+    assert kv.allocate_slots(reused, 9)
+    reused.num_computed_tokens = 9
+    kv.cache_computed_blocks(reused)
+    kv.free("r")
+
+    victim = req("c", [*first, *shared, 9])
+    hits, tokens = kv.get_computed_blocks(victim)
+    assert tokens == 4, "the second block's KV was computed after [11, 12, 13, 14], not [1, 2, 3, 4]"
+    kv.check_integrity()
+    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0}

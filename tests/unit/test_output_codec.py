@@ -73,23 +73,28 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
 @pytest.mark.parametrize(
     "payload",
     [
-        pickle.dumps({"v": 1}),
+        pickle.dumps({"v": 2}),
         msgpack.packb([1, 2, 3]),
         msgpack.packb(
-            {"v": 1, "w": "decode-0", "d": [["a", [-1], None, False, None, None, 0, False, None]], "l": []}
+            {
+                "v": 2,
+                "w": "decode-0",
+                "d": [["a", [-1], None, False, None, None, 0, False, None, False]],
+                "l": [],
+            }
         ),
         msgpack.packb(
-            {"v": 1, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 2, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
         msgpack.packb(
-            {"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 3, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
-        msgpack.packb({"v": 1, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
+        msgpack.packb({"v": 2, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
         *(  # transfer counters: wrong shape, negative, oversized cause list
             msgpack.packb(
-                {"v": 1, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
+                {"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
             )
             for t in (
                 [1, 2.0],

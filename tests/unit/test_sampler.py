@@ -13,10 +13,9 @@ def row(
     params: SamplingParams,
     prompt: list[int] | None = None,
     out: list[int] | None = None,
-    gen: torch.Generator | None = None,
     eos: frozenset[int] = frozenset(),
 ) -> SampleRow:
-    return SampleRow(params, prompt or [], out or [], eos, gen)
+    return SampleRow(params, prompt or [], out or [], eos)
 
 
 def test_repetition_penalty_ctrl_style() -> None:
@@ -90,12 +89,11 @@ def test_seeded_samples_do_not_depend_on_the_batch() -> None:
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
 
     def run(batch_pos: int, batch_size: int) -> list[int]:
-        gen = torch.Generator().manual_seed(42)
         others = [row(SamplingParams(temperature=1.0)) for _ in range(batch_size - 1)]
         toks = []
         for logits in steps:
             rows = list(others)
-            rows.insert(batch_pos, row(p, gen=gen))
+            rows.insert(batch_pos, row(p, out=list(toks)))
             batch = logits[:1].repeat(batch_size, 1)
             toks.append(Sampler()(batch, rows).token_ids[batch_pos])
         return toks
@@ -104,6 +102,33 @@ def test_seeded_samples_do_not_depend_on_the_batch() -> None:
     assert run(2, 3) == alone
     assert run(1, 5) == alone
     assert len(set(alone)) > 3  # it really sampled
+
+
+def test_seeded_draw_depends_on_seed_and_position_only() -> None:
+    """No generator state survives a step: the same (seed, position) draws the same token in a
+    fresh sampler, and another position or seed draws from another stream."""
+    torch.manual_seed(3)
+    logits = torch.randn(1, 256)
+    p = SamplingParams(temperature=1.0, seed=9)
+
+    def tok(params: SamplingParams, pos: int) -> int:
+        return Sampler()(logits, [row(params, out=[5] * pos)]).token_ids[0]
+
+    first = [tok(p, pos) for pos in range(12)]
+    assert [tok(p, pos) for pos in range(12)] == first
+    assert len(set(first)) > 3
+    other = [tok(SamplingParams(temperature=1.0, seed=10), pos) for pos in range(12)]
+    assert other != first
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-6])
+def test_tiny_temperature_is_greedy(temperature: float) -> None:
+    """Logits / 1e-40 overflow to inf and softmax to NaN, whose argmax is token 0: such
+    temperatures must sample greedily instead."""
+    logits = torch.tensor([[0.5, 2.0, 9.0, -1.0], [7.0, 1.0, 0.0, 0.0]])
+    p = SamplingParams(temperature=temperature, seed=1)
+    assert p.greedy
+    assert Sampler()(logits, [row(p), row(p)]).token_ids == [2, 0]
 
 
 def test_greedy_applies_penalties_and_ignores_filters() -> None:

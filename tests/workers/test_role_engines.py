@@ -8,6 +8,7 @@ import itertools
 import random
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -200,11 +201,16 @@ def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
             toks.extend(x.token_ids)
     assert toks == ref
     assert d.engine.recomputed == 0  # type: ignore[attr-defined]
-    # An abort that overtakes its add leaves a tombstone: the late add does nothing.
+    assert p.wait_idle(5.0) and d.wait_idle(5.0)
+    # An abort for an id never seen leaves nothing behind ...
     assert not p.abort("ghost") and not d.abort("ghost")
+    assert p.request_state()["tombstones"] == 0 and d.request_state()["tombstones"] == 0
+    # ... unless the router asks to remember it (its add failed or timed out on the router's
+    # side, so it may still land): then the late add is refused, and the id forgotten.
+    assert not p.abort("ghost", True) and not d.abort("ghost", True)
     p.prefill(WorkItem("ghost", pr, params))
     assert d.reserve(WorkItem("ghost", pr, params), "t-ghost", timeout_s=0.1) is None
-    assert p.wait_idle(5.0) and d.wait_idle(5.0)
+    assert p.request_state()["tombstones"] == 0 and d.request_state()["tombstones"] == 0
 
 
 def test_emulated_workers_take_the_profiles_time() -> None:
@@ -248,3 +254,155 @@ def test_emulated_workers_take_the_profiles_time() -> None:
             assert w_.wait_idle(5.0)
             w_.check_integrity()
             w_.shutdown()
+
+
+def first_delta(p: PrefillWorker, rid: str, timeout_s: float = 10.0) -> list[TokenDelta]:
+    """Every delta prefill reports for ``rid`` until the first one (and any with it)."""
+    deadline = time.monotonic() + timeout_s
+    got: list[TokenDelta] = []
+    while not got:
+        assert time.monotonic() < deadline, f"no delta for {rid}"
+        got = [x for x in p.collect(0.05).deltas if x.request_id == rid]
+    return got
+
+
+def decode_tokens(d: DecodeWorker, rid: str, n: int, timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    toks: list[int] = []
+    while len(toks) < n:
+        assert time.monotonic() < deadline, f"{rid}: {len(toks)} of {n} tokens"
+        for x in d.collect(0.05).deltas:
+            assert x.error is None, x.error
+            if x.request_id == rid:
+                toks.extend(x.token_ids)
+    return toks
+
+
+def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair) -> None:
+    """Prefill forgets a request once its KV is handed off, yet the router may still abort it
+    there. That must not poison the id: the same id added again is served, not dropped."""
+    p, d = pair
+    pr = prompts(1, seed=31)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    for attempt in range(2):
+        w = WorkItem("again", pr, params)
+        target = d.reserve(w, f"t-again-{attempt}", timeout_s=5)
+        assert target is not None
+        p.prefill(w, target)
+        (first,) = first_delta(p, "again")
+        assert first.prefilled and first.token_ids == (ref[0],), attempt
+        assert d.start("again", ref[0], first.num_cached_tokens)
+        assert [ref[0], *decode_tokens(d, "again", 3)] == ref
+        assert p.wait_idle(5.0) and d.wait_idle(5.0)
+        assert not p.abort("again")  # the router's late abort: prefill no longer has it
+        assert p.request_state()["tombstones"] == 0
+
+
+def test_seeded_request_is_reproducible_under_a_reused_id(pair) -> None:
+    """The same id and seed twice: the second run draws exactly the first one's tokens (no
+    generator state survives a request), and nothing per request is left behind."""
+    p, d = pair
+    pr = prompts(1, seed=32)[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1234, ignore_eos=True)
+    runs = []
+    for attempt in range(2):
+        w = WorkItem("seeded", pr, params)
+        target = d.reserve(w, f"t-seeded-{attempt}", timeout_s=5)
+        assert target is not None
+        p.prefill(w, target)
+        (first,) = first_delta(p, "seeded")
+        assert d.start("seeded", first.token_ids[0], first.num_cached_tokens)
+        runs.append([first.token_ids[0], *decode_tokens(d, "seeded", 5)])
+        assert p.wait_idle(5.0) and d.wait_idle(5.0)
+        # The router may abort on prefill after the hand-off (stop string, client gone).
+        assert not p.abort("seeded")
+    assert runs[0] == runs[1]
+    assert runs[0] == LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+
+
+def test_a_failed_push_after_the_first_token_is_recomputed_not_failed() -> None:
+    """Decode's reservation expires while the prompt waits in prefill's queue: prefill's push
+    is then rejected. The first token is already out, so the request must go on (decode
+    recomputes), and prefill reports the lost KV, never an error."""
+    tcfg = TransportConfig(backend="tcp", lease_s=0.2)
+    p = PrefillWorker(WorkerSpec("p0", WorkerRole.PREFILL, ENGINE, tcfg, SECRET))
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, ENGINE, tcfg, SECRET))
+    try:
+        pr = prompts(1, seed=33)[0]
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+        w = WorkItem("late-kv", pr, params)
+        target = d.reserve(w, "t-late-kv", timeout_s=5)
+        assert target is not None
+        time.sleep(0.5)  # the lease runs out before prefill gets to it
+        p.prefill(w, target)
+        deltas = first_delta(p, "late-kv")
+        first = deltas[0]
+        assert first.prefilled and first.token_ids == (ref[0],) and first.error is None
+        assert d.start("late-kv", ref[0], first.num_cached_tokens)
+        assert [ref[0], *decode_tokens(d, "late-kv", 4)] == ref
+        assert d.engine.recomputed == 1  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while not any(x.kv_lost for x in deltas):
+            assert time.monotonic() < deadline, deltas
+            deltas += [x for x in p.collect(0.05).deltas if x.request_id == "late-kv"]
+        assert all(x.error is None for x in deltas), deltas
+    finally:
+        for w_ in (p, d):
+            assert w_.wait_idle(5.0)
+            w_.check_integrity()
+            w_.shutdown()
+
+
+def test_kv_lost_makes_decode_recompute_at_once(pair) -> None:
+    """A prefill worker that died after the first token never sends the KV: told so, decode
+    recomputes now instead of waiting out the 30 s lease."""
+    _, d = pair
+    pr = prompts(1, seed=34)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    w = WorkItem("orphan", pr, params)
+    assert d.reserve(w, "t-orphan", timeout_s=5) is not None
+    t0 = time.monotonic()
+    assert d.start("orphan", ref[0], 0)  # the first token came from a prefill worker now dead
+    assert d.kv_lost("orphan")
+    assert [ref[0], *decode_tokens(d, "orphan", 3)] == ref
+    assert time.monotonic() - t0 < 5.0
+    assert d.engine.recomputed == 1  # type: ignore[attr-defined]
+
+
+def test_aborts_are_not_starved_by_pending_reservations() -> None:
+    """64 reservations wait for room on a full decode worker: an abort (and every other
+    command) still goes through at once, and frees the blocks within a second."""
+    small = dataclasses.replace(ENGINE, cache=CacheConfig(block_size=8, num_blocks=12))
+    tcfg = TransportConfig(backend="tcp")
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, small, tcfg, SECRET))
+    pool = ThreadPoolExecutor(80)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        hog = WorkItem("hog", tuple(range(1, 81)), params)  # 10 of 12 blocks
+        assert d.reserve(hog, "t-hog", timeout_s=1) is not None
+        waiting = [
+            pool.submit(d.reserve, WorkItem(f"w{i}", tuple(range(1, 41)), params), f"t-w{i}", 30.0)
+            for i in range(64)
+        ]
+        deadline = time.monotonic() + 10
+        while d.load().waiting < 65:  # hog's reservation + 64 pending
+            assert time.monotonic() < deadline, d.load()
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert d.abort("hog")
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        # The blocks went to the first waiters, in order; aborting the rest resolves them.
+        assert waiting[0].result(timeout=5) is not None
+        assert waiting[1].result(timeout=5) is not None
+        for i in [*range(2, 64), 0, 1]:  # the waiters first: freed blocks would go to them
+            d.abort(f"w{i}")
+        assert all(f.result(timeout=5) is None for f in waiting[2:])
+        assert d.wait_idle(5.0)
+        d.check_integrity()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        d.shutdown()
