@@ -137,8 +137,24 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
+    def request_state(self) -> dict[str, int]:
+        """Sizes of the per-request maps of the engine and its KV manager (0 when idle)."""
+        scheduled = self.scheduler.num_waiting + self.scheduler.num_running
+        return {
+            **self.kv.request_state(),
+            "requests": len(self._requests),
+            "trackers": len(self._trackers),
+            "scheduled": scheduled,
+        }
+
     def check_integrity(self) -> None:
-        """Raise if the pool's bookkeeping is inconsistent or blocks leaked while idle."""
+        """Raise if the pool's bookkeeping is inconsistent, or blocks or per-request state
+        leaked while idle."""
         stats = self.kv.check_integrity()
-        if not self._requests and stats.used:
+        if self._requests:
+            return
+        if stats.used:
             raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
+        left = {k: v for k, v in self.request_state().items() if v}
+        if left:
+            raise AssertionError(f"per-request state left with no request in flight: {left}")

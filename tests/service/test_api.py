@@ -319,6 +319,20 @@ def test_api_key_on_every_route() -> None:
         st.stop()
 
 
+def blocked_by_a_full_decode_worker(s: Any, prompt: list[int]) -> tuple[Any, Any, Any]:
+    """On a 40-block decode worker: a long stream holding 37-38 blocks, and a request for
+    ``prompt`` (more than the rest) that prefill served but decode has no room for yet; its
+    first message."""
+    hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
+    got = 0
+    while got < 290:
+        got += len(next(hog).chunk.token_ids)
+    blocked = s.Generate(grpc_request(prompt, 8, stream=True))
+    first = next(blocked)
+    assert len(first.chunk.token_ids) == 1  # prefilled while decode has no room
+    return hog, blocked, first
+
+
 def test_cancel_while_decode_has_no_room_frees_prefill_blocks() -> None:
     """Prefill finished and the first token went out, but decode is still waiting for room to
     reserve: a cancel now must free the prefill worker's blocks too (nobody else will)."""
@@ -326,14 +340,7 @@ def test_cancel_while_decode_has_no_room_frees_prefill_blocks() -> None:
 
     st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
     try:
-        s = stub(ep)
-        hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
-        got = 0
-        while got < 290:  # by now it holds 37-38 of the decode worker's 40 blocks
-            got += len(next(hog).chunk.token_ids)
-        blocked = s.Generate(grpc_request([9] * 200, 8, stream=True))  # needs 13: must wait
-        first = next(blocked)
-        assert len(first.chunk.token_ids) == 1  # prefilled while decode has no room
+        hog, blocked, _ = blocked_by_a_full_decode_worker(stub(ep), [9] * 200)
         blocked.cancel()
         hog.cancel()
         wait_for(lambda: all_free(status(ep)), 5.0, "every block freed", lambda: status(ep))
@@ -428,15 +435,8 @@ def test_prefill_lost_after_the_first_token_is_recomputed_on_decode() -> None:
 
     st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
     try:
-        s = stub(ep)
-        hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
-        got = 0
-        while got < 290:  # by now it holds 37-38 of the decode worker's 40 blocks
-            got += len(next(hog).chunk.token_ids)
         p = [9, 10, 11] * 60
-        blocked = s.Generate(grpc_request(p, 8, stream=True))  # needs 12 blocks: must wait
-        first = next(blocked)
-        assert len(first.chunk.token_ids) == 1  # prefilled while decode has no room
+        hog, blocked, first = blocked_by_a_full_decode_worker(stub(ep), p)
         prefill = next(h for h in st.service.handles if h.role.value == "prefill")
         prefill.caller.kill()  # its output channel ends: the router sees it dead
         wait_for(lambda: not prefill.healthy, 5.0, "prefill seen dead")

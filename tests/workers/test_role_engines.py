@@ -278,6 +278,19 @@ def decode_tokens(d: DecodeWorker, rid: str, n: int, timeout_s: float = 20.0) ->
     return toks
 
 
+def serve_once(p: PrefillWorker, d: DecodeWorker, w: WorkItem, transfer_id: str) -> list[int]:
+    """One request through the pair, as the router runs it; its tokens, once both are idle."""
+    target = d.reserve(w, transfer_id, timeout_s=5)
+    assert target is not None
+    p.prefill(w, target)
+    (first,) = first_delta(p, w.request_id)
+    assert first.prefilled and len(first.token_ids) == 1
+    assert d.start(w.request_id, first.token_ids[0], first.num_cached_tokens)
+    tokens = [first.token_ids[0], *decode_tokens(d, w.request_id, w.params.max_tokens - 1)]
+    assert p.wait_idle(5.0) and d.wait_idle(5.0)
+    return tokens
+
+
 def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair) -> None:
     """Prefill forgets a request once its KV is handed off, yet the router may still abort it
     there. That must not poison the id: the same id added again is served, not dropped."""
@@ -286,15 +299,7 @@ def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
     for attempt in range(2):
-        w = WorkItem("again", pr, params)
-        target = d.reserve(w, f"t-again-{attempt}", timeout_s=5)
-        assert target is not None
-        p.prefill(w, target)
-        (first,) = first_delta(p, "again")
-        assert first.prefilled and first.token_ids == (ref[0],), attempt
-        assert d.start("again", ref[0], first.num_cached_tokens)
-        assert [ref[0], *decode_tokens(d, "again", 3)] == ref
-        assert p.wait_idle(5.0) and d.wait_idle(5.0)
+        assert serve_once(p, d, WorkItem("again", pr, params), f"t-again-{attempt}") == ref, attempt
         assert not p.abort("again")  # the router's late abort: prefill no longer has it
         assert p.request_state()["tombstones"] == 0
 
@@ -307,14 +312,7 @@ def test_seeded_request_is_reproducible_under_a_reused_id(pair) -> None:
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1234, ignore_eos=True)
     runs = []
     for attempt in range(2):
-        w = WorkItem("seeded", pr, params)
-        target = d.reserve(w, f"t-seeded-{attempt}", timeout_s=5)
-        assert target is not None
-        p.prefill(w, target)
-        (first,) = first_delta(p, "seeded")
-        assert d.start("seeded", first.token_ids[0], first.num_cached_tokens)
-        runs.append([first.token_ids[0], *decode_tokens(d, "seeded", 5)])
-        assert p.wait_idle(5.0) and d.wait_idle(5.0)
+        runs.append(serve_once(p, d, WorkItem("seeded", pr, params), f"t-seeded-{attempt}"))
         # The router may abort on prefill after the hand-off (stop string, client gone).
         assert not p.abort("seeded")
     assert runs[0] == runs[1]
