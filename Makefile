@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -c "import torch"
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	$(BIN)/python -c "import model_runtime, router, deploy, ray, grpc, transformers"
+	$(BIN)/python -c "import pdserve.model_runtime, pdserve.router, pdserve.deploy, ray, grpc, transformers"
 	@touch $(STAMP)
 
 setup: $(STAMP)

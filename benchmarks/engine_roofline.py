@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
-from model_runtime.config import CacheConfig, ModelConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.presets import preset_path
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.config import CacheConfig, ModelConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.presets import preset_path
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:

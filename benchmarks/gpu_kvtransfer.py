@@ -39,9 +39,9 @@ def _digest(cache: Any, blocks: list[int]) -> str:
 def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
     import torch
 
-    from kvtransfer.states import TransferState
-    from kvtransfer.transport import KVTransport, TransportConfig
-    from model_runtime.kv_cache.tensors import new_kv_cache
+    from pdserve.kvtransfer.states import TransferState
+    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
     torch.cuda.set_device(device)
     cache = new_kv_cache(SHAPE, torch.bfloat16, f"cuda:{device}")
@@ -64,8 +64,8 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
     import torch
 
     from benchmarks.common import median_time
-    from kvtransfer.transport import KVTransport, TransportConfig
-    from model_runtime.kv_cache.tensors import new_kv_cache
+    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
     secret = os.urandom(32)
     ctx = mp.get_context("spawn")

@@ -35,14 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, median_time
-from kvtransfer.datapath import allocate_shared_kv_cache
-from kvtransfer.states import TransferState
-from kvtransfer.transport import KVTransport, TransportConfig
-from model_runtime.config import CacheConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.kv_cache.tensors import new_kv_cache
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
+from pdserve.kvtransfer.states import TransferState
+from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
 SECRET = os.urandom(32)
 ROUNDS = 7  # rounds of (ceiling, then BACK_TO_BACK timed transfers), each a ratio; median

@@ -5,13 +5,13 @@ A profile calibrated before a sweep predicts the sweep only as well as the host 
 speed. On a shared VM it does not: the same service's steps ran 3-14 % slower in one run's
 sweep than in its calibration an hour earlier, and by different amounts from run to run. The
 sweep server's step log (``pdserve serve --step-log``) records every step a point ran, so the
-host's speed during that point can be measured (``simulator.service_fit.host_speed``: the
+host's speed during that point can be measured (``pdserve.simulator.service_fit.host_speed``: the
 median of measured over modelled, by step kind) and the calibrated profile set to it
 (``at_speed``): two numbers a point, measured from step durations alone, never from a request's
 latency or outcome. They are conditioning, not prediction: a median over all of a point's steps
 also absorbs whatever load-dependent error the model has at that rate (co-active steps, the
 steps slowed by a KV arrival). The second profile of each point goes further and replaces the calibration's
-step-time distribution (``simulator.jitter``'s grids and correlation) with the point's own —
+step-time distribution (``pdserve.simulator.jitter``'s grids and correlation) with the point's own —
 the host's noise during the point, and the model's residuals there with it.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from model_runtime.engine.step_log import StepRecord
+from pdserve.model_runtime.engine.step_log import StepRecord
 
 TAIL_S = 30.0  # after a point's last prompt, its last requests still decode
 
@@ -76,10 +76,10 @@ def point_profiles(
     and what was measured of each point."""
     import dataclasses
 
-    from model_runtime.engine.step_log import read_dir
-    from model_runtime.latency import FittedProfile, load_profile
-    from simulator.jitter import fit_jitter
-    from simulator.service_fit import at_speed, host_speed, residuals
+    from pdserve.model_runtime.engine.step_log import read_dir
+    from pdserve.model_runtime.latency import FittedProfile, load_profile
+    from pdserve.simulator.jitter import fit_jitter
+    from pdserve.simulator.service_fit import at_speed, host_speed, residuals
 
     speed_paths: dict[str, dict[float, str]] = {}
     noise_paths: dict[str, dict[float, str]] = {}

@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.bench.sweep import sweep
-from simulator.run import add_simulate_args, simulate
+from pdserve.simulator.run import add_simulate_args, simulate
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data/traces"
 DATASETS = {

@@ -24,11 +24,11 @@ In one run:
 5. tables per layout and rate — attainment real / simulated (difference in points), median TTFT
    and TPOT real / simulated (difference in %), the load other jobs put on the host during the
    point — and both goodputs; first with the engine's profiles as fitted, then as the service
-   runs them, from the calibration server's step logs only (``simulator.service_fit``): the
+   runs them, from the calibration server's step logs only (``pdserve.simulator.service_fit``): the
    workers' measured steps against the profile (a constant and a factor a step, by kind), the
    co-activity their steps show, and the serving worker's own cost per step beyond its forward
    pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``),
-   and how the steps scatter around all that (``simulator.jitter``: each simulated point is
+   and how the steps scatter around all that (``pdserve.simulator.jitter``: each simulated point is
    the mean of ``--sim-seeds`` seeds of it); then once more with each point's profile set to
    the host's speed during that point, measured from the sweep server's step log
    (``benchmarks/point_speed.py``: two medians a point, by step kind). Targets: 5 points and
@@ -207,7 +207,7 @@ def specs_for(args: argparse.Namespace, rate: float, seed: int) -> list[RequestS
 def simulate_point(
     layout: str, profile: str, specs: list[RequestSpec], slo: list[str], jitter_seed: int = 0
 ) -> dict[str, Any]:
-    from simulator.run import add_simulate_args, simulate
+    from pdserve.simulator.run import add_simulate_args, simulate
 
     p = argparse.ArgumentParser()
     add_simulate_args(p)
@@ -227,7 +227,7 @@ def simulate_mean(
 ) -> dict[str, float]:
     """``simulate_point`` averaged over ``seeds`` seeds of the profile's step-time variability
     (one run where it has none: every seed would give the same)."""
-    from model_runtime.latency import load_profile
+    from pdserve.model_runtime.latency import load_profile
 
     prof = load_profile(profile)
     varies = bool(getattr(prof, "prefill_jitter", ()) or getattr(prof, "decode_jitter", ()))
@@ -286,10 +286,10 @@ def measure_coactivity(server: Server, args: argparse.Namespace) -> dict[str, An
 def service_fit(step_dir: Path, profile_path: str) -> dict[str, Any]:
     """The calibration traffic's step logs (the unloaded requests, for 1P+1D the co-activity
     probe, the calibration load and the batch ladder) against the engine's profile
-    (``simulator.service_fit``)."""
-    from model_runtime.engine.step_log import read_dir
-    from model_runtime.latency import FittedProfile, load_profile
-    from simulator.service_fit import fit_service
+    (``pdserve.simulator.service_fit``)."""
+    from pdserve.model_runtime.engine.step_log import read_dir
+    from pdserve.model_runtime.latency import FittedProfile, load_profile
+    from pdserve.simulator.service_fit import fit_service
 
     prof = load_profile(profile_path)
     if not isinstance(prof, FittedProfile):
@@ -441,8 +441,8 @@ def calibrate(
     engine's steps and take co-activity from the client-side probe), then the serving worker's
     own cost per step beyond its forward pass: the real unloaded TPOT minus the simulator's for
     the same lone requests."""
-    from model_runtime.latency import FittedProfile, load_profile
-    from simulator.service_fit import ServiceFit, apply_fit
+    from pdserve.model_runtime.latency import FittedProfile, load_profile
+    from pdserve.simulator.service_fit import ServiceFit, apply_fit
 
     out: dict[str, str] = {}
     for layout, base in real["unloaded"].items():

@@ -6,12 +6,12 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from decode_worker.engine import DecodeEngine
-from model_runtime.worker.host import WorkerHost
-from model_runtime.worker.loop import WorkerFailed
-from model_runtime.worker.messages import KVTarget, WorkItem
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.model_runtime.worker.host import WorkerHost
+from pdserve.model_runtime.worker.loop import WorkerFailed
+from pdserve.model_runtime.worker.messages import KVTarget, WorkItem
 
-# Ray runs ``reserve`` calls in a concurrency group of their own (``deploy.ray_pools``): each
+# Ray runs ``reserve`` calls in a concurrency group of their own (``pdserve.deploy.ray_pools``): each
 # may wait for room for seconds, and must never hold a thread other commands need.
 RESERVE_GROUP = "reserve"
 

@@ -36,18 +36,18 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvtransfer.states import FailureCause
-from kvtransfer.transport import KVTransport
-from model_runtime.engine.runtime import Runtime
-from model_runtime.kv_cache.manager import blocks_needed
-from model_runtime.request import FinishReason, Request
-from model_runtime.sampling.sampler import TokenLogprobs
-from model_runtime.scheduler.colocated import ColocatedScheduler
-from model_runtime.scheduler.plan import SchedulerConfig
-from model_runtime.validation import validate_request
-from model_runtime.worker.deltas import Tombstones, delta_for
-from model_runtime.worker.engine_base import RoleEngineBase
-from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.kvtransfer.states import FailureCause
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.engine.runtime import Runtime
+from pdserve.model_runtime.kv_cache.manager import blocks_needed
+from pdserve.model_runtime.request import FinishReason, Request
+from pdserve.model_runtime.sampling.sampler import TokenLogprobs
+from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.validation import validate_request
+from pdserve.model_runtime.worker.deltas import Tombstones, delta_for
+from pdserve.model_runtime.worker.engine_base import RoleEngineBase
+from pdserve.model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from deploy.pools import PoolSpec, host_class
-from router.workers import LocalCaller, WorkerHandle
+from pdserve.deploy.pools import PoolSpec, host_class
+from pdserve.router.workers import LocalCaller, WorkerHandle
 
 
 def launch_local(spec: PoolSpec, secret: bytes | None = None, router_address: str = "") -> list[WorkerHandle]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from kvtransfer.transport import TransportConfig
-from model_runtime.engine.runtime import EngineConfig
-from model_runtime.worker.host import WorkerSpec
-from model_runtime.worker.messages import WorkerRole
+from pdserve.kvtransfer.transport import TransportConfig
+from pdserve.model_runtime.engine.runtime import EngineConfig
+from pdserve.model_runtime.worker.host import WorkerSpec
+from pdserve.model_runtime.worker.messages import WorkerRole
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class PoolSpec:
 
 
 def host_class(role: WorkerRole) -> type:
-    from decode_worker.actor import DecodeWorker
-    from prefill_worker.actor import PrefillWorker
+    from pdserve.decode_worker.actor import DecodeWorker
+    from pdserve.prefill_worker.actor import PrefillWorker
 
     return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker

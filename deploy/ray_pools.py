@@ -15,9 +15,9 @@ import time
 import uuid
 from typing import Any
 
-from decode_worker.actor import RESERVE_GROUP
-from deploy.pools import PoolSpec, host_class
-from router.workers import WorkerHandle
+from pdserve.decode_worker.actor import RESERVE_GROUP
+from pdserve.deploy.pools import PoolSpec, host_class
+from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 

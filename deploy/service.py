@@ -14,14 +14,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.pools import PoolSpec
-from model_runtime.presets import resolve_model
-from model_runtime.tokenizer import TextTokenizer
-from router.config import RouterConfig
-from router.outputs import OutputListener
-from router.server import Frontends, chat_template_for
-from router.service import Router
-from router.workers import WorkerHandle
+from pdserve.deploy.pools import PoolSpec
+from pdserve.model_runtime.presets import resolve_model
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.router.config import RouterConfig
+from pdserve.router.outputs import OutputListener
+from pdserve.router.server import Frontends, chat_template_for
+from pdserve.router.service import Router
+from pdserve.router.workers import WorkerHandle
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Service:
         outputs = OutputListener(secret, host=self.config.worker_channel_host)
         address = await outputs.start()
         if self.use_ray:
-            from deploy.ray_pools import launch_ray, start_ray
+            from pdserve.deploy.ray_pools import launch_ray, start_ray
 
             self._owns_ray = await asyncio.to_thread(
                 start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
@@ -58,7 +58,7 @@ class Service:
                 launch_ray, self.spec, 300.0, progress, secret, address
             )
         else:
-            from deploy.local import launch_local
+            from pdserve.deploy.local import launch_local
 
             self.handles = await asyncio.to_thread(launch_local, self.spec, secret, address)
         model_dir = resolve_model(self.spec.engine.model)
@@ -87,7 +87,7 @@ class Service:
             if self.use_ray:
                 h.caller.kill()
         if self._placement is not None:
-            from deploy.ray_pools import release
+            from pdserve.deploy.ray_pools import release
 
             await asyncio.to_thread(release, self._placement, self._owns_ray)
             self._placement = None

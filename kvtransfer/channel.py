@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer import wire
-from kvtransfer.states import FailureCause, TransferError
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.states import FailureCause, TransferError
 
 _IOV_MAX = 512
 HANDSHAKE_MAX_BYTES = 16 << 10

@@ -11,7 +11,7 @@
   stopped (``aborted``) or its connection is gone.
 
 Layout: ``cache[layer, block]`` is one block of one layer, contiguous; caches are stored
-block-major (``model_runtime.kv_cache.tensors``), so ``cache[:, block]``, a block's every layer,
+block-major (``pdserve.model_runtime.kv_cache.tensors``), so ``cache[:, block]``, a block's every layer,
 is one contiguous piece as well and a whole transfer copies one piece per block.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.channel import Connection
-from kvtransfer.copier import BlockCopier
-from kvtransfer.states import FailureCause, TransferError
-from model_runtime.kv_cache.tensors import block_major_view
+from pdserve.kvtransfer.channel import Connection
+from pdserve.kvtransfer.copier import BlockCopier
+from pdserve.kvtransfer.states import FailureCause, TransferError
+from pdserve.model_runtime.kv_cache.tensors import block_major_view
 
 SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
@@ -202,7 +202,7 @@ def _map_shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
-    """A zeroed block-major CPU cache (``model_runtime.kv_cache.tensors``) backed by a fresh
+    """A zeroed block-major CPU cache (``pdserve.model_runtime.kv_cache.tensors``) backed by a fresh
     ``/dev/shm`` file (mode 0600) that peers can map."""
     path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
     numel = math.prod(shape)
@@ -219,7 +219,7 @@ def allocate_shared_kv_cache(shape: Sequence[int], dtype: torch.dtype) -> tuple[
 
 
 class ShmPath(_DirectWritePath):
-    """Copies with a few plain threads (``copier``), not torch: see ``kvtransfer.copier``."""
+    """Copies with a few plain threads (``copier``), not torch: see ``pdserve.kvtransfer.copier``."""
 
     name = "shm"
 

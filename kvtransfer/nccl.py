@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtransfer.states import FailureCause, TransferError
+from pdserve.kvtransfer.states import FailureCause, TransferError
 
 NCCL_UNIQUE_ID_BYTES = 128
 RESULTS = {
@@ -301,8 +301,8 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
     """An ``NcclPath`` for a CUDA cache (imported lazily: CPU-only processes never need it)."""
     import torch
 
-    from kvtransfer.channel import Connection
-    from kvtransfer.datapath import DataPath
+    from pdserve.kvtransfer.channel import Connection
+    from pdserve.kvtransfer.datapath import DataPath
 
     class NcclPath(DataPath):
         """Sender is rank 0 and mints the unique id; the receiver is rank 1. The ``data`` frame

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer import wire
-from kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
-from kvtransfer.datapath import DataPath
-from kvtransfer.states import (
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
+from pdserve.kvtransfer.datapath import DataPath
+from pdserve.kvtransfer.states import (
     CompletionQueue,
     FailureCause,
     TransferError,

@@ -28,8 +28,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtransfer import wire
-from kvtransfer.channel import (
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.channel import (
     Connection,
     ConnectionBroken,
     ConnectionLost,
@@ -37,8 +37,8 @@ from kvtransfer.channel import (
     ThreadGroup,
     client_handshake,
 )
-from kvtransfer.datapath import DataPath
-from kvtransfer.states import (
+from pdserve.kvtransfer.datapath import DataPath
+from pdserve.kvtransfer.states import (
     CompletionQueue,
     FailureCause,
     TransferError,

@@ -19,7 +19,7 @@ the source blocks on either. Nothing ever pickles: control frames are schema-che
 
 Backends: ``tcp`` (any two hosts, CPU caches), ``shm`` (one host, CPU; the receiver's cache must
 come from ``datapath.allocate_shared_kv_cache``), ``cuda_ipc`` (one node, GPU), ``nccl`` (GPUs,
-see ``kvtransfer.nccl``), ``auto`` (the best one both ends can use, falling back to ``tcp``).
+see ``pdserve.kvtransfer.nccl``), ``auto`` (the best one both ends can use, falling back to ``tcp``).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from kvtransfer.channel import Peering
-from kvtransfer.datapath import CudaIpcPath, DataPath, ShmPath, TcpPath
-from kvtransfer.nccl import make_nccl_path
-from kvtransfer.receiver import Receiver
-from kvtransfer.sender import Sender
-from kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
-from model_runtime.kv_cache.tensors import KVLayout
+from pdserve.kvtransfer.channel import Peering
+from pdserve.kvtransfer.datapath import CudaIpcPath, DataPath, ShmPath, TcpPath
+from pdserve.kvtransfer.nccl import make_nccl_path
+from pdserve.kvtransfer.receiver import Receiver
+from pdserve.kvtransfer.sender import Sender
+from pdserve.kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
+from pdserve.model_runtime.kv_cache.tensors import KVLayout
 
 log = logging.getLogger(__name__)
 

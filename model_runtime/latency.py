@@ -313,13 +313,13 @@ class FittedProfile:
     decode-only step takes ``decode_coactive_x`` times as long while another worker on the host
     runs a step with prefill work, and a step with prefill work ``prefill_coactive_x`` times as
     long while another worker steps at all. GPUs do not share like that, so both are 1 unless
-    measured (from the running service's step logs, ``simulator.service_fit``), and the
+    measured (from the running service's step logs, ``pdserve.simulator.service_fit``), and the
     simulator applies them only to a deployment it is told shares a host (``--shared-host``).
 
     ``service_prefill_s`` + ``service_prefill_x`` x and ``service_decode_s`` +
     ``service_decode_x`` x turn the engine's step into the serving worker's: a step with
     prefill work (mixed steps included) takes the first, a decode-only step the second — whole
-    steps, as the service's step logs measure them (``simulator.service_fit``), because what
+    steps, as the service's step logs measure them (``pdserve.simulator.service_fit``), because what
     slows a serving worker's step does not split along the prefill and decode parts: a
     constant a step (the router and client taking a core from a multi-threaded step) and a
     factor (a slower core, the worker's other threads). 0 and 1 for the engine alone.
@@ -327,9 +327,9 @@ class FittedProfile:
     ``prefill_jitter`` / ``decode_jitter`` and ``jitter_corr`` say how the serving worker's real
     steps scatter around all of the above (quantiles of measured / modelled at equally spaced
     probabilities, median 1; and how long slow stretches last): the simulator draws each step's
-    factor from them (``simulator.jitter``), because SLO attainment is decided in the tails a
+    factor from them (``pdserve.simulator.jitter``), because SLO attainment is decided in the tails a
     deterministic step time does not have. Empty (deterministic) unless measured from the
-    service's step logs (``simulator.service_fit``); this describes the step times, not the
+    service's step logs (``pdserve.simulator.service_fit``); this describes the step times, not the
     engine, so ``step_time`` stays the typical step.
 
     ``step_overhead_s`` is added to every step: what a serving worker spends per step beyond the
@@ -482,8 +482,8 @@ def load_profile(name_or_path: str) -> LatencyModel:
     """A built-in profile by name, or a JSON file of either kind: ``{"kind": "roofline", ...}``
     with ``LatencyProfile``'s fields (the default when ``kind`` is absent) or ``{"kind":
     "fitted", ...}`` with ``FittedProfile``'s (``pdserve profile`` writes these). A suffix
-    ``@x<factor>`` stretches every duration (``model_runtime.time_dilation``)."""
-    from model_runtime.time_dilation import Dilated, split_dilation
+    ``@x<factor>`` stretches every duration (``pdserve.model_runtime.time_dilation``)."""
+    from pdserve.model_runtime.time_dilation import Dilated, split_dilation
 
     base, factor = split_dilation(name_or_path)
     if base != name_or_path:

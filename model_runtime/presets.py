@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model_runtime.errors import ModelLoadError
-from model_runtime.tokenizer import BOS, EOS, byte_level_tokenizer
+from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.tokenizer import BOS, EOS, byte_level_tokenizer
 
 PRESET_VERSION = 1
 

@@ -28,7 +28,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

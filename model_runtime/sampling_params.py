@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.errors import InvalidRequestError
 
 MAX_LOGPROBS_DEFAULT = 20
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from model_runtime.sampling.stop import StopStringMatcher
-from model_runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
+from pdserve.model_runtime.sampling.stop import StopStringMatcher
+from pdserve.model_runtime.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 class TextStream:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from model_runtime.latency import LatencyModel
+    from pdserve.model_runtime.latency import LatencyModel
 
 _SUFFIX = re.compile(r"^(?P<base>.+)@x(?P<factor>\d+(?:\.\d+)?)$")
 

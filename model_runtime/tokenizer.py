@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.errors import ModelLoadError
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 

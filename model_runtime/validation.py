@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model_runtime.errors import InvalidRequestError
-from model_runtime.kv_cache.manager import blocks_needed
-from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT, SamplingParams
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.kv_cache.manager import blocks_needed
+from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT, SamplingParams
 
 
 @dataclass(frozen=True)

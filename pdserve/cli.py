@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from model_runtime.errors import PdserveError
+from pdserve.model_runtime.errors import PdserveError
 
 DEMO_PROMPTS = (
     "Disaggregated serving splits prefill and decode because",
@@ -29,9 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from model_runtime.config import CacheConfig
-    from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-    from model_runtime.scheduler.plan import SchedulerConfig
+    from pdserve.model_runtime.config import CacheConfig
+    from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
     return LLMEngine(
         EngineConfig(
@@ -47,7 +47,7 @@ def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from model_runtime.sampling_params import SamplingParams
+    from pdserve.model_runtime.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = _build_engine(args)
@@ -114,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
     m = sub.add_parser("simulate", help="discrete-event simulation of a cluster (the real schedulers)")
-    from simulator.run import add_simulate_args, cmd_simulate
+    from pdserve.simulator.run import add_simulate_args, cmd_simulate
 
     add_simulate_args(m)
     m.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="the layout of N GPUs with the most goodput per GPU (simulated)")
-    from simulator.plan import add_plan_args, cmd_plan
+    from pdserve.simulator.plan import add_plan_args, cmd_plan
 
     add_plan_args(pl)
     pl.set_defaults(func=cmd_plan)

@@ -15,7 +15,7 @@ thread per CPU it is given (``--cpus-per-worker``), so profile with the same cou
   transport (``--link shm`` or ``tcp``; in one process, separate threads and sockets), several
   sizes, fitted to latency + bytes / bandwidth. ``--link-gbps`` skips this and takes a figure.
 
-The fit is ``model_runtime.latency.FittedProfile.fit``: DistServe's form (prefill a + b·Σl +
+The fit is ``pdserve.model_runtime.latency.FittedProfile.fit``: DistServe's form (prefill a + b·Σl +
 c·Σl², decode a + b·Σctx + c·B) by relative-error least squares with non-negative coefficients.
 Each point's relative error and the fit's median and maximum are printed; the profile is written
 as JSON (``--output``) that ``pdserve simulate --profile`` and ``--compute emulated:`` load.
@@ -101,8 +101,8 @@ class Meter:
 
     def configure(self, budget: int, max_seqs: int = 256) -> None:
         """A fresh scheduler with this token budget (only between measurements: no requests)."""
-        from model_runtime.scheduler.colocated import ColocatedScheduler
-        from model_runtime.scheduler.plan import SchedulerConfig
+        from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
+        from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
         assert not self.engine.has_unfinished
         self.engine.scheduler = ColocatedScheduler(
@@ -110,7 +110,7 @@ class Meter:
         )
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
-        from model_runtime.sampling_params import SamplingParams
+        from pdserve.model_runtime.sampling_params import SamplingParams
 
         self.n += 1
         rid = f"profile-{self.n}"
@@ -241,11 +241,11 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
         return args.link_latency_us * 1e-6, args.link_gbps * 1e9, f"given: {args.link_gbps} GB/s"
     import torch
 
-    from kvtransfer.datapath import allocate_shared_kv_cache
-    from kvtransfer.states import TransferState
-    from kvtransfer.transport import KVTransport, TransportConfig
-    from model_runtime.kv_cache.tensors import new_kv_cache
-    from model_runtime.latency import fit_relative
+    from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
+    from pdserve.kvtransfer.states import TransferState
+    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
+    from pdserve.model_runtime.latency import fit_relative
 
     secret = os.urandom(32)
     blocks = layout[1]
@@ -291,7 +291,7 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
 
 
 def report(name: str, profile: Any, points: list[Point]) -> list[float]:
-    from model_runtime.latency import relative_errors
+    from pdserve.model_runtime.latency import relative_errors
 
     errs = relative_errors(profile, points)
     print(f"\n{name}: {len(points)} points")
@@ -309,11 +309,11 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     """Measure, fit, print; returns the profile and what it was fitted on."""
     import torch
 
-    from model_runtime.config import CacheConfig
-    from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-    from model_runtime.kv_cache.tensors import kv_cache_shape
-    from model_runtime.latency import FittedProfile
-    from model_runtime.model.loader import resolve_dtype
+    from pdserve.model_runtime.config import CacheConfig
+    from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape
+    from pdserve.model_runtime.latency import FittedProfile
+    from pdserve.model_runtime.model.loader import resolve_dtype
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))

@@ -9,18 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.pools import PoolSpec
-from deploy.service import Service
-from kvtransfer.transport import BACKENDS, TransportConfig
-from model_runtime.config import CacheConfig
-from model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
-from model_runtime.latency import load_profile
-from model_runtime.presets import PRESETS
-from model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
-from router.config import Caps, RouterConfig
-from router.policy import POLICIES
-from router.server import serve_until_signal
-from router.slo import SloClass
+from pdserve.deploy.pools import PoolSpec
+from pdserve.deploy.service import Service
+from pdserve.kvtransfer.transport import BACKENDS, TransportConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
+from pdserve.model_runtime.latency import load_profile
+from pdserve.model_runtime.presets import PRESETS
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
+from pdserve.router.config import Caps, RouterConfig
+from pdserve.router.policy import POLICIES
+from pdserve.router.server import serve_until_signal
+from pdserve.router.slo import SloClass
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import logging
 
-from kvtransfer.transport import KVTransport
-from model_runtime.engine.runtime import Runtime
-from model_runtime.request import Request
-from model_runtime.scheduler.plan import SchedulerConfig
-from model_runtime.scheduler.prefill import PrefillScheduler
-from model_runtime.validation import validate_request
-from model_runtime.worker.deltas import Tombstones, delta_for, error_delta
-from model_runtime.worker.engine_base import RoleEngineBase
-from model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.engine.runtime import Runtime
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.model_runtime.validation import validate_request
+from pdserve.model_runtime.worker.deltas import Tombstones, delta_for, error_delta
+from pdserve.model_runtime.worker.engine_base import RoleEngineBase
+from pdserve.model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 

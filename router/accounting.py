@@ -14,15 +14,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 
-from model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
-from router.config import RouterConfig
-from router.dispatchers import make_dispatcher
-from router.errors import Code
-from router.latency_model import Phase
-from router.metrics import RouterMetrics
-from router.policy import Decision
-from router.slo import SloBook, SloClass, SloResult, SloTracker
-from router.stream import RequestStream, Timing
+from pdserve.model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatchers import make_dispatcher
+from pdserve.router.errors import Code
+from pdserve.router.latency_model import Phase
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import Decision
+from pdserve.router.slo import SloBook, SloClass, SloResult, SloTracker
+from pdserve.router.stream import RequestStream, Timing
 
 log = logging.getLogger(__name__)
 

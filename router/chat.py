@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.errors import Code, RouterError
+from pdserve.router.errors import Code, RouterError
 
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.latency_model import StepModel
-from router.slo import SloClass
+from pdserve.router.latency_model import StepModel
+from pdserve.router.slo import SloClass
 
 
 @dataclass(frozen=True)

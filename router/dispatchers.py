@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from model_runtime.latency import H100_LLAMA3_8B
-from router.goodput import ErrorSink, GoodputConfig, GoodputPolicy
-from router.latency_model import LatencyModel, StepModel
-from router.policy import LOAD_POLICIES, POLICIES, Dispatcher, PairPolicy
+from pdserve.model_runtime.latency import H100_LLAMA3_8B
+from pdserve.router.goodput import ErrorSink, GoodputConfig, GoodputPolicy
+from pdserve.router.latency_model import LatencyModel, StepModel
+from pdserve.router.policy import LOAD_POLICIES, POLICIES, Dispatcher, PairPolicy
 
 
 def make_dispatcher(

@@ -28,7 +28,7 @@ time, so it goes to a prefill worker unless the prefill queue or the link costs 
 already on ``d`` takes) breaks the remaining ties, e.g. for requests without targets.
 
 The step model does not let a prefill chunk hide under the decodes riding with it: the
-profile charges the chunk's attention on top of the shared GEMMs (``model_runtime.latency``).
+profile charges the chunk's attention on top of the shared GEMMs (``pdserve.model_runtime.latency``).
 
 Local prefill needs a TPOT target to weigh: with none on the request nor on ``d``'s batch
 (e.g. no SLO class configured), nothing prices the stall a local prompt puts into every stream
@@ -46,12 +46,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from model_runtime.worker.messages import WorkerLoad, WorkerRole
-from router.latency_model import LatencyModel, Phase, inbound
-from router.ledger import DecodeBatch, DecodeEntry, Ledger
-from router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
-from router.prefix import PrefixIndex
-from router.slo import Admission, SloClass
+from pdserve.model_runtime.worker.messages import WorkerLoad, WorkerRole
+from pdserve.router.latency_model import LatencyModel, Phase, inbound
+from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger
+from pdserve.router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
+from pdserve.router.prefix import PrefixIndex
+from pdserve.router.slo import Admission, SloClass
 
 ErrorSink = Callable[[str, float], None]  # (kind "ttft" | "tpot", observed / predicted)
 

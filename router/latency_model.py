@@ -1,6 +1,6 @@
 """Per-worker latency predictions, corrected online from what the router observes (pure Python).
 
-Predictions start from a latency profile (``model_runtime.latency``: the roofline built-ins,
+Predictions start from a latency profile (``pdserve.model_runtime.latency``: the roofline built-ins,
 a ``pdserve profile`` fit of this machine, or any object with the same methods) and are scaled
 by one correction factor per (worker, phase) and per link. Each observation moves the factor
 toward ``observed / predicted`` with exponential decay — the ratio correction Dynamo's planner

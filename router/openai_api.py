@@ -22,16 +22,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from model_runtime.sampling_params import SamplingParams
-from router.auth import ApiKeyMiddleware
-from router.chat import ChatMessage, ChatTemplate
-from router.dashboard import install_dashboard
-from router.errors import Code, RouterError
-from router.openai_format import ChoiceBuilder, error_body, usage_json
-from router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
-from router.service import Admitted, GenerateInput, Router
-from router.status import cluster_status_json
-from router.stream import Event, Final
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.router.auth import ApiKeyMiddleware
+from pdserve.router.chat import ChatMessage, ChatTemplate
+from pdserve.router.dashboard import install_dashboard
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.openai_format import ChoiceBuilder, error_body, usage_json
+from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.router.service import Admitted, GenerateInput, Router
+from pdserve.router.status import cluster_status_json
+from pdserve.router.stream import Event, Final
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STARTED = time.time()

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_runtime.tokenizer import TextTokenizer
-from model_runtime.worker.messages import Logprob
-from router.errors import Code, RouterError
-from router.stream import Chunk, Event, Final
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.worker.messages import Logprob
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.stream import Chunk, Event, Final
 
 ERROR_TYPES = {
     Code.INVALID_ARGUMENT: "invalid_request_error",

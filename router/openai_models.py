@@ -15,10 +15,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from model_runtime.sampling_params import SamplingParams
-from router.config import Caps
-from router.errors import Code, RouterError
-from router.slo import SloHint
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.router.config import Caps
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.slo import SloHint
 
 TokenIds = list[StrictInt]
 

@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 
-from model_runtime.worker.codec import (
+from pdserve.model_runtime.worker.codec import (
     CHALLENGE_BYTES,
     LENGTH,
     MAX_FRAME_BYTES,
@@ -23,8 +23,8 @@ from model_runtime.worker.codec import (
     decode_batch,
     decode_hello,
 )
-from model_runtime.worker.messages import TokenDelta
-from router.workers import WorkerHandle
+from pdserve.model_runtime.worker.messages import TokenDelta
+from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 

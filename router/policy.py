@@ -8,7 +8,7 @@ simulator drives exactly the same objects. Feedback hooks (first token, end, loa
 lost worker) let a dispatcher keep its own account and correct its predictions.
 
 ``round_robin`` and ``least_loaded`` pick each pool's worker independently (``PairPolicy``);
-``goodput`` (``router.goodput``) picks the pair, prefill placement and admission jointly.
+``goodput`` (``pdserve.router.goodput``) picks the pair, prefill placement and admission jointly.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from model_runtime.worker.messages import WorkerLoad
-from router.slo import SloClass
+from pdserve.model_runtime.worker.messages import WorkerLoad
+from pdserve.router.slo import SloClass
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class RouteRequest:
     max_tokens: int
     priority: int = 0
     request_id: str = ""
-    block_keys: tuple[int, ...] = ()  # ``router.prefix.block_keys`` of the prompt
+    block_keys: tuple[int, ...] = ()  # ``pdserve.router.prefix.block_keys`` of the prompt
     slo: SloClass | None = None
 
 

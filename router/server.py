@@ -12,12 +12,12 @@ from pathlib import Path
 
 import uvicorn
 
-from model_runtime.tokenizer import TextTokenizer
-from router.chat import ChatTemplate
-from router.config import RouterConfig
-from router.grpc_api import GrpcServer
-from router.openai_api import build_http_app
-from router.service import Router
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.router.chat import ChatTemplate
+from pdserve.router.config import RouterConfig
+from pdserve.router.grpc_api import GrpcServer
+from pdserve.router.openai_api import build_http_app
+from pdserve.router.service import Router
 
 log = logging.getLogger(__name__)
 

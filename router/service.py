@@ -6,7 +6,7 @@
                    or local prefill, or REJECTED -> RESOURCE_EXHAUSTED with a retry hint)
     remote prefill: prefill.prefill and decode.reserve(blocks) at once -> prefill.set_target(KV
                    target) -> first token from prefill -> decode.start(first token) -> decode's
-                   tokens (all worker outputs arrive over ``router.outputs``)
+                   tokens (all worker outputs arrive over ``pdserve.router.outputs``)
     local prefill (colocated, or conditional disaggregation): decode.add_local -> decode's tokens
     client gone / deadline / stop string -> abort on every worker that holds the request
     end -> judged against its SLO class (metrics, /dashboard), dispatcher told
@@ -37,20 +37,20 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from model_runtime.errors import InvalidRequestError
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.tokenizer import TextTokenizer
-from model_runtime.validation import RequestLimits, validate_request
-from model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
-from router.accounting import Accounting
-from router.config import RouterConfig
-from router.errors import Code, RouterError
-from router.outputs import OutputListener
-from router.policy import Decision, Outcome, RouteRequest
-from router.prefix import block_keys
-from router.slo import SloClass, SloHint
-from router.stream import Event, RequestStream
-from router.workers import WorkerHandle, WorkerLost
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.validation import RequestLimits, validate_request
+from pdserve.model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
+from pdserve.router.accounting import Accounting
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.outputs import OutputListener
+from pdserve.router.policy import Decision, Outcome, RouteRequest
+from pdserve.router.prefix import block_keys
+from pdserve.router.slo import SloClass, SloHint
+from pdserve.router.stream import Event, RequestStream
+from pdserve.router.workers import WorkerHandle, WorkerLost
 
 log = logging.getLogger(__name__)
 __all__ = ["Admitted", "GenerateInput", "ModelInfo", "Router", "SloHint"]

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from model_runtime.request import Usage
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.text_stream import TextStream
-from model_runtime.tokenizer import TextTokenizer
-from model_runtime.worker.messages import Logprob, TokenDelta
-from router.errors import RouterError
+from pdserve.model_runtime.request import Usage
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.text_stream import TextStream
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.worker.messages import Logprob, TokenDelta
+from pdserve.router.errors import RouterError
 
 
 class StreamState(enum.Enum):

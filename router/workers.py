@@ -3,7 +3,7 @@
 A ``WorkerHandle`` wraps one worker process behind a ``Caller`` (Ray actor calls in a
 cluster, a thread pool around an in-process ``WorkerHost`` in tests and single-process mode).
 Outputs do not come through it: they arrive over the worker's output channel
-(``router.outputs``), each batch with the worker's load for the routing policy. A worker whose
+(``pdserve.router.outputs``), each batch with the worker's load for the routing policy. A worker whose
 channel closes is marked UNHEALTHY (terminal) and the router fails the requests it held.
 """
 
@@ -13,9 +13,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from model_runtime.errors import InvalidRequestError
-from model_runtime.worker.host import WorkerInfo
-from model_runtime.worker.messages import WorkerHealth, WorkerLoad
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.worker.host import WorkerInfo
+from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad
 
 
 class Caller(Protocol):

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model_runtime.latency import LatencyModel
 from pdserve.bench.workload import RequestSpec
-from router.prefix import block_keys
+from pdserve.model_runtime.latency import LatencyModel
+from pdserve.router.prefix import block_keys
 
 # Marginal costs are taken inside a step this large: compute-bound for any profile, with a
 # prefill chunk and a decode token already present so that neither kind's base cost is charged.

@@ -18,7 +18,7 @@ it; steps are short against the prefills that cause most of the slowdown.
 
 A profile that measured how its steps scatter (``FittedProfile.prefill_jitter`` /
 ``decode_jitter`` / ``jitter_corr``) has each worker draw every step's factor from that
-distribution (``simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so a run is
+distribution (``pdserve.simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so a run is
 reproducible and runs with other seeds show the spread; other profiles step deterministically.
 """
 
@@ -32,18 +32,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from model_runtime.latency import LatencyProfile, coactivity_factor, is_decode_chunk
-from model_runtime.request import Request
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.colocated import ColocatedScheduler
-from model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig
-from model_runtime.scheduler.prefill import PrefillScheduler
-from model_runtime.worker.messages import WorkerLoad, WorkerRole
-from router.policy import Dispatcher, Outcome, RouteRequest
-from router.prefix import block_keys
-from router.slo import SloClass
-from simulator.jitter import StepJitter
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
+from pdserve.model_runtime.latency import LatencyProfile, coactivity_factor, is_decode_chunk
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig
+from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.model_runtime.worker.messages import WorkerLoad, WorkerRole
+from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
+from pdserve.router.prefix import block_keys
+from pdserve.router.slo import SloClass
+from pdserve.simulator.jitter import StepJitter
 
 TOKEN = 1  # every sampled token: content does not matter to scheduling
 

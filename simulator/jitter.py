@@ -24,7 +24,7 @@ import random
 import statistics
 from collections.abc import Sequence
 
-from model_runtime.latency import quantile_grid_checked
+from pdserve.model_runtime.latency import quantile_grid_checked
 
 # quantiles at probabilities 0, 1/100, ..., 1: the sampler interpolates linearly between them,
 # so the last bin spreads 1 % of draws up to the worst step logged (with 20 bins, 5 % of draws

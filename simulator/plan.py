@@ -1,6 +1,6 @@
 """``pdserve plan``: which layout of N GPUs serves a workload with the most goodput per GPU.
 
-Candidate families, each judged by the simulator (``simulator.run.simulate``) and a goodput
+Candidate families, each judged by the simulator (``pdserve.simulator.run.simulate``) and a goodput
 bisection (the rate doubled until joint attainment falls below 90 %, then bisected):
 
 * **chunked colocation** (Sarathi-Serve / vLLM v1): N colocated engines, decode tokens first
@@ -39,7 +39,7 @@ from typing import Any
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.sweep import run_search, search
-from simulator.run import add_simulate_args, simulate
+from pdserve.simulator.run import add_simulate_args, simulate
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
 PRIORITY_BUDGETS = (2048, 8192)

@@ -12,16 +12,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from model_runtime.latency import load_profile
-from model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
-from router.dispatchers import make_dispatcher
-from router.policy import POLICIES
-from router.slo import Admission, SloClass
-from simulator.bound import work_bound
-from simulator.cluster import Cluster
+from pdserve.model_runtime.latency import load_profile
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
+from pdserve.router.dispatchers import make_dispatcher
+from pdserve.router.policy import POLICIES
+from pdserve.router.slo import Admission, SloClass
+from pdserve.simulator.bound import work_bound
+from pdserve.simulator.cluster import Cluster
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:

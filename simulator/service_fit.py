@@ -3,7 +3,7 @@
 ``pdserve profile`` times the engine in a process of its own on an idle host. Inside the
 service the same steps run beside the worker's other threads (output push, KV transport, Ray's
 own) and, on a shared host, beside the other workers, the router and the client. The workers'
-step logs (``pdserve serve --step-log``, ``model_runtime.engine.step_log``) taken during
+step logs (``pdserve serve --step-log``, ``pdserve.model_runtime.engine.step_log``) taken during
 calibration traffic — never a load test's own points — say by how much:
 
 - **in-service steps**: over *isolated* steps (no other worker's step overlapping more than
@@ -17,7 +17,7 @@ calibration traffic — never a load test's own points — say by how much:
   overlapped — a decode-only step by another worker's step with prefill work, a step with
   prefill work by any other worker's step;
 - **step-time variability** (``FittedProfile.prefill_jitter`` / ``decode_jitter`` /
-  ``jitter_corr``, ``simulator.jitter``): how every step scatters around the calibrated model,
+  ``jitter_corr``, ``pdserve.simulator.jitter``): how every step scatters around the calibrated model,
   and how long slow stretches last.
 
 ``host_speed`` measures, over any window of the service's steps (a load test's point, say), how
@@ -36,9 +36,9 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from model_runtime.engine.step_log import StepRecord
-from model_runtime.latency import FittedProfile, coactivity_factor
-from simulator.jitter import fit_jitter
+from pdserve.model_runtime.engine.step_log import StepRecord
+from pdserve.model_runtime.latency import FittedProfile, coactivity_factor
+from pdserve.simulator.jitter import fit_jitter
 
 ISOLATED = 0.05  # at most this share of a step overlapped by other workers' steps
 COACTIVE = 0.5  # at least this share
@@ -141,7 +141,7 @@ def residuals(
     as the simulator models a step of a service on this host: ``profile``'s step (without the
     per-step cost outside the forward pass, which a step log does not see), times its
     co-activity factor where the simulator would apply it — by what the other workers run at
-    the step's start (``simulator.cluster.Cluster.coactivity``). Steps of no duration (a
+    the step's start (``pdserve.simulator.cluster.Cluster.coactivity``). Steps of no duration (a
     clock's tick) are left out."""
     forward = dataclasses.replace(profile, step_overhead_s=0.0)
     out: dict[str, list[tuple[bool, float]]] = {w: [] for w in logs}

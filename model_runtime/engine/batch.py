@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.model.attention import AttentionMetadata, PrefillSeq
-from model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.model_runtime.model.attention import AttentionMetadata, PrefillSeq
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
 
 @dataclass

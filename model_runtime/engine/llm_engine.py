@@ -1,6 +1,6 @@
 """The colocated engine: one process, one block pool, prefill chunks riding along decode steps.
 
-Lifecycle of a request (see ``model_runtime.request`` for the state diagram)::
+Lifecycle of a request (see ``pdserve.model_runtime.request`` for the state diagram)::
 
     add_request -> validate -> ColocatedScheduler (WAITING)
     step(): plan = scheduler.schedule() -> runner.execute(plan) -> scheduler.update(plan)
@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from model_runtime.engine.output import OutputTracker, RequestOutput
-from model_runtime.engine.runtime import EngineConfig, build_runtime
-from model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
-from model_runtime.request import FinishReason, Request
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.colocated import ColocatedScheduler
-from model_runtime.validation import validate_request
+from pdserve.model_runtime.engine.output import OutputTracker, RequestOutput
+from pdserve.model_runtime.engine.runtime import EngineConfig, build_runtime
+from pdserve.model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
+from pdserve.model_runtime.request import FinishReason, Request
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
+from pdserve.model_runtime.validation import validate_request
 
 __all__ = ["EngineConfig", "LLMEngine"]
 

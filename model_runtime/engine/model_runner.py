@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.config import ModelConfig
-from model_runtime.engine.batch import build_batch
-from model_runtime.kv_cache.tensors import allocate_kv_cache
-from model_runtime.model.llama import LlamaModel
-from model_runtime.request import Request
-from model_runtime.sampling.sampler import Sampler, SampleRow, TokenLogprobs
-from model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.model_runtime.config import ModelConfig
+from pdserve.model_runtime.engine.batch import build_batch
+from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
+from pdserve.model_runtime.model.llama import LlamaModel
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow, TokenLogprobs
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
 
 @dataclass

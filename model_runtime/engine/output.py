@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model_runtime.request import FinishReason, Request, Usage
-from model_runtime.sampling.sampler import TokenLogprobs
-from model_runtime.text_stream import TextStream
-from model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.request import FinishReason, Request, Usage
+from pdserve.model_runtime.sampling.sampler import TokenLogprobs
+from pdserve.model_runtime.text_stream import TextStream
+from pdserve.model_runtime.tokenizer import TextTokenizer
 
 
 @dataclass

@@ -4,7 +4,7 @@
 a model, sizes its pool and validates requests the same way. ``compute="zero"`` swaps the
 model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone;
 ``compute="emulated:<profile>"`` for ``EmulatedRunner``, which also takes the time a real GPU
-would (``model_runtime.latency``), with the pool sized as that GPU's KV memory and a one-layer
+would (``pdserve.model_runtime.latency``), with the pool sized as that GPU's KV memory and a one-layer
 stand-in cache (transfers still run for real; their GPU-link time is added by the decode side).
 """
 
@@ -19,19 +19,19 @@ from typing import Protocol
 
 import torch
 
-from model_runtime.config import CacheConfig, ModelConfig
-from model_runtime.engine.model_runner import ModelRunner, StepResult
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
-from model_runtime.latency import LatencyProfile, load_profile
-from model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
-from model_runtime.platform import tune_malloc
-from model_runtime.presets import resolve_model
-from model_runtime.request import Request
-from model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
-from model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
-from model_runtime.tokenizer import TextTokenizer
-from model_runtime.validation import RequestLimits
+from pdserve.model_runtime.config import CacheConfig, ModelConfig
+from pdserve.model_runtime.engine.model_runner import ModelRunner, StepResult
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
+from pdserve.model_runtime.latency import LatencyProfile, load_profile
+from pdserve.model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
+from pdserve.model_runtime.platform import tune_malloc
+from pdserve.model_runtime.presets import resolve_model
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.validation import RequestLimits
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from model_runtime.kv_cache.block_pool import BlockKey, BlockPool, PoolStats, chain_key
-from model_runtime.request import Request
+from pdserve.model_runtime.kv_cache.block_pool import BlockKey, BlockPool, PoolStats, chain_key
+from pdserve.model_runtime.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.config import ModelConfig
+from pdserve.model_runtime.config import ModelConfig
 
 BLOCK_MAJOR = "block-major"
 LAYER_MAJOR = "layer-major"

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from model_runtime.config import RopeConfig
+from pdserve.model_runtime.config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

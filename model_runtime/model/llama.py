@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runtime.config import ModelConfig
-from model_runtime.model.attention import AttentionMetadata, paged_attention, write_kv
-from model_runtime.model.layers import Rotary, rms_norm
-from model_runtime.model.linear import Linear
+from pdserve.model_runtime.config import ModelConfig
+from pdserve.model_runtime.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model_runtime.model.layers import Rotary, rms_norm
+from pdserve.model_runtime.model.linear import Linear
 
 
 @dataclass

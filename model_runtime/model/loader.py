@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model_runtime.config import ModelConfig
-from model_runtime.errors import ModelLoadError
-from model_runtime.model.linear import Linear, choose_backend
-from model_runtime.model.llama import LayerWeights, LlamaModel
+from pdserve.model_runtime.config import ModelConfig
+from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.model.linear import Linear, choose_backend
+from pdserve.model_runtime.model.llama import LayerWeights, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}

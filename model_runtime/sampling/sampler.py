@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Pure-Python schedulers: data in (requests, results), data out (plans). No torch, Ray or gRPC."""
 
-from model_runtime.scheduler.colocated import ColocatedScheduler
-from model_runtime.scheduler.decode import DecodeScheduler
-from model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig, StepUpdate
-from model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
+from pdserve.model_runtime.scheduler.decode import DecodeScheduler
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig, StepUpdate
+from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 
 __all__ = [
     "ColocatedScheduler",

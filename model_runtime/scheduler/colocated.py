@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import FinishReason, Request
-from model_runtime.scheduler.decode import DecodeScheduler
-from model_runtime.scheduler.plan import ColocatedSchedule, SchedulePlan, SchedulerConfig, StepUpdate
-from model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import FinishReason, Request
+from pdserve.model_runtime.scheduler.decode import DecodeScheduler
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, SchedulePlan, SchedulerConfig, StepUpdate
+from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 
 
 class ColocatedScheduler:

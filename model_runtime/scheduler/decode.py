@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import Request, RequestStatus
-from model_runtime.scheduler.plan import (
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import Request, RequestStatus
+from pdserve.model_runtime.scheduler.plan import (
     ScheduledChunk,
     SchedulerConfig,
     StepUpdate,

@@ -6,8 +6,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import Request, RequestStatus
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import Request, RequestStatus
 
 
 class QueuePolicy(enum.Enum):

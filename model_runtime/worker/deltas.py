@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from model_runtime.request import Request
-from model_runtime.sampling.sampler import TokenLogprobs
-from model_runtime.worker.messages import Logprob, TokenDelta
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling.sampler import TokenLogprobs
+from pdserve.model_runtime.worker.messages import Logprob, TokenDelta
 
 
 def to_logprob(lp: TokenLogprobs) -> Logprob:

@@ -1,7 +1,7 @@
 """The worker process shell: runtime + KV transport + role engine + step loop.
 
-``WorkerHost`` is what Ray places as an actor (``prefill_worker.actor``,
-``decode_worker.actor`` add the role's commands); it is a plain class, so tests and the
+``WorkerHost`` is what Ray places as an actor (``pdserve.prefill_worker.actor``,
+``pdserve.decode_worker.actor`` add the role's commands); it is a plain class, so tests and the
 single-process mode run it without Ray. Every public method is safe to call from any thread:
 engine work goes through the loop.
 
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from kvtransfer.transport import KVTransport, TransportConfig
-from model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
-from model_runtime.engine.step_log import LoggedRunner, StepLog
-from model_runtime.worker.loop import EngineLoop, RoleEngine
-from model_runtime.worker.messages import OutputBatch, WorkerLoad, WorkerRole
-from model_runtime.worker.push import OutputPusher
+from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
+from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
+from pdserve.model_runtime.worker.loop import EngineLoop, RoleEngine
+from pdserve.model_runtime.worker.messages import OutputBatch, WorkerLoad, WorkerRole
+from pdserve.model_runtime.worker.push import OutputPusher
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
         return None, paths
     if spec.engine.torch_device().type != "cpu":
         return None, paths
-    from kvtransfer.datapath import allocate_shared_kv_cache
+    from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t, path = allocate_shared_kv_cache(shape, dtype)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 class WorkerRole(enum.Enum):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from model_runtime.engine.llm_engine import LLMEngine
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 
 _live: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 _orig_init = LLMEngine.__init__

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from model_runtime.config import CacheConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.errors import InvalidRequestError
-from model_runtime.request import FinishReason
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.request import FinishReason
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

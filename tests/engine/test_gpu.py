@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_runtime.config import CacheConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.sampling_params import SamplingParams
 from tests.engine.hf_models import hf_greedy, make_hf_model
 
 pytestmark = pytest.mark.gpu

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from model_runtime.config import CacheConfig
-from model_runtime.engine.batch import build_batch
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.batch import build_batch
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
 from tests.engine.hf_models import VOCAB, hf_greedy, make_hf_model
 
 PROMPT_LENS = [1, 5, 16, 17, 40, 129, 257, 310, 64, 3]

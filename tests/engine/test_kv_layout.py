@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.kv_cache.tensors import (
+from pdserve.model_runtime.kv_cache.tensors import (
     BLOCK_MAJOR,
     LAYER_MAJOR,
     KVLayout,

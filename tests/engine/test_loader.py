@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_runtime.config import CacheConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.errors import InvalidRequestError, ModelLoadError
-from model_runtime.model.loader import load_model, resolve_dtype
-from model_runtime.presets import PRESETS, materialize, preset_path
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.errors import InvalidRequestError, ModelLoadError
+from pdserve.model_runtime.model.loader import load_model, resolve_dtype
+from pdserve.model_runtime.presets import PRESETS, materialize, preset_path
+from pdserve.model_runtime.sampling_params import SamplingParams
 from tests.engine.hf_models import hf_greedy, make_hf_model
 
 CPU = torch.device("cpu")

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer.channel import Connection, client_handshake
-from kvtransfer.datapath import allocate_shared_kv_cache
-from kvtransfer.transport import KVTransport, TransportConfig, layout_of
-from model_runtime.kv_cache.block_pool import BlockPool
-from model_runtime.kv_cache.tensors import new_kv_cache
+from pdserve.kvtransfer.channel import Connection, client_handshake
+from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
+from pdserve.kvtransfer.transport import KVTransport, TransportConfig, layout_of
+from pdserve.model_runtime.kv_cache.block_pool import BlockPool
+from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
 SECRET = b"test-secret-0123456789"
 SHAPE = (6, 48, 2, 16, 2, 8)  # layers, blocks, K/V, block size, kv heads, head dim

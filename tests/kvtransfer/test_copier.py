@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvtransfer.copier import BlockCopier
+from pdserve.kvtransfer.copier import BlockCopier
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

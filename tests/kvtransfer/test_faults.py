@@ -17,11 +17,11 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer import wire
-from kvtransfer.channel import Connection
-from kvtransfer.states import FailureCause, TransferError, TransferState
-from kvtransfer.transport import KVTransport
-from model_runtime.kv_cache.block_pool import BlockPool
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.channel import Connection
+from pdserve.kvtransfer.states import FailureCause, TransferError, TransferState
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.kv_cache.block_pool import BlockPool
 from tests.kvtransfer import peers
 from tests.kvtransfer.helpers import SECRET, SHAPE, cache, pick, raw_client, same_bytes, transport
 

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from kvtransfer.nccl import CommRegistry, NcclError, NcclLibrary, decode_version, find_library
-from kvtransfer.states import FailureCause, TransferError
+from pdserve.kvtransfer.nccl import CommRegistry, NcclError, NcclLibrary, decode_version, find_library
+from pdserve.kvtransfer.states import FailureCause, TransferError
 
 pytest.importorskip("nvidia.nccl", reason="nvidia-nccl-cu12 is installed on Linux x86_64 only")
 
@@ -61,7 +61,7 @@ def test_communicator_creation_fails_cleanly_without_a_gpu() -> None:
     # In a child with a time limit: whatever NCCL does without a GPU must not hang the suite.
     code = textwrap.dedent(
         """
-        from kvtransfer.nccl import NcclLibrary, NcclError
+        from pdserve.kvtransfer.nccl import NcclLibrary, NcclError
         lib = NcclLibrary()
         try:
             comm = lib.init_rank(2, lib.unique_id(), 0, blocking=False)

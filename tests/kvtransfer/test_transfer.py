@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from kvtransfer.states import TransferState
-from kvtransfer.transport import KVTransport
-from model_runtime.kv_cache.block_pool import BlockPool
+from pdserve.kvtransfer.states import TransferState
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.kv_cache.block_pool import BlockPool
 from tests.kvtransfer.helpers import SHAPE, pick, same_bytes, transport
 
 BACKENDS = ["tcp", "shm"]
@@ -141,7 +141,7 @@ def test_many_threads_sending_at_once() -> None:
 
 
 def test_idle_peers_are_retired_and_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtransfer import sender as sender_mod
+    from pdserve.kvtransfer import sender as sender_mod
 
     monkeypatch.setattr(sender_mod, "PEER_IDLE_S", 0.2)
     sender, receiver = transport("tcp", seed=9), transport("tcp")

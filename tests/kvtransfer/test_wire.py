@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer import wire
+from pdserve.kvtransfer import wire
 
 
 def body(frame: bytes) -> bytes:

@@ -22,8 +22,8 @@ from tests.monitoring.helpers import require_tool, send_traffic
 
 def fake_router(tracker: Any) -> Any:
     """What the dashboard reads of a router: its SLO classes and tracker, workers and model id."""
-    from model_runtime.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
-    from router.slo import SloBook, SloClass
+    from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
+    from pdserve.router.slo import SloBook, SloClass
 
     def worker(wid: str, role: WorkerRole, free: int, health: WorkerHealth) -> Any:
         load = WorkerLoad(wid, role, "", 1, 2, 100, free, 0)
@@ -43,9 +43,9 @@ def fake_router(tracker: Any) -> Any:
 
 
 def test_data_json_nan_is_null_and_behind_the_key() -> None:
-    from router.chat import ChatTemplate
-    from router.openai_api import build_http_app
-    from router.slo import SloResult, SloTracker
+    from pdserve.router.chat import ChatTemplate
+    from pdserve.router.openai_api import build_http_app
+    from pdserve.router.slo import SloResult, SloTracker
 
     tracker = SloTracker()
     now = time.monotonic()

@@ -9,16 +9,16 @@ from typing import Any
 import grpc
 import httpx
 
-from deploy.pools import PoolSpec
-from deploy.service import Endpoints, Service, ServiceThread
-from kvtransfer.transport import TransportConfig
-from model_runtime.config import CacheConfig
-from model_runtime.engine.runtime import EngineConfig
-from model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.deploy.pools import PoolSpec
+from pdserve.deploy.service import Endpoints, Service, ServiceThread
+from pdserve.kvtransfer.transport import TransportConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.runtime import EngineConfig
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.router.config import Caps, RouterConfig
+from pdserve.router.slo import SloClass
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
-from router.config import Caps, RouterConfig
-from router.slo import SloClass
 
 MODEL = "tiny"
 
@@ -59,7 +59,7 @@ def start_service(
         local_prefill=local_prefill, slo_classes=slo_classes,
     )  # fmt: skip
     if use_ray:
-        from deploy.ray_pools import start_ray
+        from pdserve.deploy.ray_pools import start_ray
 
         start_ray(None, 16)  # logical CPUs: room for several small deployments at once
     st = ServiceThread(Service(spec, config, use_ray=use_ray))
@@ -118,7 +118,7 @@ _HF: dict[str, Any] = {}
 
 def hf_reference(prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from HF transformers on the same checkpoint (EOS ignored)."""
-    from model_runtime.presets import resolve_model
+    from pdserve.model_runtime.presets import resolve_model
     from tests.engine.hf_models import hf_greedy
 
     if "model" not in _HF:

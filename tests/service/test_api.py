@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve.router.config import Caps
 from pdserve.v1 import inference_pb2 as pb
-from router.config import Caps
 from tests.service.helpers import (
     MODEL,
     all_free,
@@ -336,7 +336,7 @@ def blocked_by_a_full_decode_worker(s: Any, prompt: list[int]) -> tuple[Any, Any
 def test_cancel_while_decode_has_no_room_frees_prefill_blocks() -> None:
     """Prefill finished and the first token went out, but decode is still waiting for room to
     reserve: a cancel now must free the prefill worker's blocks too (nobody else will)."""
-    from model_runtime.config import CacheConfig
+    from pdserve.model_runtime.config import CacheConfig
 
     st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
     try:
@@ -431,7 +431,7 @@ def test_prefill_lost_after_the_first_token_is_recomputed_on_decode() -> None:
     """The prefill worker dies after sending the first token but before it learnt where the KV
     goes (decode had no room yet). The request must go on: decode recomputes the prompt, and
     the client gets exactly the reference tokens."""
-    from model_runtime.config import CacheConfig
+    from pdserve.model_runtime.config import CacheConfig
 
     st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
     try:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from deploy.pools import PoolSpec
-from model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.cli import build_parser
+from pdserve.deploy.pools import PoolSpec
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.serve import build
 
 

@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from router.slo import Admission, SloClass
+from pdserve.router.slo import Admission, SloClass
 from tests.service.helpers import (
     MODEL,
     all_free,
@@ -100,7 +100,7 @@ def test_slo_metrics_count_good_requests(svc) -> None:
 
 
 def test_best_effort_is_admitted_and_served() -> None:
-    from router.slo import Admission
+    from pdserve.router.slo import Admission
 
     classes = (SloClass("be", ttft_ms=0.001, tpot_ms=0.001, admission=Admission.BEST_EFFORT),)
     st, ep = start_service(use_ray=False, slo_classes=classes)

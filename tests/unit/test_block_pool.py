@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from model_runtime.kv_cache.block_pool import BlockPool, IntegrityError, chain_key, prefix_block_keys
+from pdserve.model_runtime.kv_cache.block_pool import BlockPool, IntegrityError, chain_key, prefix_block_keys
 
 
 def test_allocate_free_and_counts() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.latency import (
+from pdserve.model_runtime.latency import (
     H100_LLAMA3_8B,
     FittedProfile,
     LatencyModel,
@@ -162,7 +162,7 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     import dataclasses
 
     from pdserve.bench.workload import RequestSpec
-    from simulator.run import add_simulate_args, simulate
+    from pdserve.simulator.run import add_simulate_args, simulate
 
     prof = dataclasses.replace(TRUE, name="shared", decode_coactive_x=2.0, prefill_coactive_x=1.5)
     path = tmp_path / "p.json"
@@ -200,7 +200,7 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     assert shared["ttfts"][1] > alone["ttfts"][1] * 1.4  # type: ignore[index]
     with pytest.raises(ValueError, match="slowdowns"):
         dataclasses.replace(TRUE, decode_coactive_x=0.5)
-    from model_runtime.time_dilation import Dilated
+    from pdserve.model_runtime.time_dilation import Dilated
 
     stretched = Dilated(prof, 8.0)  # time dilation stretches durations, not their ratios
     assert (stretched.decode_coactive_x, stretched.prefill_coactive_x) == (2.0, 1.5)

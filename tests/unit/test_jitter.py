@@ -11,9 +11,16 @@ import statistics
 
 import pytest
 
-from model_runtime.latency import FittedProfile, load_profile
-from simulator.jitter import GRID, StepJitter, fit_jitter, lag1_correlation, normal_scores, quantile_grid
-from simulator.run import add_simulate_args, simulate
+from pdserve.model_runtime.latency import FittedProfile, load_profile
+from pdserve.simulator.jitter import (
+    GRID,
+    StepJitter,
+    fit_jitter,
+    lag1_correlation,
+    normal_scores,
+    quantile_grid,
+)
+from pdserve.simulator.run import add_simulate_args, simulate
 
 CPU = FittedProfile("cpu", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 SKEW = (0.8, 0.9, 0.95, 1.0, 1.1, 1.3, 2.0)  # a right-skewed scatter, median 1

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import Request
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.latency import H100_LLAMA3_8B as P
-from model_runtime.latency import load_profile
+from pdserve.model_runtime.latency import H100_LLAMA3_8B as P
+from pdserve.model_runtime.latency import load_profile
 
 
 def test_calibrated_on_published_h100_points() -> None:

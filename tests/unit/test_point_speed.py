@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.point_speed import point_windows, window
-from model_runtime.engine.step_log import StepRecord
+from pdserve.model_runtime.engine.step_log import StepRecord
 
 
 def sweep(points: int, per_point: int) -> dict[str, list[StepRecord]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import Request
-from model_runtime.scheduler import ColocatedScheduler, SchedulerConfig
-from model_runtime.scheduler.plan import ColocatedSchedule, SchedulePlan
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.scheduler import ColocatedScheduler, SchedulerConfig
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, SchedulePlan
 from tests.unit.test_schedulers import expected_output, fake_execute, make_req
 
 PP = ColocatedSchedule.PREFILL_PRIORITY

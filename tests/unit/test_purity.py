@@ -11,24 +11,24 @@ import sys
 import pytest
 
 PURE = (
-    "router.policy",
-    "router.goodput",
-    "router.latency_model",
-    "router.slo",
-    "router.prefix",
-    "router.dispatchers",
-    "model_runtime.scheduler",
-    "model_runtime.kv_cache.manager",
-    "model_runtime.latency",
+    "pdserve.router.policy",
+    "pdserve.router.goodput",
+    "pdserve.router.latency_model",
+    "pdserve.router.slo",
+    "pdserve.router.prefix",
+    "pdserve.router.dispatchers",
+    "pdserve.model_runtime.scheduler",
+    "pdserve.model_runtime.kv_cache.manager",
+    "pdserve.model_runtime.latency",
     "pdserve.bench.metrics",
     "pdserve.bench.workload",
     "pdserve.bench.sweep",
     "pdserve.bench.runner",
-    "simulator.run",
-    "simulator.plan",
-    "simulator.service_fit",
-    "simulator.jitter",
-    "model_runtime.engine.step_log",
+    "pdserve.simulator.run",
+    "pdserve.simulator.plan",
+    "pdserve.simulator.service_fit",
+    "pdserve.simulator.jitter",
+    "pdserve.model_runtime.engine.step_log",
 )
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}
 

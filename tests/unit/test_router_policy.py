@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
-from router.dispatchers import make_dispatcher
-from router.errors import Code, RouterError
-from router.policy import LeastLoaded, RoundRobin, RouteRequest
-from router.stream import Chunk, Final, RequestStream
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from pdserve.router.dispatchers import make_dispatcher
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.policy import LeastLoaded, RoundRobin, RouteRequest
+from pdserve.router.stream import Chunk, Final, RequestStream
 
 REQ = RouteRequest(prompt_tokens=10, max_tokens=5)
 

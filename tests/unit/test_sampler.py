@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from model_runtime.sampling.sampler import Sampler, SampleRow, apply_min_tokens, apply_penalties, filter_probs
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling.sampler import (
+    Sampler,
+    SampleRow,
+    apply_min_tokens,
+    apply_penalties,
+    filter_probs,
+)
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 def row(

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from model_runtime.errors import InvalidRequestError
-from model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

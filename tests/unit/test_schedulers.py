@@ -10,11 +10,16 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_runtime.kv_cache.manager import KVCacheManager
-from model_runtime.request import FinishReason, Request, RequestStatus
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler import ColocatedScheduler, DecodeScheduler, PrefillScheduler, SchedulerConfig
-from model_runtime.scheduler.plan import QueuePolicy, SchedulePlan
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import FinishReason, Request, RequestStatus
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler import (
+    ColocatedScheduler,
+    DecodeScheduler,
+    PrefillScheduler,
+    SchedulerConfig,
+)
+from pdserve.model_runtime.scheduler.plan import QueuePolicy, SchedulePlan
 
 VOCAB = 50
 

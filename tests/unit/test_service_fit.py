@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from model_runtime.engine.step_log import StepRecord
-from model_runtime.latency import FittedProfile
-from simulator.service_fit import ServiceFit, apply_fit, at_speed, fit_line, fit_service, host_speed
+from pdserve.model_runtime.engine.step_log import StepRecord
+from pdserve.model_runtime.latency import FittedProfile
+from pdserve.simulator.service_fit import ServiceFit, apply_fit, at_speed, fit_line, fit_service, host_speed
 
 ENGINE = FittedProfile("engine", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 PX, DX, PCO, DCO = 1.15, 1.10, 1.2, 1.3  # the truth the logs are written from

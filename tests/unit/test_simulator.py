@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from model_runtime.latency import H100_LLAMA3_8B as P
 from pdserve.bench.workload import RequestSpec, arrival_times
-from simulator.run import add_simulate_args, simulate
+from pdserve.model_runtime.latency import H100_LLAMA3_8B as P
+from pdserve.simulator.run import add_simulate_args, simulate
 
 
 def args(*flags: str) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
     leak check (every pool empty at the end) passes."""
     import dataclasses
 
-    from model_runtime.latency import PROFILES
+    from pdserve.model_runtime.latency import PROFILES
 
     small = dataclasses.replace(
         P, name="tiny-memory", memory_bytes=P.weight_bytes + 40 * 1024 * P.kv_bytes_per_token
@@ -75,7 +75,7 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
 def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from simulator.plan import add_plan_args, candidates, cmd_plan
+    from pdserve.simulator.plan import add_plan_args, candidates, cmd_plan
 
     c = candidates(4)
     assert sum(1 for x in c if x.colocated == 4) == 3
@@ -112,7 +112,7 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
 def test_work_bound_by_hand_and_with_shared_prefixes() -> None:
     """Uniform requests on the roofline: per request, the linear FLOPs of every token, the
     prompt's attention FLOPs and each decode token's KV reads; a repeated prompt is free."""
-    from simulator.bound import work_bound
+    from pdserve.simulator.bound import work_bound
 
     l, o = 1000, 101
     lin = 2 * P.params / (P.peak_flops * P.mfu)
@@ -146,8 +146,8 @@ def test_work_bound_of_a_fitted_profile_by_hand() -> None:
     """DistServe's form: a prompt's marginal is b_p·l + c_p·l² (its own attention only), a
     decode token's b_d·(context + 1) + c_d; neither step base is charged. A prompt whose blocks
     are all cached still computes its last token."""
-    from model_runtime.latency import FittedProfile
-    from simulator.bound import work_bound
+    from pdserve.model_runtime.latency import FittedProfile
+    from pdserve.simulator.bound import work_bound
 
     f = FittedProfile(
         name="f", prefill_base_s=0.03, prefill_per_token_s=8e-4, prefill_per_token2_s=3e-7,

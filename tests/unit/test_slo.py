@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from router.ledger import DecodeBatch, DecodeEntry, Ledger, PrefillQueue
-from router.prefix import PrefixIndex, block_keys
-from router.slo import Admission, SloBook, SloClass, SloResult, SloTracker
+from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger, PrefillQueue
+from pdserve.router.prefix import PrefixIndex, block_keys
+from pdserve.router.slo import Admission, SloBook, SloClass, SloResult, SloTracker
 
 
 def test_slo_class_parse_and_errors() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.engine.step_log import LoggedRunner, StepLog, StepRecord, read_steps
-from model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog, StepRecord, read_steps
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
 
 def test_record_round_trips_and_knows_its_kind() -> None:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from model_runtime.sampling.stop import StopStringMatcher
+from pdserve.model_runtime.sampling.stop import StopStringMatcher
 
 
 def feed_all(m: StopStringMatcher, deltas: list[str]) -> str:

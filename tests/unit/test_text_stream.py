@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_runtime.presets import resolve_model
-from model_runtime.text_stream import TextStream
-from model_runtime.tokenizer import TextTokenizer
+from pdserve.model_runtime.presets import resolve_model
+from pdserve.model_runtime.text_stream import TextStream
+from pdserve.model_runtime.tokenizer import TextTokenizer
 
 TEXT = "héllo, 世界 🚀 ok"
 

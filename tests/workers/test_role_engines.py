@@ -12,16 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decode_worker.actor import DecodeWorker
-from kvtransfer.transport import TransportConfig
-from model_runtime.config import CacheConfig
-from model_runtime.engine.llm_engine import EngineConfig, LLMEngine
-from model_runtime.engine.step_log import read_steps
-from model_runtime.sampling_params import SamplingParams
-from model_runtime.scheduler.plan import SchedulerConfig
-from model_runtime.worker.host import WorkerSpec
-from model_runtime.worker.messages import TokenDelta, WorkerRole, WorkItem
-from prefill_worker.actor import PrefillWorker
+from pdserve.decode_worker.actor import DecodeWorker
+from pdserve.kvtransfer.transport import TransportConfig
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.engine.step_log import read_steps
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.worker.host import WorkerSpec
+from pdserve.model_runtime.worker.messages import TokenDelta, WorkerRole, WorkItem
+from pdserve.prefill_worker.actor import PrefillWorker
 
 SECRET = b"worker-test-secret-0123"
 ENGINE = EngineConfig(
@@ -216,7 +216,7 @@ def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
 def test_emulated_workers_take_the_profiles_time() -> None:
     """``emulated:h100-llama3-8b``: prefill, decode steps and the KV hand-off take the times the
     latency model predicts for an H100, while scheduling and transfers run for real."""
-    from model_runtime.latency import H100_LLAMA3_8B as prof
+    from pdserve.model_runtime.latency import H100_LLAMA3_8B as prof
 
     eng = EngineConfig(model="tiny", compute="emulated:h100-llama3-8b")
     tcfg = TransportConfig(backend="shm")
