@@ -11,10 +11,6 @@ from pdserve.model_runtime.worker.host import WorkerHost
 from pdserve.model_runtime.worker.loop import WorkerFailed
 from pdserve.model_runtime.worker.messages import KVTarget, WorkItem
 
-# Ray runs ``reserve`` calls in a concurrency group of their own (``pdserve.deploy.ray_pools``): each
-# may wait for room for seconds, and must never hold a thread other commands need.
-RESERVE_GROUP = "reserve"
-
 
 class DecodeWorker(WorkerHost):
     def _make_engine(self) -> DecodeEngine:
@@ -27,22 +23,35 @@ class DecodeWorker(WorkerHost):
         assert isinstance(self.engine, DecodeEngine)
         return self.engine
 
-    def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float) -> KVTarget | None:
-        """Reserve blocks for ``work``'s prompt KV, waiting up to ``timeout_s`` for room; ``None``
-        if none freed up in time or the request was aborted meanwhile (the router answers
-        RESOURCE_EXHAUSTED). The wait is on the engine's own queue of reservations, served
-        between steps: it costs the loop nothing while it waits."""
-        pending: Future[KVTarget | None] = self.loop.call(self._decode.reserve, work, transfer_id, timeout_s)
+    def queue_reservation(self, work: WorkItem, transfer_id: str, timeout_s: float) -> bool:
+        """Ask for blocks for ``work``'s prompt KV, granted at once or when room frees within
+        ``timeout_s`` (first come, first served); returns at once: True if granted or waiting
+        (``await_reservation`` gives the outcome), False if refused now. Raises for a request
+        this worker cannot serve. An ``abort`` after it returns reaches a waiting reservation."""
+        outcome: Future[KVTarget | None] = self.loop.call(self._decode.reserve, work, transfer_id, timeout_s)
+        return not outcome.done() or outcome.result() is not None
+
+    def await_reservation(self, request_id: str, timeout_s: float) -> KVTarget | None:
+        """The target of a queued reservation once granted; ``None`` if it expired, was
+        aborted, or never was. Waits on the engine's own queue (it costs the loop nothing);
+        callers run it apart from other commands (``pdserve.router.workers.WAITING_COMMANDS``)."""
+        outcome: Future[KVTarget | None] = self.loop.call(self._decode.reservation, request_id)
         # The engine resolves it by the deadline; the margin covers one step in progress.
         give_up = time.monotonic() + max(0.0, timeout_s) + 30.0
         while True:
             try:
-                return pending.result(timeout=0.25)
+                return outcome.result(timeout=0.25)
             except FutureTimeout:
                 if self.loop.error is not None:
                     raise WorkerFailed(f"worker loop stopped: {self.loop.error!r}") from None
                 if time.monotonic() > give_up:
-                    raise TimeoutError(f"reservation for {work.request_id!r} never resolved") from None
+                    raise TimeoutError(f"reservation for {request_id!r} never resolved") from None
+
+    def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float) -> KVTarget | None:
+        """``queue_reservation`` then ``await_reservation``, for callers that may block."""
+        if not self.queue_reservation(work, transfer_id, timeout_s):
+            return None
+        return self.await_reservation(work.request_id, timeout_s)
 
     def kv_lost(self, request_id: str) -> bool:
         """The request's KV will not come from its prefill worker: recompute it here."""

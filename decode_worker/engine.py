@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Reservation:
     transfer_id: str
+    target: KVTarget
     received: bool = False
     failed: bool = False
     first: tuple[int, int] | None = None  # the first token, prompt tokens prefill found cached
@@ -98,8 +99,10 @@ class DecodeEngine(RoleEngineBase):
 
     # -- commands ----------------------------------------------------------------------------
     def _new_request(self, work: WorkItem) -> Request:
-        if work.request_id in self._requests or work.request_id in self._pending:
-            raise ValueError(f"request {work.request_id!r} is already on this worker")
+        rid = work.request_id
+        if rid in self._requests or rid in self._pending or self.kv.holds(rid):
+            # (kv.holds: an aborted reservation's blocks wait under its id for the transport)
+            raise ValueError(f"request {rid!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
         return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
 
@@ -143,11 +146,16 @@ class DecodeEngine(RoleEngineBase):
         if headroom < self.scheduler.num_running or not self.kv.allocate_slots(req, n):
             return None
         blocks = tuple(self.kv.block_table(req.request_id))
-        self.transport.expect(transfer_id, blocks)
+        try:
+            self.transport.expect(transfer_id, blocks)
+        except BaseException:
+            self.kv.free(req.request_id)
+            raise
+        target = KVTarget(transfer_id, self.transport.address, tuple(self.transport.offers), blocks)
         self._requests[req.request_id] = req
-        self._reserved[req.request_id] = Reservation(transfer_id)
+        self._reserved[req.request_id] = Reservation(transfer_id, target)
         self._by_transfer[transfer_id] = req.request_id
-        return KVTarget(transfer_id, self.transport.address, tuple(self.transport.offers), blocks)
+        return target
 
     def _serve_pending(self) -> None:
         """Grant waiting reservations in arrival order while room lasts; expire late ones."""
@@ -156,11 +164,33 @@ class DecodeEngine(RoleEngineBase):
         for rid, p in list(self._pending.items()):
             target = None
             if not blocked:
-                target = self._try_reserve(p.request, p.transfer_id)
+                try:
+                    target = self._try_reserve(p.request, p.transfer_id)
+                except Exception as e:  # this reservation's fault (say, a transfer id in use)
+                    del self._pending[rid]
+                    p.future.set_exception(e)
+                    continue
                 blocked = target is None
             if target is not None or now >= p.deadline:
                 del self._pending[rid]
                 p.future.set_result(target)
+
+    def reservation(self, request_id: str) -> Future[KVTarget | None]:
+        """The outcome of ``reserve`` for ``request_id``: still waiting (an unresolved future),
+        granted (its target), or none (refused, expired, aborted or already started)."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            return pending.future
+        fut: Future[KVTarget | None] = Future()
+        res = self._reserved.get(request_id)
+        fut.set_result(res.target if res is not None and not res.failed else None)
+        return fut
+
+    def on_stop(self) -> None:
+        """The loop stopped: nothing will be granted any more."""
+        for p in self._pending.values():
+            p.future.set_result(None)
+        self._pending.clear()
 
     def kv_lost(self, request_id: str) -> bool:
         """The prefill worker will not deliver this request's KV (its push failed, or it died):

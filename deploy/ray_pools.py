@@ -15,16 +15,13 @@ import time
 import uuid
 from typing import Any
 
-from pdserve.decode_worker.actor import RESERVE_GROUP
 from pdserve.deploy.pools import PoolSpec, host_class
-from pdserve.router.workers import WorkerHandle
+from pdserve.router.workers import WAITING_COMMANDS, WorkerHandle
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 64
-# Calls that may wait long (a reservation waiting for KV room) get threads of their own, so
-# that however many wait, aborts, starts and targets never queue behind them.
-WAITING_GROUPS = {"reserve": RESERVE_GROUP}
+WAITING_GROUP = "waiting"  # the concurrency group of the WAITING_COMMANDS: threads of their own
 WAITING_CONCURRENCY = 256
 
 
@@ -34,9 +31,8 @@ class RayCaller:
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         fn = getattr(self.actor, method)
-        group = WAITING_GROUPS.get(method)
-        if group is not None:
-            fn = fn.options(concurrency_group=group)
+        if method in WAITING_COMMANDS:
+            fn = fn.options(concurrency_group=WAITING_GROUP)
         ref = fn.remote(*args)
         fut = asyncio.wrap_future(ref.future())
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
@@ -94,8 +90,7 @@ def launch_ray(
         )
     actors = []
     for i, ws in enumerate(specs):
-        groups = {g: WAITING_CONCURRENCY for g in set(WAITING_GROUPS.values())}
-        cls = ray.remote(concurrency_groups=groups)(host_class(ws.role))
+        cls = ray.remote(concurrency_groups={WAITING_GROUP: WAITING_CONCURRENCY})(host_class(ws.role))
         actors.append(
             cls.options(
                 name=f"pdserve-{deployment}-{ws.worker_id}",

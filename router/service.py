@@ -4,7 +4,7 @@
 
     tokenize + validate (caps) -> SLO class -> dispatcher decides (decode worker, prefill worker
                    or local prefill, or REJECTED -> RESOURCE_EXHAUSTED with a retry hint)
-    remote prefill: prefill.prefill and decode.reserve(blocks) at once -> prefill.set_target(KV
+    remote prefill: prefill.prefill and decode.queue_reservation(blocks) at once -> prefill.set_target(KV
                    target) -> first token from prefill -> decode.start(first token) -> decode's
                    tokens (all worker outputs arrive over ``pdserve.router.outputs``)
     local prefill (colocated, or conditional disaggregation): decode.add_local -> decode's tokens
@@ -29,7 +29,6 @@ and workers keep no record of ids they never saw. Only when that call failed or 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -41,7 +40,14 @@ from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits, validate_request
-from pdserve.model_runtime.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole, WorkItem
+from pdserve.model_runtime.worker.messages import (
+    KVTarget,
+    TokenDelta,
+    WorkerHealth,
+    WorkerLoad,
+    WorkerRole,
+    WorkItem,
+)
 from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import Code, RouterError
@@ -275,6 +281,7 @@ class Router:
         finally:
             if not dispatch.done():
                 dispatch.cancel()
+            stream.reservation_settled.set()  # nobody waits for a reservation of an ended stream
             self._forget(stream)
             if not stream.done:
                 stream.abort()
@@ -315,12 +322,9 @@ class Router:
         # Prefill goes out first: its call is on the TTFT path, the reservation is not.
         started, target = await asyncio.gather(
             self._open(stream, prefill, "prefill", work, None, timeout_s=self.config.call_timeout_s),
-            self._open(
-                stream, decode, "reserve", work, f"kv-{uuid.uuid4().hex}", wait,
-                timeout_s=wait + self.config.call_timeout_s,
-            ),
+            self._reserve(stream, decode, work, wait),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         for outcome in (started, target):
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -329,8 +333,6 @@ class Router:
                 Code.RESOURCE_EXHAUSTED,
                 f"no KV cache room on decode worker {decode.worker_id} within {wait:g}s; retry later",
             )
-        stream.reserved_at = time.perf_counter()
-        stream.reserved.set()
         if stream.done:
             return
         try:
@@ -339,8 +341,32 @@ class Router:
             if stream.first_token is None:
                 raise  # nothing came out yet: the request fails (UNAVAILABLE)
             # The first token is out, so the request goes on: decode recomputes the prompt
-            # (told here, or by the worker-loss handler if it saw the loss first).
+            # (told here, or by the worker-loss handler if it saw the loss first), and prefill,
+            # should it live, lets go of the prompt's blocks.
             self._spawn(self._kv_lost(stream))
+            if rid in prefill.inflight and prefill.healthy:
+                prefill.inflight.discard(rid)
+                self._spawn(self._abort_on(prefill, rid, stream.opening.get(prefill.worker_id)))
+
+    async def _reserve(
+        self, stream: RequestStream, decode: WorkerHandle, work: WorkItem, wait: float
+    ) -> KVTarget | None:
+        """Queue a reservation on ``decode`` (a quick call: once it returned, an abort reaches
+        the waiting reservation), then wait for it to be granted."""
+        timeout = self.config.call_timeout_s
+        try:
+            tid = f"kv-{uuid.uuid4().hex}"
+            if not await self._open(stream, decode, "queue_reservation", work, tid, wait, timeout_s=timeout):
+                return None
+            target: KVTarget | None = await decode.call(
+                "await_reservation", stream.request_id, wait, timeout_s=wait + timeout
+            )
+            if target is not None:
+                stream.reserved_at = time.perf_counter()
+                stream.reserved.set()
+            return target
+        finally:
+            stream.reservation_settled.set()
 
     async def _open(
         self, stream: RequestStream, w: WorkerHandle, method: str, *args: Any, timeout_s: float
@@ -372,7 +398,9 @@ class Router:
             # Wait for the call that put the request there: an abort that overtook it would
             # find nothing, and the add would then start work nobody collects.
             await asyncio.wait([opening])
-            remember = opening.cancelled() or opening.exception() is not None
+            # Only an outcome nobody knows (the call timed out or was cancelled on our side)
+            # may still land: then the worker must refuse the late add.
+            remember = opening.cancelled() or isinstance(opening.exception(), asyncio.TimeoutError)
         try:
             await w.call("abort", rid, remember, timeout_s=self.config.call_timeout_s)
         except Exception as e:  # a dead worker frees nothing, and needs nothing freed
@@ -422,20 +450,10 @@ class Router:
 
     async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
         await asyncio.sleep(0)  # the first token goes to the client before this call goes out
-        wait_s = self.config.reserve_timeout_s + 5
-        try:
-            await asyncio.wait_for(stream.reserved.wait(), wait_s)
-        except TimeoutError:  # str() of a timeout is empty: say which wait ran out
-            stream.fail(
-                RouterError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"no KV cache room reserved on decode worker {decode.worker_id} within {wait_s:g}s; "
-                    "retry later",
-                    retry_after_s=1.0,
-                )
-            )
-            return
-        if stream.done:
+        # Settled however the reservation ends; one that was not granted failed the stream
+        # (RESOURCE_EXHAUSTED, from the dispatch).
+        await stream.reservation_settled.wait()
+        if stream.done or not stream.reserved.is_set():
             return
         try:
             await decode.call(
@@ -454,8 +472,7 @@ class Router:
         decode = self.workers.get(stream.decode_worker)
         if decode is None or stream.done:
             return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stream.reserved.wait(), self.config.reserve_timeout_s + 5)
+        await stream.reservation_settled.wait()
         if stream.done or not stream.reserved.is_set():
             return
         try:

@@ -97,6 +97,7 @@ class RequestStream:
         self.error: RouterError | None = None
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
+        self.reservation_settled = asyncio.Event()  # granted or not: the reservation is over
         self.reserved_at = 0.0  # when it did (perf_counter)
         # worker id -> the call that put the request on it (an abort waits for it)
         self.opening: dict[str, asyncio.Future[Any]] = {}

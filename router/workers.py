@@ -17,6 +17,11 @@ from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.worker.host import WorkerInfo
 from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad
 
+# Commands that may wait for seconds (a reservation waiting for KV room): callers run them apart
+# from all others (their own threads or Ray concurrency group), so that however many wait,
+# aborts, starts and targets never queue behind them.
+WAITING_COMMANDS = frozenset({"await_reservation"})
+
 
 class Caller(Protocol):
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any: ...
@@ -25,15 +30,20 @@ class Caller(Protocol):
 
 
 class LocalCaller:
-    """Calls methods of an in-process worker host on a thread pool (no Ray)."""
+    """Calls methods of an in-process worker host on a thread pool (no Ray); the
+    ``WAITING_COMMANDS`` on a pool of their own."""
 
-    def __init__(self, host: Any, pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, host: Any, pool: ThreadPoolExecutor, waiting_pool: ThreadPoolExecutor | None = None
+    ) -> None:
         self.host = host
         self.pool = pool
+        self.waiting_pool = waiting_pool or pool
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.pool, lambda: getattr(self.host, method)(*args))
+        pool = self.waiting_pool if method in WAITING_COMMANDS else self.pool
+        fut = loop.run_in_executor(pool, lambda: getattr(self.host, method)(*args))
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
     def kill(self) -> None:

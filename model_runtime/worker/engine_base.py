@@ -59,6 +59,9 @@ class RoleEngineBase:
             failures=tuple(sorted(stats.failures.items())),
         )
 
+    def on_stop(self) -> None:
+        """The step loop stopped (shutdown or failure): resolve whatever callers wait on."""
+
     def request_state(self) -> dict[str, int]:
         """Sizes of every per-request map this engine, its KV manager and its transport keep;
         all 0 whenever the engine is idle."""

@@ -51,6 +51,8 @@ class RoleEngine(Protocol):
 
     def request_state(self) -> dict[str, int]: ...
 
+    def on_stop(self) -> None: ...  # the loop stopped: resolve whatever callers wait on
+
 
 class EngineLoop:
     def __init__(self, engine: RoleEngine, name: str = "engine-loop", address: str = "") -> None:
@@ -131,6 +133,10 @@ class EngineLoop:
             log.exception("engine loop failed")
             self.error = e
         finally:
+            try:
+                self.engine.on_stop()
+            except Exception:
+                log.exception("engine stop hook failed")
             with self._out_cv:
                 self._out_cv.notify_all()
             while self._cmds:

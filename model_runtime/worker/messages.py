@@ -6,7 +6,7 @@ boundary (Ray today) without pickling application objects and could be framed as
 A request's path through these messages (disaggregated)::
 
     router                          decode worker                     prefill worker
-    WorkItem + transfer id  ---->   reserve blocks -> KVTarget
+    WorkItem + transfer id  ---->   queue a reservation; await it -> KVTarget
     WorkItem + KVTarget     -------------------------------------->  prefill, push KV
                             <--------------------------------------  TokenDelta(first token, prefilled)
     start(first token)      ---->   transfer done + token: decode

@@ -465,3 +465,28 @@ def test_a_worker_whose_channel_broke_is_stopped() -> None:
         assert msg.result.decode_worker == "decode-1"
     finally:
         st.stop()
+
+
+def test_cancel_reaches_a_reservation_still_waiting_for_room() -> None:
+    """The client gives up while decode has no room for its request: the waiting reservation
+    must go at once (not hold its place in the queue until room frees, then take blocks)."""
+    from pdserve.model_runtime.config import CacheConfig
+
+    st, ep = start_service(use_ray=False, cache=CacheConfig(block_size=16, num_blocks=40))
+    try:
+        hog, blocked, _ = blocked_by_a_full_decode_worker(stub(ep), [9] * 200)
+        decode = next(h for h in st.service.handles if h.role.value == "decode")
+
+        def pending() -> int:
+            state: dict[str, int] = st.run(decode.call("request_state", timeout_s=5))
+            return state["pending_reservations"]
+
+        assert pending() == 1
+        blocked.cancel()
+        took = wait_for(lambda: pending() == 0, 1.0, "the waiting reservation dropped")
+        assert took < 1.0
+        hog.cancel()
+        wait_for(lambda: all_free(status(ep)), 5.0, "every block freed", lambda: status(ep))
+        assert_no_request_state(st)
+    finally:
+        st.stop()

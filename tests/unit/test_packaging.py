@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,9 +13,15 @@ ROOMS = ("model_runtime", "router", "prefill_worker", "decode_worker", "kvtransf
 
 
 def test_the_wheel_has_one_top_level_name_and_every_module(tmp_path: Path) -> None:
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    src = tmp_path / "src"
+    junk = shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "results"
+    )
+    shutil.copytree(ROOT, src, symlinks=True, ignore=junk)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-         str(ROOT)],
+         str(src)],
         check=True,
         capture_output=True,
     )  # fmt: skip

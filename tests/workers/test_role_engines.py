@@ -3,6 +3,7 @@ real KV transfers must give exactly the colocated engine's tokens and leak no bl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -20,6 +21,7 @@ from pdserve.model_runtime.engine.step_log import read_steps
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.worker.host import WorkerSpec
+from pdserve.model_runtime.worker.loop import WorkerFailed
 from pdserve.model_runtime.worker.messages import TokenDelta, WorkerRole, WorkItem
 from pdserve.prefill_worker.actor import PrefillWorker
 
@@ -404,3 +406,46 @@ def test_aborts_are_not_starved_by_pending_reservations() -> None:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         d.shutdown()
+
+
+def test_pending_reservations_end_when_the_worker_stops() -> None:
+    """A reservation waiting for room resolves (to None) when its worker shuts down, instead of
+    holding its caller until the deadline."""
+    small = dataclasses.replace(ENGINE, cache=CacheConfig(block_size=8, num_blocks=12))
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, small, TransportConfig(backend="tcp"), SECRET))
+    pool = ThreadPoolExecutor(2)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert d.reserve(WorkItem("hog", tuple(range(1, 81)), params), "t-hog", timeout_s=1) is not None
+        waiting = pool.submit(d.reserve, WorkItem("w", tuple(range(1, 41)), params), "t-w", 30.0)
+        deadline = time.monotonic() + 5
+        while d.request_state()["pending_reservations"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        d.shutdown()
+        # Well before its 30 s deadline, either way: None, or WorkerFailed if the worker stopped
+        # before the caller's wait began.
+        with contextlib.suppress(WorkerFailed):
+            assert waiting.result(timeout=10) is None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_an_id_still_releasing_its_blocks_is_refused_then_works(pair) -> None:
+    """Right after an abort, an aborted reservation's blocks may still wait under its id for the
+    transport: the same id is refused until they are back, never given blocks that the pending
+    release would then free under it."""
+    _, d = pair
+    pr = prompts(1, seed=35)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert d.reserve(WorkItem("x", pr, params), "t-x1", timeout_s=5) is not None
+    assert d.abort("x")
+    try:
+        second = d.reserve(WorkItem("x", pr, params), "t-x2", timeout_s=5)
+    except ValueError:
+        assert d.wait_idle(5.0)
+        second = d.reserve(WorkItem("x", pr, params), "t-x2", timeout_s=5)
+    assert second is not None
+    time.sleep(0.1)  # the old transfer's release, if any, has been polled by now
+    assert d.request_state()["kv_tables"] == 1 and d.request_state()["reserved"] == 1
+    assert d.abort("x")
