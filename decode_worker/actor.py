@@ -7,9 +7,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdserve.decode_worker.engine import DecodeEngine
-from pdserve.model_runtime.worker.host import WorkerHost
-from pdserve.model_runtime.worker.loop import WorkerFailed
-from pdserve.model_runtime.worker.messages import KVTarget, WorkItem
+from pdserve.worker.host import WorkerHost
+from pdserve.worker.loop import WorkerFailed
+from pdserve.worker.messages import KVTarget, WorkItem
 
 
 class DecodeWorker(WorkerHost):

@@ -41,13 +41,13 @@ from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.runtime import Runtime
 from pdserve.model_runtime.kv_cache.manager import blocks_needed
 from pdserve.model_runtime.request import FinishReason, Request
-from pdserve.model_runtime.sampling.sampler import TokenLogprobs
+from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.validation import validate_request
-from pdserve.model_runtime.worker.deltas import Tombstones, delta_for
-from pdserve.model_runtime.worker.engine_base import RoleEngineBase
-from pdserve.model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.deltas import Tombstones, delta_for
+from pdserve.worker.engine_base import RoleEngineBase
+from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ class DecodeEngine(RoleEngineBase):
             self._serve_pending()
         return deltas
 
-    def _delta(self, req: Request, logprobs: list[TokenLogprobs]) -> TokenDelta:
+    def _delta(self, req: Request, logprobs: list[Logprob]) -> TokenDelta:
         since = self._emitted[req.request_id]
         self._emitted[req.request_id] = len(req.output_token_ids)
         return delta_for(req, since, logprobs)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.transport import TransportConfig
 from pdserve.model_runtime.engine.runtime import EngineConfig
-from pdserve.model_runtime.worker.host import WorkerSpec
-from pdserve.model_runtime.worker.messages import WorkerRole
+from pdserve.worker.host import WorkerSpec
+from pdserve.worker.messages import WorkerRole
 
 
 @dataclass(frozen=True)

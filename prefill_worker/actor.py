@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.model_runtime.worker.host import WorkerHost
-from pdserve.model_runtime.worker.messages import KVTarget, WorkItem
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.worker.host import WorkerHost
+from pdserve.worker.messages import KVTarget, WorkItem
 
 
 class PrefillWorker(WorkerHost):

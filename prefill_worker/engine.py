@@ -35,9 +35,9 @@ from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 from pdserve.model_runtime.validation import validate_request
-from pdserve.model_runtime.worker.deltas import Tombstones, delta_for, error_delta
-from pdserve.model_runtime.worker.engine_base import RoleEngineBase
-from pdserve.model_runtime.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.deltas import Tombstones, delta_for, error_delta
+from pdserve.worker.engine_base import RoleEngineBase
+from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 
-from pdserve.model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.errors import Code
@@ -23,6 +22,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Decision
 from pdserve.router.slo import SloBook, SloClass, SloResult, SloTracker
 from pdserve.router.stream import RequestStream, Timing
+from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 
 log = logging.getLogger(__name__)
 

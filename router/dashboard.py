@@ -22,9 +22,9 @@ from typing import Any
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from pdserve.model_runtime.worker.messages import WorkerHealth
 from pdserve.router.service import Router
 from pdserve.router.slo import WindowStats
+from pdserve.worker.messages import WorkerHealth
 
 WINDOW_S = 60.0  # the "current" numbers: the last minute, like the router's gauges
 MAX_POINTS = 300

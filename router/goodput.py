@@ -46,12 +46,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.model_runtime.worker.messages import WorkerLoad, WorkerRole
 from pdserve.router.latency_model import LatencyModel, Phase, inbound
 from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger
 from pdserve.router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
 from pdserve.router.prefix import PrefixIndex
 from pdserve.router.slo import Admission, SloClass
+from pdserve.worker.messages import WorkerLoad, WorkerRole
 
 ErrorSink = Callable[[str, float], None]  # (kind "ttft" | "tpot", observed / predicted)
 

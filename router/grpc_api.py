@@ -19,13 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.worker.messages import Logprob, WorkerHealth, WorkerRole
 from pdserve.router.auth import bearer_ok
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.worker.messages import Logprob, WorkerHealth, WorkerRole
 
 log = logging.getLogger(__name__)
 

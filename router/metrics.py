@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad
 from pdserve.router.slo import SloBook, SloResult, SloTracker
 from pdserve.router.stream import Final
+from pdserve.worker.messages import WorkerHealth, WorkerLoad
 
 P = "pdserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.model_runtime.tokenizer import TextTokenizer
-from pdserve.model_runtime.worker.messages import Logprob
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.stream import Chunk, Event, Final
+from pdserve.worker.messages import Logprob
 
 ERROR_TYPES = {
     Code.INVALID_ARGUMENT: "invalid_request_error",

@@ -14,7 +14,8 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 
-from pdserve.model_runtime.worker.codec import (
+from pdserve.router.workers import WorkerHandle
+from pdserve.worker.codec import (
     CHALLENGE_BYTES,
     LENGTH,
     MAX_FRAME_BYTES,
@@ -23,8 +24,7 @@ from pdserve.model_runtime.worker.codec import (
     decode_batch,
     decode_hello,
 )
-from pdserve.model_runtime.worker.messages import TokenDelta
-from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import TokenDelta
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.model_runtime.worker.messages import WorkerLoad
 from pdserve.router.slo import SloClass
+from pdserve.worker.messages import WorkerLoad
 
 
 @dataclass(frozen=True)

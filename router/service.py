@@ -40,14 +40,6 @@ from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits, validate_request
-from pdserve.model_runtime.worker.messages import (
-    KVTarget,
-    TokenDelta,
-    WorkerHealth,
-    WorkerLoad,
-    WorkerRole,
-    WorkItem,
-)
 from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import Code, RouterError
@@ -57,6 +49,14 @@ from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass, SloHint
 from pdserve.router.stream import Event, RequestStream
 from pdserve.router.workers import WorkerHandle, WorkerLost
+from pdserve.worker.messages import (
+    KVTarget,
+    TokenDelta,
+    WorkerHealth,
+    WorkerLoad,
+    WorkerRole,
+    WorkItem,
+)
 
 log = logging.getLogger(__name__)
 __all__ = ["Admitted", "GenerateInput", "ModelInfo", "Router", "SloHint"]

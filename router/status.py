@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.model_runtime.worker.messages import WorkerLoad
+from pdserve.worker.messages import WorkerLoad
 
 
 def worker_json(w: WorkerLoad) -> dict[str, Any]:

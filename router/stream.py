@@ -24,8 +24,8 @@ from pdserve.model_runtime.request import Usage
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
-from pdserve.model_runtime.worker.messages import Logprob, TokenDelta
 from pdserve.router.errors import RouterError
+from pdserve.worker.messages import Logprob, TokenDelta
 
 
 class StreamState(enum.Enum):

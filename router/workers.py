@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.worker.host import WorkerInfo
-from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad
+from pdserve.worker.messages import WorkerHealth, WorkerInfo, WorkerLoad
 
 # Commands that may wait for seconds (a reservation waiting for KV room): callers run them apart
 # from all others (their own threads or Ray concurrency group), so that however many wait,

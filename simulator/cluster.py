@@ -39,11 +39,11 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig
 from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
-from pdserve.model_runtime.worker.messages import WorkerLoad, WorkerRole
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass
 from pdserve.simulator.jitter import StepJitter
+from pdserve.worker.messages import WorkerLoad, WorkerRole
 
 TOKEN = 1  # every sampled token: content does not matter to scheduling
 

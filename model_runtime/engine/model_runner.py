@@ -12,14 +12,15 @@ from pdserve.model_runtime.engine.batch import build_batch
 from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.request import Request
-from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow, TokenLogprobs
+from pdserve.model_runtime.sampling.logprob import Logprob
+from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
 
 @dataclass
 class StepResult:
     sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    logprobs: dict[str, Logprob]
 
 
 class ModelRunner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.model_runtime.request import FinishReason, Request, Usage
-from pdserve.model_runtime.sampling.sampler import TokenLogprobs
+from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
 
@@ -24,8 +24,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     stop_reason: int | str | None
     usage: Usage
-    logprobs: list[TokenLogprobs] | None = None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    new_logprobs: list[Logprob] = field(default_factory=list)
     num_preemptions: int = 0
 
 
@@ -37,10 +37,10 @@ class OutputTracker:
         self.stream = TextStream(
             tokenizer, req.prompt_token_ids, req.params.stop, req.params.include_stop_str_in_output
         )
-        self.logprobs: list[TokenLogprobs] | None = [] if req.params.logprobs is not None else None
+        self.logprobs: list[Logprob] | None = [] if req.params.logprobs is not None else None
         self.seen = 0  # output tokens already reported
 
-    def step(self, logprobs: TokenLogprobs | None) -> tuple[RequestOutput, bool]:
+    def step(self, logprobs: Logprob | None) -> tuple[RequestOutput, bool]:
         """Report tokens added since the last call; returns (output, hit a stop string)."""
         req = self.req
         new_ids = req.output_token_ids[self.seen :]
@@ -49,13 +49,13 @@ class OutputTracker:
         if req.is_finished or self.stream.matched is not None:
             new_text += self.stream.finish()
         hit_stop = self.stream.matched is not None
-        new_lp: list[TokenLogprobs] = []
+        new_lp: list[Logprob] = []
         if self.logprobs is not None and logprobs is not None:
             new_lp = [logprobs]
             self.logprobs.append(logprobs)
         return self.output(new_ids, new_text, new_lp), hit_stop
 
-    def output(self, new_ids: list[int], new_text: str, new_lp: list[TokenLogprobs]) -> RequestOutput:
+    def output(self, new_ids: list[int], new_text: str, new_lp: list[Logprob]) -> RequestOutput:
         req = self.req
         return RequestOutput(
             request_id=req.request_id,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.sampling_params import SamplingParams
 
 
@@ -57,16 +58,9 @@ def position_seed(seed: int, position: int) -> int:
 
 
 @dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
-
-
-@dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[Logprob | None]
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -145,7 +139,7 @@ def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 def compute_logprobs(
     raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]
-) -> list[TokenLogprobs | None]:
+) -> list[Logprob | None]:
     want = [r.params.logprobs for r in rows]
     if all(w is None for w in want):
         return [None] * len(rows)
@@ -153,15 +147,15 @@ def compute_logprobs(
     k = max(w or 0 for w in want)
     top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
     chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    out: list[TokenLogprobs | None] = []
+    out: list[Logprob | None] = []
     for i, w in enumerate(want):
         if w is None:
             out.append(None)
             continue
-        top: list[tuple[int, float]] = []
+        top: tuple[tuple[int, float], ...] = ()
         if w and top_v is not None and top_i is not None:
-            top = list(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist(), strict=True))
-        out.append(TokenLogprobs(int(chosen[i]), float(chosen_lp[i]), top))
+            top = tuple(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist(), strict=True))
+        out.append(Logprob(int(chosen[i]), float(chosen_lp[i]), top))
     return out
 
 

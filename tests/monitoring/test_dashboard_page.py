@@ -22,8 +22,8 @@ from tests.monitoring.helpers import require_tool, send_traffic
 
 def fake_router(tracker: Any) -> Any:
     """What the dashboard reads of a router: its SLO classes and tracker, workers and model id."""
-    from pdserve.model_runtime.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
     from pdserve.router.slo import SloBook, SloClass
+    from pdserve.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
 
     def worker(wid: str, role: WorkerRole, free: int, health: WorkerHealth) -> Any:
         load = WorkerLoad(wid, role, "", 1, 2, 100, free, 0)

@@ -7,13 +7,13 @@ import math
 import pytest
 
 from pdserve.model_runtime.latency import H100_LLAMA3_8B
-from pdserve.model_runtime.worker.messages import WorkerLoad, WorkerRole
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.goodput import GoodputConfig, GoodputPolicy
 from pdserve.router.latency_model import LatencyModel, Link, Phase, inbound
 from pdserve.router.policy import BEST_EFFORT_PRIORITY, LOAD_POLICIES, Outcome, PairPolicy, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import Admission, SloClass
+from pdserve.worker.messages import WorkerLoad, WorkerRole
 
 CHAT = SloClass("chat", ttft_ms=250, tpot_ms=100)
 BS = 16

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model_runtime.worker.codec import (
+from pdserve.worker.codec import (
     LENGTH,
     ChannelError,
     decode_batch,
@@ -18,7 +18,7 @@ from pdserve.model_runtime.worker.codec import (
     encode_batch,
     encode_hello,
 )
-from pdserve.model_runtime.worker.messages import (
+from pdserve.worker.messages import (
     Logprob,
     OutputBatch,
     TokenDelta,

@@ -9,7 +9,16 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROOMS = ("model_runtime", "router", "prefill_worker", "decode_worker", "kvtransfer", "deploy", "simulator")
+ROOMS = (
+    "model_runtime",
+    "router",
+    "worker",
+    "prefill_worker",
+    "decode_worker",
+    "kvtransfer",
+    "deploy",
+    "simulator",
+)
 
 
 def test_the_wheel_has_one_top_level_name_and_every_module(tmp_path: Path) -> None:

@@ -29,13 +29,30 @@ PURE = (
     "pdserve.simulator.service_fit",
     "pdserve.simulator.jitter",
     "pdserve.model_runtime.engine.step_log",
+    "pdserve.model_runtime.sampling.logprob",
+    "pdserve.worker.messages",
+    "pdserve.router.workers",
 )
+# The router's process routes requests without the model stack: its service, the worker clients
+# and the output channel's codec load neither torch nor Ray (msgpack and asyncio are theirs).
+NO_MODEL_STACK = ("pdserve.router.service", "pdserve.router.workers", "pdserve.worker.codec")
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}
+
+
+def loaded_by(module: str) -> set[str]:
+    """Top-level packages a fresh interpreter holds after importing ``module``."""
+    code = f"import sys, json, {module}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize("module", PURE)
 def test_module_imports_no_heavy_stack(module: str) -> None:
-    code = f"import sys, json, {module}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    loaded = loaded_by(module)
     assert not loaded & HEAVY, f"{module} pulls in {sorted(loaded & HEAVY)}"
+
+
+@pytest.mark.parametrize("module", NO_MODEL_STACK)
+def test_router_side_loads_no_torch_or_ray(module: str) -> None:
+    loaded = loaded_by(module)
+    assert not loaded & {"torch", "ray"}, f"{module} pulls in {sorted(loaded & {'torch', 'ray'})}"

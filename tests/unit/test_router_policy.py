@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.policy import LeastLoaded, RoundRobin, RouteRequest
 from pdserve.router.stream import Chunk, Final, RequestStream
+from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 
 REQ = RouteRequest(prompt_tokens=10, max_tokens=5)
 

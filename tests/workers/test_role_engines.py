@@ -20,10 +20,10 @@ from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.model_runtime.engine.step_log import read_steps
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
-from pdserve.model_runtime.worker.host import WorkerSpec
-from pdserve.model_runtime.worker.loop import WorkerFailed
-from pdserve.model_runtime.worker.messages import TokenDelta, WorkerRole, WorkItem
 from pdserve.prefill_worker.actor import PrefillWorker
+from pdserve.worker.host import WorkerSpec
+from pdserve.worker.loop import WorkerFailed
+from pdserve.worker.messages import TokenDelta, WorkerRole, WorkItem
 
 SECRET = b"worker-test-secret-0123"
 ENGINE = EngineConfig(

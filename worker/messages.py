@@ -18,7 +18,21 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.sampling_params import SamplingParams
+
+__all__ = [
+    "KVTarget",
+    "Logprob",
+    "OutputBatch",
+    "TokenDelta",
+    "TransferCounters",
+    "WorkItem",
+    "WorkerHealth",
+    "WorkerInfo",
+    "WorkerLoad",
+    "WorkerRole",
+]
 
 
 class WorkerRole(enum.Enum):
@@ -58,13 +72,6 @@ class KVTarget:
 
 
 @dataclass(frozen=True)
-class Logprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
-
-
-@dataclass(frozen=True)
 class TokenDelta:
     """What one step added to one request.
 
@@ -85,6 +92,27 @@ class TokenDelta:
     prefilled: bool = False
     error: str | None = None
     kv_lost: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the router learns from a worker once it is ready."""
+
+    worker_id: str
+    role: WorkerRole
+    address: str  # its KV transport address (decode) or "" (prefill, colocated)
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    dtype: str
+    kv_blocks: int
+    max_logprobs: int
+    has_tokenizer: bool
+    pid: int
+    node: str
+    step_tokens: int = 0  # the scheduler's token budget per step (bounds local prefill chunks)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdserve.model_runtime.worker.codec import CHALLENGE_BYTES, encode_batch, encode_hello
-from pdserve.model_runtime.worker.loop import EngineLoop, WorkerFailed
-from pdserve.model_runtime.worker.messages import OutputBatch, WorkerLoad
+from pdserve.worker.codec import CHALLENGE_BYTES, encode_batch, encode_hello
+from pdserve.worker.loop import EngineLoop, WorkerFailed
+from pdserve.worker.messages import OutputBatch, WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import torch
 from pdserve.kvtransfer.transport import KVTransport, TransportConfig
 from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
-from pdserve.model_runtime.worker.loop import EngineLoop, RoleEngine
-from pdserve.model_runtime.worker.messages import OutputBatch, WorkerLoad, WorkerRole
-from pdserve.model_runtime.worker.push import OutputPusher
+from pdserve.worker.loop import EngineLoop, RoleEngine
+from pdserve.worker.messages import OutputBatch, WorkerInfo, WorkerLoad, WorkerRole
+from pdserve.worker.push import OutputPusher
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +40,6 @@ class WorkerSpec:
     secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
     router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the router learns from a worker once it is ready."""
-
-    worker_id: str
-    role: WorkerRole
-    address: str  # its KV transport address (decode) or "" (prefill, colocated)
-    model_dir: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    dtype: str
-    kv_blocks: int
-    max_logprobs: int
-    has_tokenizer: bool
-    pid: int
-    node: str
-    step_tokens: int = 0  # the scheduler's token budget per step (bounds local prefill chunks)
 
 
 def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from pdserve.model_runtime.worker.messages import (
+from pdserve.worker.messages import (
     Logprob,
     OutputBatch,
     TokenDelta,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from pdserve.model_runtime.worker.messages import TokenDelta, WorkerLoad
+from pdserve.worker.messages import TokenDelta, WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
-from pdserve.model_runtime.worker.messages import TransferCounters, WorkerLoad, WorkerRole
+from pdserve.worker.messages import TransferCounters, WorkerLoad, WorkerRole
 
 # Transfers in flight: the transport wakes the loop on every completion; this poll only bounds
 # the delay should a wake-up ever be missed.

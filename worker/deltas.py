@@ -7,23 +7,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.model_runtime.request import Request
-from pdserve.model_runtime.sampling.sampler import TokenLogprobs
-from pdserve.model_runtime.worker.messages import Logprob, TokenDelta
-
-
-def to_logprob(lp: TokenLogprobs) -> Logprob:
-    return Logprob(lp.token_id, lp.logprob, tuple((t, v) for t, v in lp.top))
+from pdserve.model_runtime.sampling.logprob import Logprob
+from pdserve.worker.messages import TokenDelta
 
 
 def delta_for(
-    req: Request, since: int, logprobs: Sequence[TokenLogprobs] = (), prefilled: bool = False
+    req: Request, since: int, logprobs: Sequence[Logprob] = (), prefilled: bool = False
 ) -> TokenDelta:
     """Tokens ``req`` generated from output index ``since`` on, and whether it ended."""
     stop_id = req.stop_reason if isinstance(req.stop_reason, int) else None
     return TokenDelta(
         request_id=req.request_id,
         token_ids=tuple(req.output_token_ids[since:]),
-        logprobs=tuple(to_logprob(lp) for lp in logprobs) if req.params.logprobs is not None else None,
+        logprobs=tuple(logprobs) if req.params.logprobs is not None else None,
         finished=req.is_finished,
         finish_reason=req.finish_reason.value if req.finish_reason else None,
         stop_token_id=stop_id,
