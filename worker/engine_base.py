@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager, check_idle
 from pdserve.worker.messages import TransferCounters, WorkerLoad, WorkerRole
 
 # Transfers in flight: the transport wakes the loop on every completion; this poll only bounds
@@ -74,11 +74,5 @@ class RoleEngineBase:
     def check_integrity(self) -> None:
         """Raise if the pool's bookkeeping is inconsistent, or blocks or per-request state
         leaked while idle."""
-        stats = self.kv.check_integrity()
-        if not self.idle:
-            return
-        if stats.used:
-            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
-        left = {k: v for k, v in self.request_state().items() if v}
-        if left:
-            raise AssertionError(f"per-request state left with no request in flight: {left}")
+        idle = self.idle
+        check_idle(self.kv, idle, self.request_state() if idle else {})

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pdserve.model_runtime.engine.output import OutputTracker, RequestOutput
 from pdserve.model_runtime.engine.runtime import EngineConfig, build_runtime
 from pdserve.model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
+from pdserve.model_runtime.kv_cache.manager import check_idle
 from pdserve.model_runtime.request import FinishReason, Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
@@ -150,11 +151,5 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Raise if the pool's bookkeeping is inconsistent, or blocks or per-request state
         leaked while idle."""
-        stats = self.kv.check_integrity()
-        if self._requests:
-            return
-        if stats.used:
-            raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
-        left = {k: v for k, v in self.request_state().items() if v}
-        if left:
-            raise AssertionError(f"per-request state left with no request in flight: {left}")
+        idle = not self._requests
+        check_idle(self.kv, idle, self.request_state() if idle else {})

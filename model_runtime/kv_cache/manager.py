@@ -15,10 +15,23 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdserve.model_runtime.kv_cache.block_pool import BlockKey, BlockPool, PoolStats, chain_key
 from pdserve.model_runtime.request import Request
+
+
+def check_idle(kv: KVCacheManager, idle: bool, request_state: Mapping[str, int]) -> None:
+    """An engine's leak check: the pool is consistent, and an idle engine (no request held)
+    holds no block and no per-request state (``request_state``: each map's size)."""
+    stats = kv.check_integrity()
+    if not idle:
+        return
+    if stats.used:
+        raise AssertionError(f"{stats.used} KV blocks still used with no request in flight")
+    left = {k: v for k, v in request_state.items() if v}
+    if left:
+        raise AssertionError(f"per-request state left with no request in flight: {left}")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
