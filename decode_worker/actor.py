@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdserve.decode_worker.engine import DecodeEngine
-from pdserve.worker.host import WorkerHost
-from pdserve.worker.loop import WorkerFailed
+from pdserve.worker.commands import (
+    AddLocal,
+    Answer,
+    AwaitReservation,
+    Command,
+    KvLost,
+    QueueReservation,
+    Start,
+)
+from pdserve.worker.host import WorkerHost, flatten, then
 from pdserve.worker.messages import KVTarget, WorkItem
+
+
+def _queued(outcome: Future[KVTarget | None]) -> bool:
+    """A reservation is granted or waiting (not refused at once)."""
+    return not outcome.done() or outcome.result() is not None
 
 
 class DecodeWorker(WorkerHost):
@@ -23,29 +34,35 @@ class DecodeWorker(WorkerHost):
         assert isinstance(self.engine, DecodeEngine)
         return self.engine
 
+    def _execute_role(self, cmd: Command) -> Future[Answer]:
+        eng = self._decode
+        if isinstance(cmd, QueueReservation):
+            queued = self.loop.submit(eng.reserve, cmd.work, cmd.transfer_id, cmd.timeout_s)
+            return then(queued, _queued)
+        if isinstance(cmd, AwaitReservation):
+            return flatten(self.loop.submit(eng.reservation, cmd.request_id))
+        if isinstance(cmd, Start):
+            return self.loop.submit(eng.start, cmd.request_id, cmd.first_token, cmd.cached_tokens)
+        if isinstance(cmd, KvLost):
+            return self.loop.submit(eng.kv_lost, cmd.request_id)
+        if isinstance(cmd, AddLocal):
+            return self.loop.submit(eng.add_local, cmd.work)
+        return super()._execute_role(cmd)
+
+    # -- the same commands, in process (tests, tools): one path with the channel's ----------
     def queue_reservation(self, work: WorkItem, transfer_id: str, timeout_s: float) -> bool:
         """Ask for blocks for ``work``'s prompt KV, granted at once or when room frees within
         ``timeout_s`` (first come, first served); returns at once: True if granted or waiting
         (``await_reservation`` gives the outcome), False if refused now. Raises for a request
         this worker cannot serve. An ``abort`` after it returns reaches a waiting reservation."""
-        outcome: Future[KVTarget | None] = self.loop.call(self._decode.reserve, work, transfer_id, timeout_s)
-        return not outcome.done() or outcome.result() is not None
+        return bool(self.run(QueueReservation(work, transfer_id, timeout_s)))
 
     def await_reservation(self, request_id: str, timeout_s: float) -> KVTarget | None:
         """The target of a queued reservation once granted; ``None`` if it expired, was
-        aborted, or never was. Waits on the engine's own queue (it costs the loop nothing);
-        callers run it apart from other commands (``pdserve.router.workers.WAITING_COMMANDS``)."""
-        outcome: Future[KVTarget | None] = self.loop.call(self._decode.reservation, request_id)
-        # The engine resolves it by the deadline; the margin covers one step in progress.
-        give_up = time.monotonic() + max(0.0, timeout_s) + 30.0
-        while True:
-            try:
-                return outcome.result(timeout=0.25)
-            except FutureTimeout:
-                if self.loop.error is not None:
-                    raise WorkerFailed(f"worker loop stopped: {self.loop.error!r}") from None
-                if time.monotonic() > give_up:
-                    raise TimeoutError(f"reservation for {request_id!r} never resolved") from None
+        aborted, or never was (or the worker stopped). Waits on the engine's own queue: it
+        costs the loop nothing."""
+        target = self.run(AwaitReservation(request_id), timeout_s + 30.0)  # the engine's deadline rules
+        return target if isinstance(target, KVTarget) else None
 
     def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float) -> KVTarget | None:
         """``queue_reservation`` then ``await_reservation``, for callers that may block."""
@@ -55,11 +72,11 @@ class DecodeWorker(WorkerHost):
 
     def kv_lost(self, request_id: str) -> bool:
         """The request's KV will not come from its prefill worker: recompute it here."""
-        return bool(self.loop.call(self._decode.kv_lost, request_id))
+        return bool(self.run(KvLost(request_id)))
 
     def start(self, request_id: str, first_token: int, cached_tokens: int) -> bool:
-        return bool(self.loop.call(self._decode.start, request_id, first_token, cached_tokens))
+        return bool(self.run(Start(request_id, first_token, cached_tokens)))
 
     def add_local(self, work: WorkItem) -> None:
         """Prefill and decode ``work`` here (colocated deployments)."""
-        self.loop.call(self._decode.add_local, work)
+        self.run(AddLocal(work))

@@ -21,9 +21,8 @@ A pending reservation is a future the engine resolves on its own thread (between
 room frees or its deadline passes), so a caller waiting for room holds no engine time and other
 commands never queue behind it.
 
-Ids: the router sends an abort only after the call that put the request here returned, so an
-unknown id is simply not here. When that call failed or timed out it may still land:
-``abort(remember=True)`` keeps the id until that late add arrives and is refused.
+Ids: the router's commands arrive in the order it sent them (one channel per worker), so an
+abort never overtakes the add it cancels, and an unknown id leaves no trace.
 
 Single-threaded: one caller serializes every method.
 """
@@ -45,7 +44,7 @@ from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.validation import validate_request
-from pdserve.worker.deltas import Tombstones, delta_for
+from pdserve.worker.deltas import delta_for
 from pdserve.worker.engine_base import RoleEngineBase
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
@@ -92,7 +91,6 @@ class DecodeEngine(RoleEngineBase):
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
         self._pending: OrderedDict[str, PendingReservation] = OrderedDict()  # waiting for room
-        self._tombstones = Tombstones()
         self._deferred: set[str] = set()  # KV in, waiting out the emulated link time
         self.transfers_failed = 0
         self.recomputed = 0
@@ -106,14 +104,8 @@ class DecodeEngine(RoleEngineBase):
         validate_request(work.prompt_token_ids, work.params, self.limits)
         return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
 
-    def _refused(self, request_id: str) -> bool:
-        """An add the router already aborted (its abort asked us to remember the id)."""
-        return self._tombstones.take(request_id)
-
     def add_local(self, work: WorkItem) -> None:
         """Prefill and decode here (colocated path)."""
-        if self._refused(work.request_id):
-            return
         req = self._new_request(work)
         self._requests[req.request_id] = req
         self._emitted[req.request_id] = 0
@@ -126,9 +118,6 @@ class DecodeEngine(RoleEngineBase):
         if self.transport is None:
             raise RuntimeError("this worker has no KV transport (colocated)")
         fut: Future[KVTarget | None] = Future()
-        if self._refused(work.request_id):
-            fut.set_result(None)
-            return fut
         req = self._new_request(work)  # validates, and refuses an id already here
         target = None if self._pending else self._try_reserve(req, transfer_id)
         if target is not None or timeout_s <= 0:
@@ -210,15 +199,13 @@ class DecodeEngine(RoleEngineBase):
         self._maybe_begin(request_id, res)
         return True
 
-    def abort(self, request_id: str, remember: bool = False) -> bool:
+    def abort(self, request_id: str) -> bool:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.set_result(None)
             return True
         req = self._requests.pop(request_id, None)
         if req is None:
-            if remember:
-                self._tombstones.add(request_id)
             return False
         self._emitted.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
@@ -315,7 +302,6 @@ class DecodeEngine(RoleEngineBase):
             "cancelling": len(self._cancelling),
             "pending_reservations": len(self._pending),
             "deferred": len(self._deferred),
-            "tombstones": len(self._tombstones),
             **self._transport_state(),
         }
 

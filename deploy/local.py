@@ -7,14 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.deploy.pools import PoolSpec, host_class
 from pdserve.router.workers import LocalCaller, WorkerHandle
 
-WAITING_THREADS = 256  # threads for commands that wait (``WAITING_COMMANDS``), apart from the rest
-
 
 def launch_local(spec: PoolSpec, secret: bytes | None = None, router_address: str = "") -> list[WorkerHandle]:
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
-    waiting = ThreadPoolExecutor(max_workers=WAITING_THREADS, thread_name_prefix="worker-wait")
     handles = []
     for ws in spec.worker_specs(secret, router_address):
         host = host_class(ws.role)(ws)
-        handles.append(WorkerHandle(host.info(), LocalCaller(host, pool, waiting)))
+        handles.append(WorkerHandle(host.info(), LocalCaller(host, pool)))
     return handles

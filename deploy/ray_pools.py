@@ -16,13 +16,11 @@ import uuid
 from typing import Any
 
 from pdserve.deploy.pools import PoolSpec, host_class
-from pdserve.router.workers import WAITING_COMMANDS, WorkerHandle
+from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 64
-WAITING_GROUP = "waiting"  # the concurrency group of the WAITING_COMMANDS: threads of their own
-WAITING_CONCURRENCY = 256
 
 
 class RayCaller:
@@ -30,10 +28,7 @@ class RayCaller:
         self.actor = actor
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        fn = getattr(self.actor, method)
-        if method in WAITING_COMMANDS:
-            fn = fn.options(concurrency_group=WAITING_GROUP)
-        ref = fn.remote(*args)
+        ref = getattr(self.actor, method).remote(*args)
         fut = asyncio.wrap_future(ref.future())
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
@@ -90,7 +85,7 @@ def launch_ray(
         )
     actors = []
     for i, ws in enumerate(specs):
-        cls = ray.remote(concurrency_groups={WAITING_GROUP: WAITING_CONCURRENCY})(host_class(ws.role))
+        cls = ray.remote(host_class(ws.role))
         actors.append(
             cls.options(
                 name=f"pdserve-{deployment}-{ws.worker_id}",

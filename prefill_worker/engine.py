@@ -12,10 +12,9 @@ Per request::
     the first token already ends the request (EOS, max_tokens=1): reported finished, the
     transfer is cancelled; abort: removed wherever it is, its transfer cancelled.
 
-Ids: the router aborts a request here only after the call that added it returned, so an
-unknown id is simply not here (it was handed off or finished); only an abort that asks to
-remember the id (the add failed or timed out on the router's side) keeps it, until the late
-add arrives and is refused.
+Ids: the router's commands arrive in the order it sent them (one channel per worker), so an
+abort never overtakes the add it cancels; an unknown id is simply not here (handed off or
+finished) and leaves no trace.
 
 The router may send the request before the decode worker has reserved blocks (both at once,
 so the reservation is off the TTFT path); the target follows with ``set_target``. A push that
@@ -35,7 +34,7 @@ from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 from pdserve.model_runtime.validation import validate_request
-from pdserve.worker.deltas import Tombstones, delta_for, error_delta
+from pdserve.worker.deltas import delta_for, error_delta
 from pdserve.worker.engine_base import RoleEngineBase
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
@@ -59,13 +58,10 @@ class PrefillEngine(RoleEngineBase):
         self._sending: dict[str, str] = {}  # transfer id -> request id (source blocks held)
         self._awaiting_target: set[str] = set()  # prefilled, blocks held, target not known yet
         self._pending_errors: list[TokenDelta] = []
-        self._tombstones = Tombstones()
         self.transfers_failed = 0
 
     # -- commands ----------------------------------------------------------------------------
     def add(self, work: WorkItem, target: KVTarget | None = None) -> None:
-        if self._tombstones.take(work.request_id):
-            return  # the router aborted it before it arrived
         if work.request_id in self._requests:
             raise ValueError(f"request {work.request_id!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
@@ -97,10 +93,8 @@ class PrefillEngine(RoleEngineBase):
                 self._pending_errors.append(error_delta(request_id, UNREACHABLE))
         return True
 
-    def abort(self, request_id: str, remember: bool = False) -> bool:
+    def abort(self, request_id: str) -> bool:
         if request_id not in self._requests:
-            if remember:
-                self._tombstones.add(request_id)
             return False
         target = self._targets.pop(request_id, None)
         if target is not None and target.transfer_id in self._sending:
@@ -135,7 +129,6 @@ class PrefillEngine(RoleEngineBase):
             "sending": len(self._sending),
             "awaiting_target": len(self._awaiting_target),
             "scheduled": self.scheduler.num_waiting + self.scheduler.num_running,
-            "tombstones": len(self._tombstones),
             **self._transport_state(),
         }
 

@@ -1,9 +1,12 @@
-"""Router side of the output channel: every worker pushes its output batches here over TCP.
+"""Router side of the worker channel: every worker connects here over TCP; its output batches
+and its answers to commands come in, the router's commands go out (``pdserve.worker.push``
+is the other end, ``pdserve.worker.commands`` the command contract).
 
-Each connection authenticates (HMAC of a fresh challenge with the cluster secret) as one of
-the expected workers; after that every frame is one ``OutputBatch`` for the router. A
-connection that ends while the router is running means the worker is gone: its requests fail
-at once (no waiting for a call to time out).
+Each connection authenticates both ways (HMAC of a fresh challenge with the cluster secret,
+each side challenging the other) as one of the expected workers; after that every frame from
+the worker is an ``OutputBatch`` or an answer. A connection that ends while the router is
+running means the worker is gone: its requests fail at once, and so do its commands still
+waiting for answers (no waiting for a call to time out).
 """
 
 from __future__ import annotations
@@ -14,23 +17,82 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 
-from pdserve.router.workers import WorkerHandle
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
     LENGTH,
     MAX_FRAME_BYTES,
     MAX_HELLO_BYTES,
     ChannelError,
-    decode_batch,
     decode_hello,
+    encode_welcome,
 )
-from pdserve.worker.messages import TokenDelta
+from pdserve.worker.commands import (
+    Answer,
+    Command,
+    CommandError,
+    ErrorKind,
+    decode_from_worker,
+    encode_command,
+)
+from pdserve.worker.messages import OutputBatch, TokenDelta
 
 log = logging.getLogger(__name__)
 
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
 HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class CommandChannel:
+    """The router's end of one worker's commands: each ``send`` gets a call id and a future
+    that its answer resolves; the connection's end fails every command still waiting."""
+
+    def __init__(self, worker_id: str, writer: asyncio.StreamWriter) -> None:
+        self.worker_id = worker_id
+        self._writer = writer
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future[Answer]] = {}
+        self._closed: str | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def send(self, cmd: Command) -> asyncio.Future[Answer]:
+        if self._closed is not None:
+            raise WorkerLost(f"worker {self.worker_id}: {self._closed}")
+        self._next_id += 1
+        call_id = self._next_id
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        fut.add_done_callback(lambda _: self._pending.pop(call_id, None))  # answered, timed out
+        self._writer.write(encode_command(call_id, cmd))
+        return fut
+
+    def answered(self, call_id: int, outcome: Answer | CommandError) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut is None or fut.done():
+            return  # its caller gave up
+        if isinstance(outcome, CommandError):
+            fut.set_exception(self._exception(outcome))
+        else:
+            fut.set_result(outcome)
+
+    def _exception(self, err: CommandError) -> Exception:
+        if err.kind is ErrorKind.INVALID:
+            return InvalidRequestError(err.field or "request", err.message)
+        if err.kind is ErrorKind.VALUE:
+            return ValueError(err.message)
+        return WorkerLost(f"worker {self.worker_id}: {err.kind.value}: {err.message}")
+
+    def close(self, reason: str) -> None:
+        self._closed = reason
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(WorkerLost(f"worker {self.worker_id}: {reason}"))
+        self._pending.clear()
 
 
 class OutputListener:
@@ -68,24 +130,30 @@ class OutputListener:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         worker: WorkerHandle | None = None
+        channel: CommandChannel | None = None
         reason = "output channel closed"
         self._writers.add(writer)
         try:
             challenge = os.urandom(CHALLENGE_BYTES)
             writer.write(challenge)
             body = await asyncio.wait_for(_read_frame(reader, MAX_HELLO_BYTES), HANDSHAKE_TIMEOUT_S)
-            wid = decode_hello(body, self.secret, challenge)
-            self._connected.setdefault(wid, asyncio.Event()).set()
+            wid, nonce = decode_hello(body, self.secret, challenge)
+            writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
             worker = self._workers.get(wid)
             if worker is None:
                 raise ChannelError(f"unexpected worker {wid!r}")
+            worker.channel = channel = CommandChannel(wid, writer)
+            self._connected.setdefault(wid, asyncio.Event()).set()
             assert self._on_deltas is not None
             while True:
-                batch = decode_batch(await _read_frame(reader, MAX_FRAME_BYTES), wid)
-                worker.load = batch.load
-                if batch.deltas:
-                    self._on_deltas(worker, batch.deltas)
+                frame = decode_from_worker(await _read_frame(reader, MAX_FRAME_BYTES), wid)
+                if not isinstance(frame, OutputBatch):
+                    channel.answered(*frame)
+                    continue
+                worker.load = frame.load
+                if frame.deltas:
+                    self._on_deltas(worker, frame.deltas)
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             reason = f"output channel closed ({type(e).__name__})"
@@ -95,6 +163,8 @@ class OutputListener:
         finally:
             self._writers.discard(writer)
             writer.close()
+            if channel is not None:
+                channel.close(reason)
             if worker is not None and not self._closing and worker.healthy and self._on_lost is not None:
                 log.error("worker %s lost: %s", worker.worker_id, reason)
                 worker.mark_lost()

@@ -20,10 +20,9 @@ what workers, the dispatcher and the output channel see. A client's ``request_id
 echoed back (and names the request for ``abort``), so no choice of a client's reaches another
 request's state on a worker.
 
-Command order per worker: an ``abort`` goes out only once the call that put the request on
-that worker (``prefill``, ``reserve``, ``add_local``) has returned, so it cannot overtake it
-and workers keep no record of ids they never saw. Only when that call failed or timed out
-(it may still land) does the abort ask the worker to remember the id and refuse a late add.
+Commands (``pdserve.worker.commands``) go over each worker's own channel and run there in the
+order they were sent, so an ``Abort`` never overtakes the command that added its request, and
+workers keep no record of ids they never saw.
 """
 
 from __future__ import annotations
@@ -49,6 +48,16 @@ from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass, SloHint
 from pdserve.router.stream import Event, RequestStream
 from pdserve.router.workers import WorkerHandle, WorkerLost
+from pdserve.worker.commands import (
+    Abort,
+    AddLocal,
+    AwaitReservation,
+    KvLost,
+    Prefill,
+    QueueReservation,
+    SetTarget,
+    Start,
+)
 from pdserve.worker.messages import (
     KVTarget,
     TokenDelta,
@@ -298,7 +307,7 @@ class Router:
             if decision.prefill_worker is None:
                 stream.decode_worker = decode.worker_id
                 decode.inflight.add(stream.request_id)
-                await self._open(stream, decode, "add_local", work, timeout_s=timeout)
+                await decode.command(AddLocal(work), timeout)
             else:
                 await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
         except WorkerLost as e:
@@ -321,7 +330,7 @@ class Router:
         wait = self.config.reserve_timeout_s
         # Prefill goes out first: its call is on the TTFT path, the reservation is not.
         started, target = await asyncio.gather(
-            self._open(stream, prefill, "prefill", work, None, timeout_s=self.config.call_timeout_s),
+            prefill.command(Prefill(work), self.config.call_timeout_s),
             self._reserve(stream, decode, work, wait),
             return_exceptions=True,
         )
@@ -336,7 +345,7 @@ class Router:
         if stream.done:
             return
         try:
-            await prefill.call("set_target", rid, target, timeout_s=self.config.call_timeout_s)
+            await prefill.command(SetTarget(rid, target), self.config.call_timeout_s)
         except (WorkerLost, asyncio.TimeoutError):
             if stream.first_token is None:
                 raise  # nothing came out yet: the request fails (UNAVAILABLE)
@@ -346,7 +355,7 @@ class Router:
             self._spawn(self._kv_lost(stream))
             if rid in prefill.inflight and prefill.healthy:
                 prefill.inflight.discard(rid)
-                self._spawn(self._abort_on(prefill, rid, stream.opening.get(prefill.worker_id)))
+                self._spawn(self._abort_on(prefill, rid))
 
     async def _reserve(
         self, stream: RequestStream, decode: WorkerHandle, work: WorkItem, wait: float
@@ -356,10 +365,10 @@ class Router:
         timeout = self.config.call_timeout_s
         try:
             tid = f"kv-{uuid.uuid4().hex}"
-            if not await self._open(stream, decode, "queue_reservation", work, tid, wait, timeout_s=timeout):
+            if not await decode.command(QueueReservation(work, tid, wait), timeout):
                 return None
-            target: KVTarget | None = await decode.call(
-                "await_reservation", stream.request_id, wait, timeout_s=wait + timeout
+            target: KVTarget | None = await decode.command(
+                AwaitReservation(stream.request_id), wait + timeout
             )
             if target is not None:
                 stream.reserved_at = time.perf_counter()
@@ -368,16 +377,6 @@ class Router:
         finally:
             stream.reservation_settled.set()
 
-    async def _open(
-        self, stream: RequestStream, w: WorkerHandle, method: str, *args: Any, timeout_s: float
-    ) -> Any:
-        """A call that puts the request on ``w``. It runs to its end even when the dispatch is
-        cancelled (it may already be on its way), so that an abort can wait for it."""
-        call = asyncio.ensure_future(w.call(method, *args, timeout_s=timeout_s))
-        call.add_done_callback(_retrieve)
-        stream.opening[w.worker_id] = call
-        return await asyncio.shield(call)
-
     def _release(self, stream: RequestStream) -> None:
         """Abort the request on every worker still holding it (fire and forget)."""
         for wid in (stream.prefill_worker, stream.decode_worker):
@@ -385,24 +384,16 @@ class Router:
             if w is not None and stream.request_id in w.inflight:
                 w.inflight.discard(stream.request_id)
                 if w.healthy:
-                    self._spawn(self._abort_on(w, stream.request_id, stream.opening.get(wid)))
+                    self._spawn(self._abort_on(w, stream.request_id))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _abort_on(self, w: WorkerHandle, rid: str, opening: asyncio.Future[Any] | None = None) -> None:
-        remember = False
-        if opening is not None:
-            # Wait for the call that put the request there: an abort that overtook it would
-            # find nothing, and the add would then start work nobody collects.
-            await asyncio.wait([opening])
-            # Only an outcome nobody knows (the call timed out or was cancelled on our side)
-            # may still land: then the worker must refuse the late add.
-            remember = opening.cancelled() or isinstance(opening.exception(), asyncio.TimeoutError)
+    async def _abort_on(self, w: WorkerHandle, rid: str) -> None:
         try:
-            await w.call("abort", rid, remember, timeout_s=self.config.call_timeout_s)
+            await w.command(Abort(rid), self.config.call_timeout_s)
         except Exception as e:  # a dead worker frees nothing, and needs nothing freed
             log.debug("abort %s on %s: %s", rid, w.worker_id, e)
 
@@ -456,12 +447,8 @@ class Router:
         if stream.done or not stream.reserved.is_set():
             return
         try:
-            await decode.call(
-                "start",
-                d.request_id,
-                d.token_ids[0],
-                d.num_cached_tokens,
-                timeout_s=self.config.call_timeout_s,
+            await decode.command(
+                Start(d.request_id, d.token_ids[0], d.num_cached_tokens), self.config.call_timeout_s
             )
         except Exception as e:
             stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
@@ -476,7 +463,7 @@ class Router:
         if stream.done or not stream.reserved.is_set():
             return
         try:
-            await decode.call("kv_lost", stream.request_id, timeout_s=self.config.call_timeout_s)
+            await decode.command(KvLost(stream.request_id), self.config.call_timeout_s)
         except Exception as e:  # a lost decode worker fails the stream through its own path
             log.debug("kv_lost %s on %s: %s", stream.request_id, decode.worker_id, e)
 
@@ -517,12 +504,6 @@ class Router:
         loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
         mode = "colocated" if self.colocated else "disaggregated"
         return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    """Mark a call's outcome as seen (whoever waits on it may have gone)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:

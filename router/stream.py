@@ -18,7 +18,6 @@ import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.model_runtime.request import Usage
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -99,8 +98,6 @@ class RequestStream:
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
         self.reservation_settled = asyncio.Event()  # granted or not: the reservation is over
         self.reserved_at = 0.0  # when it did (perf_counter)
-        # worker id -> the call that put the request on it (an abort waits for it)
-        self.opening: dict[str, asyncio.Future[Any]] = {}
 
     @property
     def done(self) -> bool:

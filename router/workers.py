@@ -16,11 +16,6 @@ from typing import Any, Protocol
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.worker.messages import WorkerHealth, WorkerInfo, WorkerLoad
 
-# Commands that may wait for seconds (a reservation waiting for KV room): callers run them apart
-# from all others (their own threads or Ray concurrency group), so that however many wait,
-# aborts, starts and targets never queue behind them.
-WAITING_COMMANDS = frozenset({"await_reservation"})
-
 
 class Caller(Protocol):
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any: ...
@@ -29,20 +24,15 @@ class Caller(Protocol):
 
 
 class LocalCaller:
-    """Calls methods of an in-process worker host on a thread pool (no Ray); the
-    ``WAITING_COMMANDS`` on a pool of their own."""
+    """Calls methods of an in-process worker host on a thread pool (no Ray)."""
 
-    def __init__(
-        self, host: Any, pool: ThreadPoolExecutor, waiting_pool: ThreadPoolExecutor | None = None
-    ) -> None:
+    def __init__(self, host: Any, pool: ThreadPoolExecutor) -> None:
         self.host = host
         self.pool = pool
-        self.waiting_pool = waiting_pool or pool
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        pool = self.waiting_pool if method in WAITING_COMMANDS else self.pool
-        fut = loop.run_in_executor(pool, lambda: getattr(self.host, method)(*args))
+        fut = loop.run_in_executor(self.pool, lambda: getattr(self.host, method)(*args))
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
     def kill(self) -> None:
@@ -53,7 +43,16 @@ class WorkerLost(Exception):
     """A worker stopped answering: its process died or its loop failed."""
 
 
+class CommandSender(Protocol):
+    """The worker channel's command side (``pdserve.router.outputs.CommandChannel``)."""
+
+    def send(self, cmd: Any) -> asyncio.Future[Any]: ...
+
+
 class WorkerHandle:
+    """One worker: commands (``command``) go over its authenticated worker channel, in order;
+    process-level calls (``call``: info, load, shutdown, state checks) through its ``Caller``."""
+
     def __init__(self, info: WorkerInfo, caller: Caller) -> None:
         self.info = info
         self.caller = caller
@@ -63,6 +62,7 @@ class WorkerHandle:
         blocks = info.kv_blocks
         self.load = WorkerLoad(info.worker_id, info.role, info.address, 0, 0, blocks, blocks, 0)
         self.inflight: set[str] = set()
+        self.channel: CommandSender | None = None  # set once its channel is authenticated
 
     @property
     def healthy(self) -> bool:
@@ -70,6 +70,14 @@ class WorkerHandle:
 
     def mark_lost(self) -> None:
         self.health = WorkerHealth.UNHEALTHY
+
+    async def command(self, cmd: Any, timeout_s: float) -> Any:
+        """Send a ``pdserve.worker.commands`` command; its answer. Raises ``WorkerLost`` when the
+        worker is gone (or its channel ends first), ``InvalidRequestError`` / ``ValueError`` when
+        the request is at fault, ``asyncio.TimeoutError`` after ``timeout_s``."""
+        if self.health is WorkerHealth.UNHEALTHY or self.channel is None:
+            raise WorkerLost(f"worker {self.worker_id} is unavailable")
+        return await asyncio.wait_for(self.channel.send(cmd), timeout_s)
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         if self.health is WorkerHealth.UNHEALTHY:

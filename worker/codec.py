@@ -29,7 +29,7 @@ from pdserve.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 2
+VERSION = 3
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
@@ -45,12 +45,12 @@ def mac(secret: bytes, challenge: bytes, worker_id: str) -> bytes:
     return hmac.new(secret, b"worker" + challenge + worker_id.encode(), hashlib.sha256).digest()
 
 
-def _frame(obj: Any) -> bytes:
+def frame(obj: Any) -> bytes:
     body: bytes = msgpack.packb(obj, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
 
 
-def _unpack(body: bytes, limit: int) -> Any:
+def unpack(body: bytes, limit: int) -> Any:
     if not 0 < len(body) <= limit:
         raise ChannelError(f"frame of {len(body)} bytes outside 1..{limit}")
     try:
@@ -67,26 +67,49 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ChannelError("msgpack extension types are not allowed")
 
 
-def encode_hello(worker_id: str, secret: bytes, challenge: bytes) -> bytes:
-    return _frame({"v": VERSION, "worker": worker_id, "mac": mac(secret, challenge, worker_id)})
+def router_mac(secret: bytes, nonce: bytes, worker_id: str) -> bytes:
+    return hmac.new(secret, b"router" + nonce + worker_id.encode(), hashlib.sha256).digest()
 
 
-def decode_hello(body: bytes, secret: bytes, challenge: bytes) -> str:
-    """The authenticated worker id, or ``ChannelError``."""
-    msg = _unpack(body, MAX_HELLO_BYTES)
-    if not isinstance(msg, dict) or set(msg) != {"v", "worker", "mac"} or msg["v"] != VERSION:
+def encode_hello(worker_id: str, secret: bytes, challenge: bytes, nonce: bytes) -> bytes:
+    """The worker's answer to the router's challenge, with a challenge of its own (``nonce``)."""
+    return frame(
+        {"v": VERSION, "worker": worker_id, "mac": mac(secret, challenge, worker_id), "nonce": nonce}
+    )
+
+
+def decode_hello(body: bytes, secret: bytes, challenge: bytes) -> tuple[str, bytes]:
+    """(the authenticated worker id, its nonce), or ``ChannelError``."""
+    msg = unpack(body, MAX_HELLO_BYTES)
+    if not isinstance(msg, dict) or set(msg) != {"v", "worker", "mac", "nonce"} or msg["v"] != VERSION:
         raise ChannelError("bad hello frame")
-    wid, got = msg["worker"], msg["mac"]
+    wid, got, nonce = msg["worker"], msg["mac"], msg["nonce"]
     if not isinstance(wid, str) or not isinstance(got, bytes) or not 0 < len(wid) <= 256:
+        raise ChannelError("bad hello frame")
+    if not isinstance(nonce, bytes) or len(nonce) != CHALLENGE_BYTES:
         raise ChannelError("bad hello frame")
     if not hmac.compare_digest(got, mac(secret, challenge, wid)):
         raise ChannelError(f"worker {wid!r} failed authentication")
-    return wid
+    return wid, nonce
+
+
+def encode_welcome(secret: bytes, nonce: bytes, worker_id: str) -> bytes:
+    """The router's proof that it knows the secret too: a worker takes commands only after it."""
+    return frame({"v": VERSION, "mac": router_mac(secret, nonce, worker_id)})
+
+
+def check_welcome(body: bytes, secret: bytes, nonce: bytes, worker_id: str) -> None:
+    msg = unpack(body, MAX_HELLO_BYTES)
+    if not isinstance(msg, dict) or set(msg) != {"v", "mac"} or msg["v"] != VERSION:
+        raise ChannelError("bad welcome frame")
+    got = msg["mac"]
+    if not isinstance(got, bytes) or not hmac.compare_digest(got, router_mac(secret, nonce, worker_id)):
+        raise ChannelError("the router failed authentication")
 
 
 def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
     ld = batch.load
-    return _frame(
+    return frame(
         {
             "v": VERSION,
             "w": worker_id,
@@ -193,7 +216,11 @@ def _delta(x: Any) -> TokenDelta:
 
 def decode_batch(body: bytes, worker_id: str) -> OutputBatch:
     """One output frame from ``worker_id`` (the id it authenticated as)."""
-    msg = _unpack(body, MAX_FRAME_BYTES)
+    return batch_from(unpack(body, MAX_FRAME_BYTES), worker_id)
+
+
+def batch_from(msg: Any, worker_id: str) -> OutputBatch:
+    """An output batch from an unpacked frame (``ChannelError`` unless exactly one)."""
     if not isinstance(msg, dict) or set(msg) != {"v", "w", "d", "l"} or msg["v"] != VERSION:
         raise ChannelError("bad output frame")
     if msg["w"] != worker_id or not isinstance(msg["d"], list):

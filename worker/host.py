@@ -15,6 +15,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 from pdserve.kvtransfer.transport import KVTransport, TransportConfig
 from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
+from pdserve.worker.commands import Abort, Answer, Command, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
@@ -59,6 +62,40 @@ def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
     return allocate, paths
 
 
+def then(fut: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
+    """A future of ``fn(result)`` once ``fut`` is done (its exception passes through)."""
+    out: Future[Any] = Future()
+
+    def done(f: Future[Any]) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def flatten(fut: Future[Future[Any]]) -> Future[Any]:
+    """A future of the result of the future ``fut`` resolves to."""
+    out: Future[Any] = Future()
+
+    def inner_done(f: Future[Any]) -> None:
+        try:
+            out.set_result(f.result())
+        except BaseException as e:
+            out.set_exception(e)
+
+    def outer_done(f: Future[Future[Any]]) -> None:
+        try:
+            f.result().add_done_callback(inner_done)
+        except BaseException as e:
+            out.set_exception(e)
+
+    fut.add_done_callback(outer_done)
+    return out
+
+
 class WorkerHost:
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.num_threads > 0:
@@ -84,7 +121,9 @@ class WorkerHost:
             self.transport.on_completion(self.loop.wake)
         self.pusher: OutputPusher | None = None
         if spec.router_address:
-            self.pusher = OutputPusher(self.loop, self.load, spec.worker_id, spec.router_address, spec.secret)
+            self.pusher = OutputPusher(
+                self.loop, self.load, spec.worker_id, spec.router_address, spec.secret, self.execute
+            )
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
             role=spec.role,
@@ -120,10 +159,23 @@ class WorkerHost:
         deltas = self.loop.collect(min(max(timeout_s, 0.0), 10.0))
         return OutputBatch(tuple(deltas), self.load())
 
-    def abort(self, request_id: str, remember: bool = False) -> bool:
-        """Drop the request wherever it is; ``remember``: also refuse a later add of this id
-        (the router's add call failed or timed out, so it may still arrive)."""
-        return bool(self.loop.call(self.engine.abort, request_id, remember))
+    def execute(self, cmd: Command) -> Future[Answer]:
+        """Run a router command on the engine's thread (between steps, in arrival order); the
+        future holds its answer. Raises ``UnsupportedCommand`` for another role's command."""
+        if isinstance(cmd, Abort):
+            return self.loop.submit(self.engine.abort, cmd.request_id)
+        return self._execute_role(cmd)
+
+    def _execute_role(self, cmd: Command) -> Future[Answer]:
+        raise UnsupportedCommand(f"a {self.spec.role.value} worker takes no {type(cmd).__name__} command")
+
+    def run(self, cmd: Command, timeout_s: float = 30.0) -> Answer:
+        """``execute`` and wait for the answer: the router's commands, in process."""
+        return self.execute(cmd).result(timeout=timeout_s)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request wherever it is; False if it is not here."""
+        return bool(self.run(Abort(request_id)))
 
     def check_integrity(self) -> None:
         """Raise if blocks or per-request state leaked (checked while no request is held)."""

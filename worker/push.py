@@ -1,20 +1,59 @@
-"""Worker side of the output channel: one TCP connection to the router, one frame per collect.
+"""Worker side of the worker channel: one TCP connection to the router that carries this
+worker's output batches (one frame per collect) and, the other way, the router's commands and
+their answers.
 
-Why not a Ray call per batch: a long-poll round trip through Ray costs about a millisecond on
-a busy host, paid once per decode step and once on every request's first token. A socket
-write costs tens of microseconds, and its end-of-file tells the router at once that this
-process died.
+Why not Ray calls: a round trip through Ray costs about a millisecond on a busy host, paid on
+every request's first token and decode step; a socket write costs tens of microseconds, and
+the connection's end-of-file tells the router at once that this process died. Commands on one
+connection also arrive in the order the router sent them, so an abort never overtakes the
+command that added its request.
+
+Handshake: the router sends a challenge; the worker answers with its id, the HMAC of the
+challenge and a challenge of its own; the router answers that with its HMAC (``welcome``).
+Only then does the worker send outputs or accept commands: a peer that cannot prove the
+cluster secret gets nothing and commands nothing.
+
+Threads: the pusher (batches), the command reader, and the answer sender; the two writers
+share one lock, so frames never interleave. A malformed command frame is answered with an
+error (or, without a readable call id, dropped) and the worker keeps serving; only a broken
+frame length, which leaves the stream unreadable, ends the connection.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from pdserve.worker.codec import CHALLENGE_BYTES, encode_batch, encode_hello
+from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.worker.codec import (
+    CHALLENGE_BYTES,
+    LENGTH,
+    MAX_HELLO_BYTES,
+    ChannelError,
+    check_welcome,
+    encode_batch,
+    encode_hello,
+)
+from pdserve.worker.commands import (
+    MAX_COMMAND_BYTES,
+    Answer,
+    Command,
+    CommandError,
+    CommandFrameError,
+    ErrorKind,
+    UnsupportedCommand,
+    decode_command,
+    encode_answer,
+    encode_error,
+)
 from pdserve.worker.loop import EngineLoop, WorkerFailed
 from pdserve.worker.messages import OutputBatch, WorkerLoad
 
@@ -22,6 +61,46 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5  # an idle worker still reports its load this often
 CONNECT_TIMEOUT_S = 30.0
+HANDSHAKE_TIMEOUT_S = 10.0
+
+Execute = Callable[[Command], "Future[Answer]"]
+_Outcome = tuple[int, "Future[Answer] | CommandError"]  # (call id, what answers it)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the router closed the worker channel")
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_frame(sock: socket.socket, limit: int) -> bytes:
+    (n,) = LENGTH.unpack(_recv_exact(sock, LENGTH.size))
+    if not 0 < n <= limit:
+        raise ChannelError(f"frame length {n} outside 1..{limit}")
+    return _recv_exact(sock, n)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """Close for good: ``shutdown`` first, so the peer sees the end at once and a thread
+    blocked reading this socket wakes up (a bare ``close`` does neither while it reads)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def error_of(e: BaseException) -> CommandError:
+    """How a command's exception reaches the router: the request's fault or the worker's."""
+    if isinstance(e, InvalidRequestError):
+        return CommandError(ErrorKind.INVALID, e.message, e.field)
+    if isinstance(e, UnsupportedCommand):
+        return CommandError(ErrorKind.UNSUPPORTED, str(e))
+    if isinstance(e, ValueError):
+        return CommandError(ErrorKind.VALUE, str(e))
+    return CommandError(ErrorKind.FAILED, f"{type(e).__name__}: {e}")
 
 
 class OutputPusher:
@@ -32,14 +111,21 @@ class OutputPusher:
         worker_id: str,
         address: str,
         secret: bytes,
+        execute: Execute | None = None,
     ) -> None:
         self.loop = loop
         self.load = load
         self.worker_id = worker_id
         self.address = address
         self.secret = secret
+        self.execute = execute
+        self.bad_commands = 0  # malformed command frames answered or dropped
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._answers: queue.SimpleQueue[tuple[int, Future[Answer] | CommandError] | None] = (
+            queue.SimpleQueue()
+        )
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="output-push", daemon=True)
         self._thread.start()
@@ -55,33 +141,105 @@ class OutputPusher:
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise
                 time.sleep(0.1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        challenge = b""
-        while len(challenge) < CHALLENGE_BYTES:
-            chunk = sock.recv(CHALLENGE_BYTES - len(challenge))
-            if not chunk:
-                raise ConnectionError("router closed the output channel during the handshake")
-            challenge += chunk
-        sock.sendall(encode_hello(self.worker_id, self.secret, challenge))
-        sock.settimeout(None)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            challenge = _recv_exact(sock, CHALLENGE_BYTES)
+            nonce = os.urandom(CHALLENGE_BYTES)
+            sock.sendall(encode_hello(self.worker_id, self.secret, challenge, nonce))
+            check_welcome(_read_frame(sock, MAX_HELLO_BYTES), self.secret, nonce, self.worker_id)
+            sock.settimeout(None)
+        except BaseException:
+            _hang_up(sock)  # an unproven router gets nothing, not even a dangling connection
+            raise
         return sock
+
+    def _send(self, data: bytes) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        with self._send_lock:
+            sock.sendall(data)
 
     def _run(self) -> None:
         try:
             self._sock = sock = self._connect()
+            threading.Thread(
+                target=self._read_commands, args=(sock,), name="worker-commands", daemon=True
+            ).start()
+            threading.Thread(target=self._send_answers, name="worker-answers", daemon=True).start()
             while not self._stop.is_set():
                 try:
                     deltas = self.loop.collect(HEARTBEAT_S)
                 except WorkerFailed:
                     return  # the loop died: closing the socket tells the router
-                sock.sendall(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+                self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
         except BaseException as e:
             if not self._stop.is_set():
-                log.error("output channel to %s failed: %s", self.address, e)
+                log.error("worker channel to %s failed: %s", self.address, e)
                 self.error = e
         finally:
+            self._answers.put(None)
             if self._sock is not None:
-                self._sock.close()
+                _hang_up(self._sock)
+
+    # -- commands ----------------------------------------------------------------------------
+    def _read_commands(self, sock: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                body = _read_frame(sock, MAX_COMMAND_BYTES)
+                try:
+                    call_id, cmd = decode_command(body)
+                except CommandFrameError as e:
+                    self.bad_commands += 1
+                    self._answers.put((e.call_id, CommandError(ErrorKind.VALUE, f"bad command: {e}")))
+                    continue
+                except ChannelError as e:  # no call id to answer: nobody waits for it
+                    self.bad_commands += 1
+                    log.debug("dropped a malformed command frame: %s", e)
+                    continue
+                outcome = self._run_command(cmd)
+                if isinstance(outcome, Future):
+                    # Answered when done (an awaited reservation may take seconds): the
+                    # answers of the commands behind it never wait for it.
+                    outcome.add_done_callback(functools.partial(self._done, call_id))
+                else:
+                    self._answers.put((call_id, outcome))
+        except (OSError, ChannelError, ConnectionError) as e:
+            if not self._stop.is_set():
+                log.info("worker channel closed while reading commands: %s", e)
+                _hang_up(sock)  # the stream is unreadable: the router must see the loss
+
+    def _run_command(self, cmd: Command) -> Future[Answer] | CommandError:
+        if self.execute is None:
+            return CommandError(ErrorKind.UNSUPPORTED, "this worker takes no commands")
+        try:
+            return self.execute(cmd)
+        except BaseException as e:  # refused before it was queued (loop stopped, wrong role)
+            return error_of(e)
+
+    def _done(self, call_id: int, fut: Future[Answer]) -> None:
+        self._answers.put((call_id, fut))
+
+    def _send_answers(self) -> None:
+        """Sends each answer once its command is done, off the engine's thread (a slow
+        router must never stall a step)."""
+        while True:
+            item = self._answers.get()
+            if item is None:
+                return
+            call_id, outcome = item
+            if isinstance(outcome, Future):
+                try:
+                    data = encode_answer(call_id, outcome.result())
+                except BaseException as e:
+                    data = encode_error(call_id, error_of(e))
+            else:
+                data = encode_error(call_id, outcome)
+            try:
+                self._send(data)
+            except OSError:
+                return
 
     def close(self) -> None:
         self._stop.set()

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from pdserve.worker.codec import (
     LENGTH,
     ChannelError,
+    check_welcome,
     decode_batch,
     decode_hello,
     encode_batch,
     encode_hello,
+    encode_welcome,
 )
 from pdserve.worker.messages import (
     Logprob,
@@ -55,13 +57,25 @@ def test_round_trip_keeps_every_field() -> None:
     assert decode_batch(body(encode_batch("decode-0", batch)), "decode-0") == batch
 
 
-def test_hello_authenticates_with_the_shared_secret() -> None:
-    challenge = b"c" * 32
-    assert decode_hello(body(encode_hello("prefill-0", SECRET, challenge)), SECRET, challenge) == "prefill-0"
+def test_hello_and_welcome_authenticate_both_ends_with_the_shared_secret() -> None:
+    challenge, nonce = b"c" * 32, b"n" * 32
+    hello = body(encode_hello("prefill-0", SECRET, challenge, nonce))
+    assert decode_hello(hello, SECRET, challenge) == ("prefill-0", nonce)
     with pytest.raises(ChannelError, match="authentication"):
-        decode_hello(body(encode_hello("prefill-0", b"another-secret-xxxxxxx", challenge)), SECRET, challenge)
+        decode_hello(
+            body(encode_hello("prefill-0", b"another-secret-xxxxxxx", challenge, nonce)), SECRET, challenge
+        )
     with pytest.raises(ChannelError, match="authentication"):  # replayed against a new challenge
-        decode_hello(body(encode_hello("prefill-0", SECRET, challenge)), SECRET, b"d" * 32)
+        decode_hello(hello, SECRET, b"d" * 32)
+    # The router proves the secret back, bound to the worker's own challenge and id.
+    check_welcome(body(encode_welcome(SECRET, nonce, "prefill-0")), SECRET, nonce, "prefill-0")
+    for welcome in (
+        encode_welcome(b"another-secret-xxxxxxx", nonce, "prefill-0"),
+        encode_welcome(SECRET, b"m" * 32, "prefill-0"),
+        encode_welcome(SECRET, nonce, "prefill-1"),
+    ):
+        with pytest.raises(ChannelError, match="authentication"):
+            check_welcome(body(welcome), SECRET, nonce, "prefill-0")
 
 
 def test_a_frame_claiming_another_worker_is_refused() -> None:
@@ -73,28 +87,28 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
 @pytest.mark.parametrize(
     "payload",
     [
-        pickle.dumps({"v": 2}),
+        pickle.dumps({"v": 3}),
         msgpack.packb([1, 2, 3]),
         msgpack.packb(
             {
-                "v": 2,
+                "v": 3,
                 "w": "decode-0",
                 "d": [["a", [-1], None, False, None, None, 0, False, None, False]],
                 "l": [],
             }
         ),
         msgpack.packb(
-            {"v": 2, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 3, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
         msgpack.packb(
-            {"v": 3, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 4, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
-        msgpack.packb({"v": 2, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
+        msgpack.packb({"v": 3, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
         *(  # transfer counters: wrong shape, negative, oversized cause list
             msgpack.packb(
-                {"v": 2, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
+                {"v": 3, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
             )
             for t in (
                 [1, 2.0],

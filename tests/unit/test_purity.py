@@ -35,7 +35,13 @@ PURE = (
 )
 # The router's process routes requests without the model stack: its service, the worker clients
 # and the output channel's codec load neither torch nor Ray (msgpack and asyncio are theirs).
-NO_MODEL_STACK = ("pdserve.router.service", "pdserve.router.workers", "pdserve.worker.codec")
+NO_MODEL_STACK = (
+    "pdserve.router.service",
+    "pdserve.router.workers",
+    "pdserve.router.outputs",
+    "pdserve.worker.codec",
+    "pdserve.worker.commands",
+)
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}
 
 

@@ -178,9 +178,10 @@ def test_failed_transfer_is_recomputed_on_decode() -> None:
         d.shutdown()
 
 
-def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
+def test_target_after_prefill_and_aborts_of_unknown_ids(pair) -> None:
     """The router sends prefill and reserve at once: the KV target may come after the first
-    token (then the whole KV goes in one push); an abort may arrive before the add it cancels."""
+    token (then the whole KV goes in one push). An abort for an id a worker does not hold
+    leaves no trace (commands arrive in order, so it never overtakes its add)."""
     p, d = pair
     pr = prompts(1, seed=21)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -204,15 +205,8 @@ def test_target_after_prefill_and_aborts_that_overtake_adds(pair) -> None:
     assert toks == ref
     assert d.engine.recomputed == 0  # type: ignore[attr-defined]
     assert p.wait_idle(5.0) and d.wait_idle(5.0)
-    # An abort for an id never seen leaves nothing behind ...
     assert not p.abort("ghost") and not d.abort("ghost")
-    assert p.request_state()["tombstones"] == 0 and d.request_state()["tombstones"] == 0
-    # ... unless the router asks to remember it (its add failed or timed out on the router's
-    # side, so it may still land): then the late add is refused, and the id forgotten.
-    assert not p.abort("ghost", True) and not d.abort("ghost", True)
-    p.prefill(WorkItem("ghost", pr, params))
-    assert d.reserve(WorkItem("ghost", pr, params), "t-ghost", timeout_s=0.1) is None
-    assert p.request_state()["tombstones"] == 0 and d.request_state()["tombstones"] == 0
+    assert not any(p.request_state().values()) and not any(d.request_state().values())
 
 
 def test_emulated_workers_take_the_profiles_time() -> None:
@@ -303,7 +297,7 @@ def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair)
     for attempt in range(2):
         assert serve_once(p, d, WorkItem("again", pr, params), f"t-again-{attempt}") == ref, attempt
         assert not p.abort("again")  # the router's late abort: prefill no longer has it
-        assert p.request_state()["tombstones"] == 0
+        assert not any(p.request_state().values())
 
 
 def test_seeded_request_is_reproducible_under_a_reused_id(pair) -> None:
