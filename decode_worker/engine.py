@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.states import FailureCause
 from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.runtime import Runtime
+from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.kv_cache.manager import blocks_needed
 from pdserve.model_runtime.request import FinishReason, Request
 from pdserve.model_runtime.sampling.logprob import Logprob
@@ -105,10 +106,18 @@ class DecodeEngine(RoleEngineBase):
         return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
 
     def add_local(self, work: WorkItem) -> None:
-        """Prefill and decode here (colocated path)."""
+        """Prefill and decode here (colocated path; also a request moved here from a lost
+        worker: its ``output_token_ids`` are recomputed with the prompt, and only the tokens
+        after them are reported)."""
         req = self._new_request(work)
+        if len(work.output_token_ids) >= work.params.max_tokens:
+            raise ValueError(f"request {work.request_id!r} has no tokens left to generate")
+        if any(not 0 <= t < self.limits.vocab_size for t in work.output_token_ids):
+            raise InvalidRequestError("output_token_ids", "a token id is outside the vocabulary")
+        for t in work.output_token_ids:
+            req.append_token(t)
         self._requests[req.request_id] = req
-        self._emitted[req.request_id] = 0
+        self._emitted[req.request_id] = len(work.output_token_ids)
         self.scheduler.add_request(req)
 
     def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float = 0.0) -> Future[KVTarget | None]:

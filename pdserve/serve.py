@@ -23,6 +23,13 @@ from pdserve.router.server import serve_until_signal
 from pdserve.router.slo import SloClass
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -91,6 +98,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
     p.add_argument(
+        "--migration-limit", type=_non_negative_int, default=3, metavar="N",
+        help="a stream whose decode worker is lost moves to another one at most N times (0: it fails)",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-host",
         default="127.0.0.1",
         help="cluster-internal bind address: KV transfer, worker outputs (a node IP if multi-node)",
@@ -146,6 +157,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         default_slo_class=args.default_slo_class,
         model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
         drain_timeout_s=args.drain_timeout,
+        migration_limit=args.migration_limit,
         worker_channel_host=args.kv_host,
     )
     return spec, config

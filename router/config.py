@@ -44,4 +44,7 @@ class RouterConfig:
     max_inflight: int = 4096  # requests in flight before RESOURCE_EXHAUSTED
     grpc_max_message_bytes: int = 16 << 20
     drain_timeout_s: float = 30.0
+    # A stream whose decode worker is lost continues on another one (prompt + the tokens already
+    # sent, recomputed there) at most this many times; 0: it fails UNAVAILABLE, with the reason.
+    migration_limit: int = 3
     worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)

@@ -105,6 +105,7 @@ def _result(f: Final, with_prompt: bool) -> pb.GenerateResult:
         prefill_worker=f.prefill_worker,
         decode_worker=f.decode_worker,
         prompt_token_ids=list(f.prompt_token_ids) if with_prompt else [],
+        migrations=f.migrations,
     )
     if isinstance(f.stop_reason, str):
         r.stop_string = f.stop_reason

@@ -148,6 +148,11 @@ class RouterMetrics:
         self.generation = Histogram(P + "request_generation_tokens", "Generated tokens", registry=r,
                                     buckets=LENGTH_BUCKETS)  # fmt: skip
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.migrations = Counter(
+            P + "request_migrations",
+            "Streams moved to another decode worker after theirs was lost",
+            registry=r,
+        )
         self.failures = Counter(
             P + "request_failures", "Requests that ended with an error", ["code"], registry=r
         )

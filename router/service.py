@@ -282,7 +282,10 @@ class Router:
         stream = admitted.stream
         # Dispatch runs beside the reader: the first token may arrive before the last dispatch
         # call (the KV target) returns, and must not wait for it.
-        dispatch = asyncio.create_task(self._dispatch(stream, admitted.work, admitted.decision))
+        stream.work = admitted.work
+        stream.dispatch = dispatch = asyncio.create_task(
+            self._dispatch(stream, admitted.work, admitted.decision)
+        )
         dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
         try:
             async for ev in stream.events():
@@ -412,6 +415,8 @@ class Router:
             stream = self._streams.get(d.request_id)
             if stream is None or stream.done:
                 continue
+            if worker.worker_id not in (stream.prefill_worker, stream.decode_worker):
+                continue  # a worker the stream moved away from (migration): fenced off
             self.accounting.on_delta(worker.role, stream, d)
             if d.kv_lost:
                 # Prefill's push failed after the first token: it holds nothing any more, and
@@ -444,14 +449,15 @@ class Router:
         # Settled however the reservation ends; one that was not granted failed the stream
         # (RESOURCE_EXHAUSTED, from the dispatch).
         await stream.reservation_settled.wait()
-        if stream.done or not stream.reserved.is_set():
+        if stream.done or not stream.reserved.is_set() or stream.decode_worker != decode.worker_id:
             return
         try:
             await decode.command(
                 Start(d.request_id, d.token_ids[0], d.num_cached_tokens), self.config.call_timeout_s
             )
         except Exception as e:
-            stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
+            if stream.decode_worker == decode.worker_id:  # else it moved on (migration)
+                stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
 
     async def _kv_lost(self, stream: RequestStream) -> None:
         """Tell the decode worker that the request's KV will not come, so it recomputes the
@@ -460,7 +466,7 @@ class Router:
         if decode is None or stream.done:
             return
         await stream.reservation_settled.wait()
-        if stream.done or not stream.reserved.is_set():
+        if stream.done or not stream.reserved.is_set() or stream.decode_worker != decode.worker_id:
             return
         try:
             await decode.command(KvLost(stream.request_id), self.config.call_timeout_s)
@@ -473,14 +479,89 @@ class Router:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
-                self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
-                continue
-            stream.fail(RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}"))
+            if worker.role is WorkerRole.PREFILL:
+                if stream.first_token is not None:
+                    self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
+                    continue
+                why_not = "the prompt was not prefilled yet"
+            else:
+                why_not = self._why_not_migrate(stream)
+                if why_not is None:
+                    self._migrate(stream)
+                    continue
+            stream.fail(
+                RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}; {why_not}")
+            )
         worker.inflight.clear()
         # Its channel is gone, but the process may live on (a broken connection, a wedged
         # pusher): stop it, or it keeps computing requests nobody collects.
         self._spawn(self._stop_worker(worker))
+
+    # -- migration -----------------------------------------------------------------------------
+    def _why_not_migrate(self, stream: RequestStream) -> str | None:
+        """Why a stream whose decode worker was lost cannot move to another one (None: it can)."""
+        limit = self.config.migration_limit
+        if limit <= 0:
+            return "request migration is off (--migration-limit 0)"
+        if stream.migrations >= limit:
+            return f"the stream already moved {stream.migrations} times (--migration-limit {limit})"
+        role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        if not self._pool(role):
+            return f"no healthy {role.value} worker is left to move it to"
+        return None
+
+    def _migrate(self, stream: RequestStream) -> None:
+        """Move a stream off its lost decode worker: whatever was under way for it stops (its
+        dispatch, its prefill), and another decode worker recomputes prompt + the tokens already
+        sent and goes on from there. Deltas from the workers it left are fenced off."""
+        stream.migrations += 1
+        self.metrics.migrations.inc()
+        if stream.dispatch is not None and not stream.dispatch.done():
+            stream.dispatch.cancel()
+        stream.reservation_settled.set()
+        prefill = self.workers.get(stream.prefill_worker)
+        if prefill is not None and stream.request_id in prefill.inflight:
+            prefill.inflight.discard(stream.request_id)
+            if prefill.healthy:
+                self._spawn(self._abort_on(prefill, stream.request_id))
+        stream.prefill_worker = ""
+        self._spawn(self._resume(stream))
+
+    async def _resume(self, stream: RequestStream) -> None:
+        assert stream.work is not None
+        rid, sent = stream.request_id, tuple(stream.token_ids)
+        role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+        loads = [w.load for w in self._pool(role)]
+        if not loads:
+            stream.fail(
+                RouterError(Code.UNAVAILABLE, f"no healthy {role.value} worker is left to move it to")
+            )
+            return
+        route = RouteRequest(
+            len(stream.prompt_ids) + len(sent),
+            stream.params.max_tokens - len(sent),
+            stream.work.priority,
+            rid,
+        )
+        target = self.workers[self.dispatcher.decide(route, [], loads, time.perf_counter()).decode_worker]
+        stream.decode_worker = target.worker_id
+        target.inflight.add(rid)
+        log.info(
+            "%s: moving to %s after %d tokens (migration %d)",
+            rid,
+            target.worker_id,
+            len(sent),
+            stream.migrations,
+        )
+        try:
+            await target.command(
+                AddLocal(replace(stream.work, output_token_ids=sent)), self.config.call_timeout_s
+            )
+        except (WorkerLost, asyncio.TimeoutError) as e:
+            if stream.decode_worker == target.worker_id:  # else its loss already moved it on
+                stream.fail(RouterError(Code.UNAVAILABLE, f"moving to {target.worker_id} failed: {e}"))
+        except ValueError as e:
+            stream.fail(RouterError(Code.INTERNAL, f"moving to {target.worker_id} failed: {e}"))
 
     async def _stop_worker(self, worker: WorkerHandle) -> None:
         try:

@@ -24,7 +24,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import RouterError
-from pdserve.worker.messages import Logprob, TokenDelta
+from pdserve.worker.messages import Logprob, TokenDelta, WorkItem
 
 
 class StreamState(enum.Enum):
@@ -62,6 +62,7 @@ class Final:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     text: str | None
+    migrations: int = 0  # times the stream moved to another decode worker (a worker was lost)
 
 
 Event = Chunk | Final
@@ -97,6 +98,9 @@ class RequestStream:
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
         self.reservation_settled = asyncio.Event()  # granted or not: the reservation is over
+        self.migrations = 0
+        self.work: WorkItem | None = None  # what the workers were sent (a migration resends it)
+        self.dispatch: asyncio.Task[None] | None = None
         self.reserved_at = 0.0  # when it did (perf_counter)
 
     @property
@@ -169,6 +173,7 @@ class RequestStream:
             prompt_token_ids=self.prompt_ids,
             token_ids=tuple(self.token_ids),
             text=self.text.text,
+            migrations=self.migrations,
         )
 
     async def events(self) -> AsyncIterator[Event]:

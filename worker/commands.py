@@ -182,13 +182,23 @@ def _decode_params(x: Any) -> SamplingParams:
 
 
 def _encode_work(w: WorkItem) -> list[Any]:
-    return [w.request_id, list(w.prompt_token_ids), _encode_params(w.params), w.priority]
+    return [
+        w.request_id,
+        list(w.prompt_token_ids),
+        _encode_params(w.params),
+        w.priority,
+        list(w.output_token_ids),
+    ]
+
+
+def _token_ids(x: Any) -> tuple[int, ...]:
+    return tuple(_int(t, 0, (1 << 31) - 1) for t in _list(x, MAX_TOKENS))
 
 
 def _decode_work(x: Any) -> WorkItem:
-    rid, prompt, params, priority = _args(x, 4)
-    ids = tuple(_int(t, 0, (1 << 31) - 1) for t in _list(prompt, MAX_TOKENS))
-    return WorkItem(_id(rid), ids, _decode_params(params), _int(priority, -_I64, _I64 - 1))
+    rid, prompt, params, priority, output = _args(x, 5)
+    priority = _int(priority, -_I64, _I64 - 1)
+    return WorkItem(_id(rid), _token_ids(prompt), _decode_params(params), priority, _token_ids(output))
 
 
 def _encode_target(t: KVTarget) -> list[Any]:

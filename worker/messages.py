@@ -53,12 +53,19 @@ class WorkerHealth(enum.Enum):
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One sequence to generate; the router has validated and tokenized it."""
+    """One sequence to generate; the router has validated and tokenized it.
+
+    ``output_token_ids``: tokens already generated (and sent to the client) for a request the
+    router moved off a lost worker; the worker recomputes prompt + these and goes on from
+    there, so ``params.max_tokens`` still counts them and a seeded draw is the one it would
+    have been (it depends on the token's position, not on where it was drawn).
+    """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

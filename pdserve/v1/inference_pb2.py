@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1f\n\x17return_prompt_token_ids\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"P\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x11\n\tslo_class\x18\x04 \x01(\t\"e\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.GenerateResult\"Y\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa3\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\rH\x00\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\rB\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\r\x12\x16\n\x0emax_tokens_cap\x18\x08 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\"\x19\n\x17GetClusterStatusRequest\"7\n\x08KvBlocks\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\"\xcd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\'\n\tkv_blocks\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvBlocks\x12(\n\x06health\x18\x07 \x01(\x0e\x32\x18.pdserve.v1.WorkerHealth\"W\n\rClusterStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12)\n\x07workers\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\x9d\x01\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_HEALTH_STARTING\x10\x01\x12\x19\n\x15WORKER_HEALTH_HEALTHY\x10\x02\x12\x1b\n\x17WORKER_HEALTH_UNHEALTHY\x10\x03\x12\x1a\n\x16WORKER_HEALTH_DRAINING\x10\x04\x32\xae\x02\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12 \n\x03slo\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.SloHint\x12\x1f\n\x17return_prompt_token_ids\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"P\n\x07SloHint\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x11\n\tslo_class\x18\x04 \x01(\t\"e\n\x10GenerateResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.GenerateResult\"Y\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb7\x02\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\rH\x00\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x12\n\nmigrations\x18\n \x01(\rB\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\r\x12\x16\n\x0emax_tokens_cap\x18\x08 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\"\x19\n\x17GetClusterStatusRequest\"7\n\x08KvBlocks\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\"\xcd\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\'\n\tkv_blocks\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KvBlocks\x12(\n\x06health\x18\x07 \x01(\x0e\x32\x18.pdserve.v1.WorkerHealth\"W\n\rClusterStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12)\n\x07workers\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*\x9d\x01\n\x0cWorkerHealth\x12\x1d\n\x19WORKER_HEALTH_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_HEALTH_STARTING\x10\x01\x12\x19\n\x15WORKER_HEALTH_HEALTHY\x10\x02\x12\x1b\n\x17WORKER_HEALTH_UNHEALTHY\x10\x03\x12\x1a\n\x16WORKER_HEALTH_DRAINING\x10\x04\x32\xae\x02\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12R\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a\x19.pdserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2311
-  _globals['_FINISHREASON']._serialized_end=2487
-  _globals['_WORKERROLE']._serialized_start=2489
-  _globals['_WORKERROLE']._serialized_end=2606
-  _globals['_WORKERHEALTH']._serialized_start=2609
-  _globals['_WORKERHEALTH']._serialized_end=2766
+  _globals['_FINISHREASON']._serialized_start=2331
+  _globals['_FINISHREASON']._serialized_end=2507
+  _globals['_WORKERROLE']._serialized_start=2509
+  _globals['_WORKERROLE']._serialized_end=2626
+  _globals['_WORKERHEALTH']._serialized_start=2629
+  _globals['_WORKERHEALTH']._serialized_end=2786
   _globals['_GENERATEREQUEST']._serialized_start=43
   _globals['_GENERATEREQUEST']._serialized_end=282
   _globals['_TOKENIDS']._serialized_start=284
@@ -54,27 +54,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=1125
   _globals['_TOPLOGPROB']._serialized_end=1172
   _globals['_GENERATERESULT']._serialized_start=1175
-  _globals['_GENERATERESULT']._serialized_end=1466
-  _globals['_USAGE']._serialized_start=1468
-  _globals['_USAGE']._serialized_end=1548
-  _globals['_TIMING']._serialized_start=1550
-  _globals['_TIMING']._serialized_end=1626
-  _globals['_ABORTREQUEST']._serialized_start=1628
-  _globals['_ABORTREQUEST']._serialized_end=1662
-  _globals['_ABORTRESPONSE']._serialized_start=1664
-  _globals['_ABORTRESPONSE']._serialized_end=1694
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1696
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1717
-  _globals['_MODELINFO']._serialized_start=1720
-  _globals['_MODELINFO']._serialized_end=1927
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1929
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1954
-  _globals['_KVBLOCKS']._serialized_start=1956
-  _globals['_KVBLOCKS']._serialized_end=2011
-  _globals['_WORKERSTATUS']._serialized_start=2014
-  _globals['_WORKERSTATUS']._serialized_end=2219
-  _globals['_CLUSTERSTATUS']._serialized_start=2221
-  _globals['_CLUSTERSTATUS']._serialized_end=2308
-  _globals['_INFERENCE']._serialized_start=2769
-  _globals['_INFERENCE']._serialized_end=3071
+  _globals['_GENERATERESULT']._serialized_end=1486
+  _globals['_USAGE']._serialized_start=1488
+  _globals['_USAGE']._serialized_end=1568
+  _globals['_TIMING']._serialized_start=1570
+  _globals['_TIMING']._serialized_end=1646
+  _globals['_ABORTREQUEST']._serialized_start=1648
+  _globals['_ABORTREQUEST']._serialized_end=1682
+  _globals['_ABORTRESPONSE']._serialized_start=1684
+  _globals['_ABORTRESPONSE']._serialized_end=1714
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1716
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1737
+  _globals['_MODELINFO']._serialized_start=1740
+  _globals['_MODELINFO']._serialized_end=1947
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1949
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1974
+  _globals['_KVBLOCKS']._serialized_start=1976
+  _globals['_KVBLOCKS']._serialized_end=2031
+  _globals['_WORKERSTATUS']._serialized_start=2034
+  _globals['_WORKERSTATUS']._serialized_end=2239
+  _globals['_CLUSTERSTATUS']._serialized_start=2241
+  _globals['_CLUSTERSTATUS']._serialized_end=2328
+  _globals['_INFERENCE']._serialized_start=2789
+  _globals['_INFERENCE']._serialized_end=3091
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,7 @@ def start_service(
     transport: str = "auto",
     local_prefill: bool = False,
     slo_classes: tuple[SloClass, ...] = (),
+    migration_limit: int = 3,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
@@ -56,7 +57,7 @@ def start_service(
     )
     config = RouterConfig(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL,
-        local_prefill=local_prefill, slo_classes=slo_classes,
+        local_prefill=local_prefill, slo_classes=slo_classes, migration_limit=migration_limit,
     )  # fmt: skip
     if use_ray:
         from pdserve.deploy.ray_pools import start_ray

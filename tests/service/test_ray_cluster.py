@@ -164,7 +164,10 @@ def test_grpc_abort_rpc(cluster) -> None:
     wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after Abort", lambda: status(ep))
 
 
-def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
+def test_killed_decode_worker_streams_move_and_traffic_moves_on() -> None:
+    """SIGKILL of a decode worker under load: its streams continue on the survivor (request
+    migration, on by default), later requests go there, and with the only prefill worker killed
+    too the survivor prefills requests itself."""
     st, ep = start_service(use_ray=True, prefill=1, decode=2)
     try:
         s = stub(ep)
@@ -201,15 +204,11 @@ def test_killed_worker_fails_its_requests_and_traffic_moves_on() -> None:
             cm.__exit__(None, None, None)
             errors = [e["error"] for e in events if "error" in e]
             tokens = sum(len(c.get("token_ids", [])) for e in events for c in e.get("choices", []))
-            # Each HTTP stream either ran to the end on the survivor or ended with a 503 event.
-            if errors:
-                assert errors[-1]["code"] == 503, errors
-            else:
-                assert tokens == LONG - 1, tokens  # the first token was read before the kill
+            assert not errors, errors  # decode-0's streams moved to the survivor (migration) ...
+            assert tokens == LONG - 1, tokens  # ... with nothing lost (the first token was read before)
         elapsed = time.monotonic() - t0
-        assert ("UNAVAILABLE", "") in outcomes, outcomes  # decode-0's requests fail cleanly ...
-        assert all(o == ("UNAVAILABLE", "") or o[1] == "decode-1" for o in outcomes)  # ... only those
-        assert elapsed < 30, f"in-flight requests took {elapsed:.1f}s to end"
+        assert all(o[1] == "decode-1" for o in outcomes), outcomes  # every gRPC stream ran to its end
+        assert elapsed < 60, f"in-flight requests took {elapsed:.1f}s to end"
         health = {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
         assert health["decode-0"] == "unhealthy" and health["decode-1"] == "healthy"
         assert status(ep)["ready"]

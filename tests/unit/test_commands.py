@@ -46,7 +46,8 @@ params = st.builds(
     stop_token_ids=st.lists(i64, max_size=4).map(tuple), include_stop_str_in_output=st.booleans(),
     ignore_eos=st.booleans(), min_tokens=i64, logprobs=st.none() | i64,
 )  # fmt: skip
-works = st.builds(WorkItem, ids, st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(tuple), params, i64)
+token_lists = st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(tuple)
+works = st.builds(WorkItem, ids, token_lists, params, i64, token_lists)
 targets = st.builds(
     KVTarget, ids, st.text(max_size=40), st.lists(st.text(max_size=10), max_size=4).map(tuple),
     st.lists(st.integers(0, (1 << 31) - 1), max_size=64).map(tuple),
@@ -97,7 +98,7 @@ def command(kind: str, args: Any) -> bytes:
 
 
 GOOD_WORK = [
-    ["r", [1, 2], [16, 1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, [], [], False, False, 0, None], 0],
+    ["r", [1, 2], [16, 1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, None, [], [], False, False, 0, None], 0, []],
     None,
 ]
 HOSTILE: list[tuple[str, bytes]] = [
@@ -114,8 +115,10 @@ HOSTILE: list[tuple[str, bytes]] = [
     ("bool for int", frame_body({"v": VERSION, "c": 1, "k": "start", "a": ["r", True, 0]})),
     ("negative token", frame_body({"v": VERSION, "c": 1, "k": "start", "a": ["r", -5, 0]})),
     ("nan timeout", command("queue_reservation", [GOOD_WORK[0], "t", float("nan")])),
-    ("params short", command("add_local", [["r", [1], [16, 1.0], 0]])),
-    ("prompt of strings", command("add_local", [["r", ["a"], GOOD_WORK[0][2], 0]])),
+    ("params short", command("add_local", [["r", [1], [16, 1.0], 0, []]])),
+    ("prompt of strings", command("add_local", [["r", ["a"], GOOD_WORK[0][2], 0, []]])),
+    ("work without output", command("add_local", [["r", [1], GOOD_WORK[0][2], 0]])),
+    ("output of floats", command("add_local", [["r", [1], GOOD_WORK[0][2], 0, [1.5]]])),
     ("deep nesting", frame_body({"v": VERSION, "c": 1, "k": "prefill", "a": [[[[[[[[[[1]]]]]]]]], None]})),
     ("ext type", b"\x84\xa1v\x03\xa1c\x01\xa1k\xa5abort\xa1a\xc7\x01\x05x"),
     ("truncated", frame_body({"v": VERSION, "c": 1, "k": "abort", "a": ["r"]})[:-2]),

@@ -1,0 +1,126 @@
+"""Request migration: when a decode worker is lost mid-stream, each of its streams goes on on
+another decode worker (prompt + the tokens already sent, recomputed there): nothing dropped,
+nothing repeated, greedy output identical to the HF reference and seeded output identical to an
+unfaulted run; with ``--migration-limit 0`` those streams fail UNAVAILABLE with the reason."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.v1 import inference_pb2 as pb
+from tests.service.helpers import (
+    assert_no_request_state,
+    grpc_request,
+    hf_reference,
+    start_service,
+    stub,
+    wait_for,
+)
+
+pytest.importorskip("transformers")
+
+N_TOKENS = 160
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
+
+
+def start_streams(s: Any, ps: list[list[int]], **sampling: Any) -> list[tuple[Any, list[int]]]:
+    """Open one stream per prompt and read each until it has produced a few tokens."""
+    calls = []
+    for p in ps:
+        call = s.Generate(grpc_request(p, N_TOKENS, stream=True, **sampling))
+        got: list[int] = []
+        while len(got) < 3:
+            got.extend(next(call).chunk.token_ids)
+        calls.append((call, got))
+    return calls
+
+
+def finish(calls: list[tuple[Any, list[int]]]) -> list[tuple[list[int], Any]]:
+    out = []
+    for call, got in calls:
+        tokens = list(got)
+        result = None
+        for msg in call:
+            tokens.extend(msg.chunk.token_ids)
+            if msg.HasField("result"):
+                result = msg.result
+        out.append((tokens, result))
+    return out
+
+
+def kill(st: Any, worker_id: str) -> None:
+    handle = next(h for h in st.service.handles if h.worker_id == worker_id)
+    handle.caller.kill()  # its channel ends: the router sees it lost
+    wait_for(lambda: not handle.healthy, 5.0, f"{worker_id} seen lost")
+
+
+def test_streams_of_a_lost_decode_worker_finish_elsewhere_token_exact() -> None:
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    try:
+        s = stub(ep)
+        ps = prompts(6, seed=51)
+        calls = start_streams(s, ps)
+        kill(st, "decode-0")
+        results = finish(calls)
+        moved = 0
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert result is not None and result.finish_reason == pb.FINISH_REASON_LENGTH
+            assert tokens == hf_reference(p, N_TOKENS)  # nothing lost, nothing repeated
+            assert result.decode_worker == "decode-1"
+            moved += result.migrations
+        assert moved >= 1, "no stream was on decode-0"
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
+def test_a_seeded_stream_is_the_same_with_and_without_the_fault() -> None:
+    p = prompts(1, seed=52)[0]
+    sampling = dict(temperature=0.9, seed=77)
+    runs = []
+    for faulted in (False, True):
+        st, ep = start_service(use_ray=False, prefill=1, decode=2)
+        try:
+            s = stub(ep)
+            # Two streams, so that one is on decode-0 whichever way the router places them.
+            calls = start_streams(s, [p, p], **sampling)
+            if faulted:
+                kill(st, "decode-0")
+            done = finish(calls)
+            runs.append([tokens for tokens, _ in done])
+            moved = sum(r.migrations for _, r in done if r is not None)
+            assert moved == (1 if faulted else 0)
+        finally:
+            st.stop()
+    assert runs[0][0] == runs[0][1]  # the seed decides, not the worker
+    assert runs[1] == runs[0]
+
+
+def test_without_migration_the_lost_workers_streams_fail_with_the_reason() -> None:
+    st, ep = start_service(use_ray=False, prefill=1, decode=2, migration_limit=0)
+    try:
+        s = stub(ep)
+        calls = start_streams(s, prompts(4, seed=53))
+        t0 = time.monotonic()
+        kill(st, "decode-0")
+        failed = 0
+        for call, _ in calls:
+            try:
+                list(call)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                assert "migration" in str(e.details()), e.details()
+                failed += 1
+        assert failed >= 1
+        assert time.monotonic() - t0 < 1.0  # they end at once, not at a timeout
+    finally:
+        st.stop()
