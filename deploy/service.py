@@ -46,7 +46,9 @@ class Service:
 
     async def start(self, progress: bool = False) -> Endpoints:
         secret = secrets.token_bytes(32)
-        outputs = OutputListener(secret, host=self.config.worker_channel_host)
+        outputs = OutputListener(
+            secret, host=self.config.worker_channel_host, liveness_timeout_s=self.config.liveness_timeout_s
+        )
         address = await outputs.start()
         if self.use_ray:
             from pdserve.deploy.ray_pools import launch_ray, start_ray

@@ -102,6 +102,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a stream whose decode worker is lost moves to another one at most N times (0: it fails)",
     )  # fmt: skip
     p.add_argument(
+        "--liveness-timeout", type=float, default=4.0, metavar="S",
+        help="a worker that sends nothing (not even its heartbeat) for S seconds is lost: its streams move",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-host",
         default="127.0.0.1",
         help="cluster-internal bind address: KV transfer, worker outputs (a node IP if multi-node)",
@@ -158,6 +162,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
         drain_timeout_s=args.drain_timeout,
         migration_limit=args.migration_limit,
+        liveness_timeout_s=args.liveness_timeout,
         worker_channel_host=args.kv_host,
     )
     return spec, config

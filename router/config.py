@@ -47,4 +47,5 @@ class RouterConfig:
     # A stream whose decode worker is lost continues on another one (prompt + the tokens already
     # sent, recomputed there) at most this many times; 0: it fails UNAVAILABLE, with the reason.
     migration_limit: int = 3
+    liveness_timeout_s: float = 4.0  # a worker silent this long (no heartbeat) is lost
     worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)

@@ -96,12 +96,17 @@ class CommandChannel:
 
 
 class OutputListener:
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, secret: bytes, host: str = "127.0.0.1", port: int = 0, liveness_timeout_s: float = 4.0
+    ) -> None:
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         self.secret = secret
         self.host = host
         self.port = port
+        # A live worker sends a frame at least every HEARTBEAT_S (``pdserve.worker.push``); one
+        # silent this long is stopped or wedged (SIGSTOP, a stuck process): it is lost.
+        self.liveness_timeout_s = liveness_timeout_s
         self._server: asyncio.Server | None = None
         self._workers: dict[str, WorkerHandle] = {}
         self._on_deltas: OnDeltas | None = None
@@ -147,7 +152,14 @@ class OutputListener:
             self._connected.setdefault(wid, asyncio.Event()).set()
             assert self._on_deltas is not None
             while True:
-                frame = decode_from_worker(await _read_frame(reader, MAX_FRAME_BYTES), wid)
+                try:
+                    body = await asyncio.wait_for(
+                        _read_frame(reader, MAX_FRAME_BYTES), self.liveness_timeout_s
+                    )
+                except asyncio.TimeoutError:
+                    reason = f"no frame for {self.liveness_timeout_s:g} s (stopped or wedged)"
+                    break
+                frame = decode_from_worker(body, wid)
                 if not isinstance(frame, OutputBatch):
                     channel.answered(*frame)
                     continue
@@ -157,7 +169,7 @@ class OutputListener:
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             reason = f"output channel closed ({type(e).__name__})"
-        except (ChannelError, asyncio.TimeoutError) as e:
+        except (ChannelError, asyncio.TimeoutError) as e:  # (a timeout here: the handshake's)
             reason = f"output channel refused: {e}"
             log.warning("%s", reason)
         finally:

@@ -124,3 +124,33 @@ def test_without_migration_the_lost_workers_streams_fail_with_the_reason() -> No
         assert time.monotonic() - t0 < 1.0  # they end at once, not at a timeout
     finally:
         st.stop()
+
+
+def test_a_silent_worker_is_detected_and_its_streams_move() -> None:
+    """A decode worker that stops sending anything (a stopped or wedged process: here its
+    channel's writer blocks) is lost within the liveness timeout, its streams finish on the
+    other decode worker token-exact, and its late frames, once it wakes, reach no client."""
+    import threading
+
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    wake = threading.Event()
+    try:
+        s = stub(ep)
+        ps = prompts(4, seed=54)
+        calls = start_streams(s, ps)
+        handle = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        pusher = handle.caller.host.pusher  # type: ignore[attr-defined]
+        send = pusher._send
+        pusher._send = lambda data: (wake.wait(), send(data))  # nothing leaves the worker
+        t0 = time.monotonic()
+        wait_for(lambda: not handle.healthy, 8.0, "decode-0 seen lost")
+        detected = time.monotonic() - t0
+        assert detected <= 5.0, detected
+        results = finish(calls)
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None and result.decode_worker == "decode-1"
+        assert sum(r.migrations for _, r in results if r is not None) >= 1
+    finally:
+        wake.set()
+        st.stop()
