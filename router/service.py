@@ -291,8 +291,9 @@ class Router:
             async for ev in stream.events():
                 yield ev
         finally:
-            if not dispatch.done():
-                dispatch.cancel()
+            for task in (dispatch, stream.dispatch):  # the first attempt's, and a migration's
+                if task is not None and not task.done():
+                    task.cancel()
             stream.reservation_settled.set()  # nobody waits for a reservation of an ended stream
             self._forget(stream)
             if not stream.done:
@@ -337,8 +338,13 @@ class Router:
             self._reserve(stream, decode, work, wait),
             return_exceptions=True,
         )
+        # The first token may come out before prefill's answer does (two threads there): a
+        # prefill worker lost after it is no reason to fail the request (decode recomputes).
+        prefill_gone = (
+            isinstance(started, (WorkerLost, asyncio.TimeoutError)) and stream.first_token is not None
+        )
         for outcome in (started, target):
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException) and not (outcome is started and prefill_gone):
                 raise outcome
         if target is None:
             raise RouterError(
@@ -346,6 +352,9 @@ class Router:
                 f"no KV cache room on decode worker {decode.worker_id} within {wait:g}s; retry later",
             )
         if stream.done:
+            return
+        if prefill_gone:
+            self._spawn(self._kv_lost(stream))
             return
         try:
             await prefill.command(SetTarget(rid, target), self.config.call_timeout_s)
@@ -449,29 +458,29 @@ class Router:
         # Settled however the reservation ends; one that was not granted failed the stream
         # (RESOURCE_EXHAUSTED, from the dispatch).
         await stream.reservation_settled.wait()
-        if stream.done or not stream.reserved.is_set() or stream.decode_worker != decode.worker_id:
-            return
+        if stream.done or stream.request_id != d.request_id or not stream.reserved.is_set():
+            return  # over, or moved on (migration: a new attempt under a new id)
         try:
             await decode.command(
                 Start(d.request_id, d.token_ids[0], d.num_cached_tokens), self.config.call_timeout_s
             )
         except Exception as e:
-            if stream.decode_worker == decode.worker_id:  # else it moved on (migration)
+            if stream.request_id == d.request_id:  # else it moved on (migration)
                 stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
 
     async def _kv_lost(self, stream: RequestStream) -> None:
         """Tell the decode worker that the request's KV will not come, so it recomputes the
         prompt now instead of waiting out the transfer's lease."""
-        decode = self.workers.get(stream.decode_worker)
+        rid, decode = stream.request_id, self.workers.get(stream.decode_worker)
         if decode is None or stream.done:
             return
         await stream.reservation_settled.wait()
-        if stream.done or not stream.reserved.is_set() or stream.decode_worker != decode.worker_id:
-            return
+        if stream.done or stream.request_id != rid or not stream.reserved.is_set():
+            return  # over, or moved on (migration: a new attempt under a new id)
         try:
-            await decode.command(KvLost(stream.request_id), self.config.call_timeout_s)
+            await decode.command(KvLost(rid), self.config.call_timeout_s)
         except Exception as e:  # a lost decode worker fails the stream through its own path
-            log.debug("kv_lost %s on %s: %s", stream.request_id, decode.worker_id, e)
+            log.debug("kv_lost %s on %s: %s", rid, decode.worker_id, e)
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self.dispatcher.on_worker_lost(worker.worker_id)
@@ -479,16 +488,13 @@ class Router:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            if worker.role is WorkerRole.PREFILL:
-                if stream.first_token is not None:
-                    self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
-                    continue
-                why_not = "the prompt was not prefilled yet"
-            else:
-                why_not = self._why_not_migrate(stream)
-                if why_not is None:
-                    self._migrate(stream)
-                    continue
+            if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
+                self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
+                continue
+            why_not = self._why_not_migrate(stream)
+            if why_not is None:
+                self._migrate(stream)  # decode lost, or prefill lost before the first token
+                continue
             stream.fail(
                 RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}; {why_not}")
             )
@@ -511,57 +517,55 @@ class Router:
         return None
 
     def _migrate(self, stream: RequestStream) -> None:
-        """Move a stream off its lost decode worker: whatever was under way for it stops (its
-        dispatch, its prefill), and another decode worker recomputes prompt + the tokens already
-        sent and goes on from there. Deltas from the workers it left are fenced off."""
+        """Move a stream off a lost worker: whatever was under way for it stops (its dispatch;
+        it is aborted on the workers that live on), it takes a fresh id (so nothing the old
+        workers still send can reach it), and it is dispatched again — to a decode worker that
+        recomputes prompt + the tokens already sent and goes on, or, when no token was sent yet,
+        the way any new request is routed."""
         stream.migrations += 1
         self.metrics.migrations.inc()
         if stream.dispatch is not None and not stream.dispatch.done():
             stream.dispatch.cancel()
-        stream.reservation_settled.set()
-        prefill = self.workers.get(stream.prefill_worker)
-        if prefill is not None and stream.request_id in prefill.inflight:
-            prefill.inflight.discard(stream.request_id)
-            if prefill.healthy:
-                self._spawn(self._abort_on(prefill, stream.request_id))
-        stream.prefill_worker = ""
+        old = stream.request_id
+        for wid in (stream.prefill_worker, stream.decode_worker):
+            w = self.workers.get(wid)
+            if w is not None and old in w.inflight:
+                w.inflight.discard(old)
+                if w.healthy:
+                    self._spawn(self._abort_on(w, old))
+        self.accounting.dropped(old)  # the dispatcher forgets the old placement
+        new = f"req-{uuid.uuid4().hex}"
+        del self._streams[old]
+        self._streams[new] = stream
+        if self._client_ids.get(stream.client_id) == old:
+            self._client_ids[stream.client_id] = new
+        stream.restart(new)
         self._spawn(self._resume(stream))
 
     async def _resume(self, stream: RequestStream) -> None:
         assert stream.work is not None
-        rid, sent = stream.request_id, tuple(stream.token_ids)
+        sent = tuple(stream.token_ids)
+        work = replace(stream.work, request_id=stream.request_id, output_token_ids=sent)
+        stream.work = work
+        route = RouteRequest(
+            len(stream.prompt_ids) + len(sent), stream.params.max_tokens - len(sent), work.priority,
+            stream.request_id,
+        )  # fmt: skip
         role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-        loads = [w.load for w in self._pool(role)]
-        if not loads:
+        decode = [w.load for w in self._pool(role)]
+        # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
+        # prefilled anywhere, like a new request's.
+        prefill = [] if sent or self.colocated else [w.load for w in self._pool(WorkerRole.PREFILL)]
+        if not decode:
             stream.fail(
                 RouterError(Code.UNAVAILABLE, f"no healthy {role.value} worker is left to move it to")
             )
             return
-        route = RouteRequest(
-            len(stream.prompt_ids) + len(sent),
-            stream.params.max_tokens - len(sent),
-            stream.work.priority,
-            rid,
-        )
-        target = self.workers[self.dispatcher.decide(route, [], loads, time.perf_counter()).decode_worker]
-        stream.decode_worker = target.worker_id
-        target.inflight.add(rid)
-        log.info(
-            "%s: moving to %s after %d tokens (migration %d)",
-            rid,
-            target.worker_id,
-            len(sent),
-            stream.migrations,
-        )
-        try:
-            await target.command(
-                AddLocal(replace(stream.work, output_token_ids=sent)), self.config.call_timeout_s
-            )
-        except (WorkerLost, asyncio.TimeoutError) as e:
-            if stream.decode_worker == target.worker_id:  # else its loss already moved it on
-                stream.fail(RouterError(Code.UNAVAILABLE, f"moving to {target.worker_id} failed: {e}"))
-        except ValueError as e:
-            stream.fail(RouterError(Code.INTERNAL, f"moving to {target.worker_id} failed: {e}"))
+        decision = self.dispatcher.decide(route, prefill, decode, time.perf_counter())
+        log.info("%s: moving to %s after %d tokens (migration %d)", stream.client_id, decision.decode_worker,
+                 len(sent), stream.migrations)  # fmt: skip
+        stream.dispatch = dispatch = asyncio.create_task(self._dispatch(stream, work, decision))
+        dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
 
     async def _stop_worker(self, worker: WorkerHandle) -> None:
         try:

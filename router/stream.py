@@ -103,6 +103,18 @@ class RequestStream:
         self.dispatch: asyncio.Task[None] | None = None
         self.reserved_at = 0.0  # when it did (perf_counter)
 
+    def restart(self, request_id: str) -> None:
+        """A new attempt under a new id (migration): the tokens sent stay; the per-attempt
+        dispatch state starts afresh."""
+        self.request_id = request_id
+        self.prefill_worker = self.decode_worker = ""
+        self.reservation_settled.set()  # wakes what waited on the old attempt (it moves on)
+        self.reserved = asyncio.Event()
+        self.reservation_settled = asyncio.Event()
+        self.reserved_at = 0.0
+        self.handed_off = False
+        self.dispatch = None
+
     @property
     def done(self) -> bool:
         return self.state is StreamState.DONE

@@ -154,3 +154,23 @@ def test_a_silent_worker_is_detected_and_its_streams_move() -> None:
     finally:
         wake.set()
         st.stop()
+
+
+def test_requests_of_a_prefill_worker_lost_before_their_first_token_are_redispatched() -> None:
+    """The prefill worker dies with prompts still queued: those requests are dispatched again
+    (no token was sent, so anywhere a new request could go) and finish HF-exact."""
+    st, ep = start_service(use_ray=False, prefill=1, decode=1)
+    try:
+        s = stub(ep)
+        rng = random.Random(55)
+        ps = [[rng.randrange(3, 256) for _ in range(900)] for _ in range(6)]  # queued on prefill
+        calls = [s.Generate(grpc_request(p, 12, stream=True)) for p in ps]
+        kill(st, "prefill-0")
+        results = finish([(c, []) for c in calls])
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert result is not None and result.finish_reason == pb.FINISH_REASON_LENGTH
+            assert tokens == hf_reference(p, 12)
+        assert sum(r.migrations for _, r in results if r is not None) >= 1
+        assert_no_request_state(st)
+    finally:
+        st.stop()
