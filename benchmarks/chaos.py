@@ -4,11 +4,12 @@ scenario; what a client would see.
 
 Scenarios (each on a fresh deployment): no fault; SIGKILL of a decode worker mid-stream;
 SIGKILL of a prefill worker with prompts queued (mid-prefill); SIGSTOP of a decode worker for
-5 s (then SIGCONT). Per scenario: requests succeeded / failed, streams migrated, tokens lost
-(a stream shorter than its reference, or different from it) and duplicated (longer), KV blocks
-still in use after the traffic on the surviving workers, detection time (fault → the router
-marks the worker lost), recovery time (fault → the last moved stream's next token), TTFT p50
-and p99 of the scenario's streams.
+5 s (then SIGCONT); SIGTERM of a decode worker mid-stream. Per scenario: requests succeeded /
+failed, streams migrated, tokens lost (a stream shorter than its reference, or different from
+it) and duplicated (longer), KV blocks still in use after the traffic on the surviving
+workers, detection time (fault -> the router marks the worker lost), recovery time (fault ->
+the last moved stream's first token after the worker was seen lost), TTFT p50 and p99 of the
+scenario's streams.
 
     .venv/bin/python benchmarks/chaos.py            # about 3 minutes on 2 cores
     .venv/bin/python benchmarks/chaos.py --scenarios none,decode_kill
@@ -36,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit
 
-SCENARIOS = ("none", "decode_kill", "prefill_kill", "decode_stop")
+SCENARIOS = ("none", "decode_kill", "prefill_kill", "decode_stop", "decode_term")
+SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "decode_stop": signal.SIGSTOP,
+           "decode_term": signal.SIGTERM}  # fmt: skip
 
 
 @dataclass
@@ -136,7 +139,7 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
         handles = {h.worker_id: h for h in st.service.handles}
         logs = [StreamLog(p, m) for p, m in work]
         threads = [threading.Thread(target=run_stream, args=(s, lg)) for lg in logs]
-        victim = {"decode_kill": "decode-0", "prefill_kill": "prefill-0", "decode_stop": "decode-0"}.get(name)
+        victim = None if name == "none" else name.split("_")[0] + "-0"
         for t in threads:
             t.start()
         if name == "prefill_kill":
@@ -147,7 +150,7 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
         detected = 0.0
         if victim is not None:
             pid = handles[victim].info.pid
-            os.kill(pid, signal.SIGSTOP if name == "decode_stop" else signal.SIGKILL)
+            os.kill(pid, SIGNALS[name])
             detected = wait_for(lambda: not handles[victim].healthy, 30, f"{victim} seen lost")
             if name == "decode_stop":
                 threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid)).start()
@@ -164,9 +167,8 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
             lost += len(ref) - n_ok
             dup += max(0, len(lg.tokens) - len(ref))
         moved = [lg for lg in logs if lg.migrations]
-        recovery = max(
-            (next((t for t in lg.times if t > t_fault), t_fault) - t_fault for lg in moved), default=0.0
-        )
+        seen = t_fault + detected  # tokens before this may still be the lost worker's
+        recovery = max((next((t for t in lg.times if t > seen), seen) - t_fault for lg in moved), default=0.0)
         time.sleep(1.0)  # aborts and frees settle
         leaked = state_left = 0
         for h in st.service.handles:
