@@ -306,6 +306,9 @@ class Router:
 
     async def _dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
         timeout = self.config.call_timeout_s
+        rid = stream.request_id
+        if stream.done:
+            return
         try:
             decode = self.workers[decision.decode_worker]
             if decision.prefill_worker is None:
@@ -315,7 +318,13 @@ class Router:
             else:
                 await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
         except WorkerLost as e:
-            raise RouterError(Code.UNAVAILABLE, str(e)) from None
+            if stream.request_id != rid or stream.done:
+                return  # the stream already moved on (its worker's loss migrated it), or ended
+            why_not = self._why_not_migrate(stream)
+            if why_not is None:  # a worker lost before it held the request: go elsewhere
+                self._migrate(stream)
+                return
+            raise RouterError(Code.UNAVAILABLE, f"{e}; {why_not}") from None
         except asyncio.TimeoutError:
             raise RouterError(Code.UNAVAILABLE, "a worker did not answer in time") from None
         except (InvalidRequestError, ValueError) as e:
@@ -375,19 +384,20 @@ class Router:
         """Queue a reservation on ``decode`` (a quick call: once it returned, an abort reaches
         the waiting reservation), then wait for it to be granted."""
         timeout = self.config.call_timeout_s
+        # This attempt's own events: a migration gives the stream new ones, which a late end
+        # of this attempt must not touch.
+        rid, settled, reserved = stream.request_id, stream.reservation_settled, stream.reserved
         try:
             tid = f"kv-{uuid.uuid4().hex}"
             if not await decode.command(QueueReservation(work, tid, wait), timeout):
                 return None
-            target: KVTarget | None = await decode.command(
-                AwaitReservation(stream.request_id), wait + timeout
-            )
-            if target is not None:
+            target: KVTarget | None = await decode.command(AwaitReservation(rid), wait + timeout)
+            if target is not None and stream.request_id == rid:
                 stream.reserved_at = time.perf_counter()
-                stream.reserved.set()
+                reserved.set()
             return target
         finally:
-            stream.reservation_settled.set()
+            settled.set()
 
     def _release(self, stream: RequestStream) -> None:
         """Abort the request on every worker still holding it (fire and forget)."""
@@ -486,8 +496,8 @@ class Router:
         self.dispatcher.on_worker_lost(worker.worker_id)
         for rid in list(worker.inflight):
             stream = self._streams.get(rid)
-            if stream is None:
-                continue
+            if stream is None or stream.done:
+                continue  # ended already (its consumer has yet to clean up): nothing to move
             if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
                 self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
                 continue
@@ -544,6 +554,8 @@ class Router:
 
     async def _resume(self, stream: RequestStream) -> None:
         assert stream.work is not None
+        if stream.done or self._streams.get(stream.request_id) is not stream:
+            return  # it ended (or its consumer left) before it could move
         sent = tuple(stream.token_ids)
         work = replace(stream.work, request_id=stream.request_id, output_token_ids=sent)
         stream.work = work
@@ -592,8 +604,8 @@ class Router:
 
 
 def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:
-    if task.cancelled():
-        return
+    if task.cancelled() or task is not stream.dispatch:
+        return  # cancelled, or an earlier attempt's (a migration replaced it) whatever it raised
     e = task.exception()
     if e is None:
         return

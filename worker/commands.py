@@ -262,12 +262,12 @@ def decode_command(body: bytes) -> tuple[int, Command]:
     try:
         kind = msg["k"]
         if not isinstance(kind, str) or kind not in _CODECS:
-            raise ChannelError(f"unknown command {str(kind)[:32]!r}")
+            raise ChannelError(f"unknown command (a {type(kind).__name__})")
         return call_id, _CODECS[kind][2](_args(msg["a"], _ARITY[kind]))
     except ChannelError as e:
         raise CommandFrameError(call_id, str(e)) from None
-    except (TypeError, ValueError) as e:  # a dataclass refused its arguments
-        raise CommandFrameError(call_id, f"bad arguments: {e}") from None
+    except Exception as e:  # a dataclass refused its arguments; anything else, as malformed
+        raise CommandFrameError(call_id, f"bad arguments: {type(e).__name__}") from None
 
 
 class CommandFrameError(ChannelError):
@@ -292,9 +292,14 @@ def encode_error(call_id: int, err: CommandError) -> bytes:
 def decode_from_worker(body: bytes, worker_id: str) -> OutputBatch | tuple[int, Answer | CommandError]:
     """A frame on a worker's channel: an output batch, or (call id, answer) to a command."""
     msg = unpack(body, MAX_FRAME_BYTES)
-    if isinstance(msg, dict) and "r" in msg:
-        return _answer(msg)
-    return batch_from(msg, worker_id)
+    try:
+        if isinstance(msg, dict) and "r" in msg:
+            return _answer(msg)
+        return batch_from(msg, worker_id)
+    except ChannelError:
+        raise
+    except Exception as e:  # (say, an unhashable error kind): malformed, whatever it was
+        raise ChannelError(f"bad frame: {type(e).__name__}") from None
 
 
 def _answer(msg: dict[str, Any]) -> tuple[int, Answer | CommandError]:

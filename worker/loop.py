@@ -73,9 +73,13 @@ class EngineLoop:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         self._check()
+        if self._stop.is_set():
+            raise WorkerFailed("worker loop stopped")
         fut: Future[Any] = Future()
         self._cmds.append((fn, args, fut))
         self._wake.set()
+        if not self._thread.is_alive():  # it stopped meanwhile: its last drain may be over
+            self._fail_queued()
         return fut
 
     def wake(self) -> None:
@@ -139,10 +143,16 @@ class EngineLoop:
                 log.exception("engine stop hook failed")
             with self._out_cv:
                 self._out_cv.notify_all()
-            while self._cmds:
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while self._cmds:
+            try:
                 _, _, fut = self._cmds.popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(WorkerFailed("worker loop stopped"))
+            except IndexError:  # drained by another thread between the check and the pop
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(WorkerFailed("worker loop stopped"))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

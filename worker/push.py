@@ -205,10 +205,10 @@ class OutputPusher:
                     outcome.add_done_callback(functools.partial(self._done, call_id))
                 else:
                     self._answers.put((call_id, outcome))
-        except (OSError, ChannelError, ConnectionError) as e:
+        except Exception as e:  # unreadable stream, or a bug: never a reader dead behind a live socket
             if not self._stop.is_set():
-                log.info("worker channel closed while reading commands: %s", e)
-                _hang_up(sock)  # the stream is unreadable: the router must see the loss
+                log.info("worker channel closed while reading commands: %r", e)
+                _hang_up(sock)  # the router must see the loss
 
     def _run_command(self, cmd: Command) -> Future[Answer] | CommandError:
         if self.execute is None:
