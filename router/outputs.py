@@ -17,7 +17,6 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 
-from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
@@ -32,7 +31,6 @@ from pdserve.worker.commands import (
     Answer,
     Command,
     CommandError,
-    ErrorKind,
     decode_from_worker,
     encode_command,
 )
@@ -76,16 +74,10 @@ class CommandChannel:
         if fut is None or fut.done():
             return  # its caller gave up
         if isinstance(outcome, CommandError):
-            fut.set_exception(self._exception(outcome))
+            lost = WorkerLost(f"worker {self.worker_id}: {outcome.kind.value}: {outcome.message}")
+            fut.set_exception(outcome.request_fault() or lost)
         else:
             fut.set_result(outcome)
-
-    def _exception(self, err: CommandError) -> Exception:
-        if err.kind is ErrorKind.INVALID:
-            return InvalidRequestError(err.field or "request", err.message)
-        if err.kind is ErrorKind.VALUE:
-            return ValueError(err.message)
-        return WorkerLost(f"worker {self.worker_id}: {err.kind.value}: {err.message}")
 
     def close(self, reason: str) -> None:
         self._closed = reason

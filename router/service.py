@@ -259,12 +259,19 @@ class Router:
         self._client_ids[stream.client_id] = rid
         return Admitted(stream, WorkItem(rid, ids, inp.params, decision.priority), decision, slo)
 
-    def _decide(self, route: RouteRequest) -> Decision:
-        decode_role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-        decode = [w.load for w in self._pool(decode_role)]
+    @property
+    def _decode_role(self) -> WorkerRole:
+        """The role of the workers that decode (and may prefill) requests."""
+        return WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
+
+    def _decide(self, route: RouteRequest, remote_prefill: bool = True) -> Decision:
+        """Where the request goes; ``remote_prefill=False``: only to a decode worker, which
+        prefills it itself."""
+        decode = [w.load for w in self._pool(self._decode_role)]
         if not decode:
-            raise RouterError(Code.UNAVAILABLE, f"no healthy {decode_role.value} worker")
-        prefill = [] if self.colocated else [w.load for w in self._pool(WorkerRole.PREFILL)]
+            raise RouterError(Code.UNAVAILABLE, f"no healthy {self._decode_role.value} worker")
+        remote = remote_prefill and not self.colocated
+        prefill = [w.load for w in self._pool(WorkerRole.PREFILL)] if remote else []
         return self.dispatcher.decide(route, prefill, decode, time.perf_counter())
 
     def discard(self, admitted: Admitted) -> None:
@@ -280,20 +287,14 @@ class Router:
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
         stream = admitted.stream
-        # Dispatch runs beside the reader: the first token may arrive before the last dispatch
-        # call (the KV target) returns, and must not wait for it.
-        stream.work = admitted.work
-        stream.dispatch = dispatch = asyncio.create_task(
-            self._dispatch(stream, admitted.work, admitted.decision)
-        )
-        dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
+        self._start_dispatch(stream, admitted.work, admitted.decision)
         try:
             async for ev in stream.events():
                 yield ev
         finally:
-            for task in (dispatch, stream.dispatch):  # the first attempt's, and a migration's
-                if task is not None and not task.done():
-                    task.cancel()
+            # The current attempt's (a migration cancels the one it replaces).
+            if stream.dispatch is not None and not stream.dispatch.done():
+                stream.dispatch.cancel()
             stream.reservation_settled.set()  # nobody waits for a reservation of an ended stream
             self._forget(stream)
             if not stream.done:
@@ -303,6 +304,14 @@ class Router:
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         return self.run(self.admit(inp))
+
+    def _start_dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
+        """Send the request where ``decision`` says, beside the reader of its events: the first
+        token may arrive before the last dispatch call (the KV target) returns, and must not
+        wait for it. Only this attempt's failure fails the stream."""
+        stream.work = work
+        stream.dispatch = task = asyncio.create_task(self._dispatch(stream, work, decision))
+        task.add_done_callback(lambda t: _fail_on_error(stream, t))
 
     async def _dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
         timeout = self.config.call_timeout_s
@@ -521,9 +530,8 @@ class Router:
             return "request migration is off (--migration-limit 0)"
         if stream.migrations >= limit:
             return f"the stream already moved {stream.migrations} times (--migration-limit {limit})"
-        role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-        if not self._pool(role):
-            return f"no healthy {role.value} worker is left to move it to"
+        if not self._pool(self._decode_role):
+            return f"no healthy {self._decode_role.value} worker is left to move it to"
         return None
 
     def _migrate(self, stream: RequestStream) -> None:
@@ -558,26 +566,20 @@ class Router:
             return  # it ended (or its consumer left) before it could move
         sent = tuple(stream.token_ids)
         work = replace(stream.work, request_id=stream.request_id, output_token_ids=sent)
-        stream.work = work
         route = RouteRequest(
             len(stream.prompt_ids) + len(sent), stream.params.max_tokens - len(sent), work.priority,
             stream.request_id,
         )  # fmt: skip
-        role = WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-        decode = [w.load for w in self._pool(role)]
-        # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
-        # prefilled anywhere, like a new request's.
-        prefill = [] if sent or self.colocated else [w.load for w in self._pool(WorkerRole.PREFILL)]
-        if not decode:
-            stream.fail(
-                RouterError(Code.UNAVAILABLE, f"no healthy {role.value} worker is left to move it to")
-            )
+        try:
+            # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
+            # prefilled anywhere, like a new request's.
+            decision = self._decide(route, remote_prefill=not sent)
+        except RouterError as e:
+            stream.fail(e)
             return
-        decision = self.dispatcher.decide(route, prefill, decode, time.perf_counter())
         log.info("%s: moving to %s after %d tokens (migration %d)", stream.client_id, decision.decode_worker,
                  len(sent), stream.migrations)  # fmt: skip
-        stream.dispatch = dispatch = asyncio.create_task(self._dispatch(stream, work, decision))
-        dispatch.add_done_callback(lambda t: _fail_on_error(stream, t))
+        self._start_dispatch(stream, work, decision)
 
     async def _stop_worker(self, worker: WorkerHandle) -> None:
         try:

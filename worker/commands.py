@@ -107,12 +107,14 @@ class CommandError:
     message: str
     field: str | None = None
 
-    def exception(self) -> Exception:
+    def request_fault(self) -> Exception | None:
+        """The exception for a failure that is the request's fault; ``None`` for the worker's
+        (``FAILED``, ``UNSUPPORTED``: the caller treats the worker as gone)."""
         if self.kind is ErrorKind.INVALID:
             return InvalidRequestError(self.field or "request", self.message)
         if self.kind is ErrorKind.VALUE:
             return ValueError(self.message)
-        return RuntimeError(f"{self.kind.value}: {self.message}")
+        return None
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -242,8 +244,7 @@ _CODECS: dict[str, tuple[type, Any, Any]] = {
     "add_local": (AddLocal, lambda c: [_encode_work(c.work)], lambda a: AddLocal(_decode_work(a[0]))),
     "abort": (Abort, lambda c: [c.request_id], lambda a: Abort(_id(a[0]))),
 }
-_ARITY = {"prefill": 2, "set_target": 2, "queue_reservation": 3, "await_reservation": 1, "start": 3,
-          "kv_lost": 1, "add_local": 1, "abort": 1}  # fmt: skip
+_ARITY = {kind: len(dataclasses.fields(cls)) for kind, (cls, _, _) in _CODECS.items()}
 _KIND_OF = {cls: kind for kind, (cls, _, _) in _CODECS.items()}
 
 

@@ -62,17 +62,18 @@ def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
     return allocate, paths
 
 
+def _settle(out: Future[Any], src: Future[Any], fn: Callable[[Any], Any] = lambda x: x) -> None:
+    """Give ``out`` the outcome of the finished ``src``: ``fn`` of its result, or its error."""
+    try:
+        out.set_result(fn(src.result()))
+    except BaseException as e:
+        out.set_exception(e)
+
+
 def then(fut: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
     """A future of ``fn(result)`` once ``fut`` is done (its exception passes through)."""
     out: Future[Any] = Future()
-
-    def done(f: Future[Any]) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:
-            out.set_exception(e)
-
-    fut.add_done_callback(done)
+    fut.add_done_callback(lambda f: _settle(out, f, fn))
     return out
 
 
@@ -80,17 +81,13 @@ def flatten(fut: Future[Future[Any]]) -> Future[Any]:
     """A future of the result of the future ``fut`` resolves to."""
     out: Future[Any] = Future()
 
-    def inner_done(f: Future[Any]) -> None:
-        try:
-            out.set_result(f.result())
-        except BaseException as e:
-            out.set_exception(e)
-
     def outer_done(f: Future[Future[Any]]) -> None:
         try:
-            f.result().add_done_callback(inner_done)
+            inner = f.result()
         except BaseException as e:
             out.set_exception(e)
+            return
+        inner.add_done_callback(lambda g: _settle(out, g))
 
     fut.add_done_callback(outer_done)
     return out

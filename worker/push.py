@@ -111,7 +111,7 @@ class OutputPusher:
         worker_id: str,
         address: str,
         secret: bytes,
-        execute: Execute | None = None,
+        execute: Execute,
     ) -> None:
         self.loop = loop
         self.load = load
@@ -123,9 +123,7 @@ class OutputPusher:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
-        self._answers: queue.SimpleQueue[tuple[int, Future[Answer] | CommandError] | None] = (
-            queue.SimpleQueue()
-        )
+        self._answers: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="output-push", daemon=True)
         self._thread.start()
@@ -211,8 +209,6 @@ class OutputPusher:
                 _hang_up(sock)  # the router must see the loss
 
     def _run_command(self, cmd: Command) -> Future[Answer] | CommandError:
-        if self.execute is None:
-            return CommandError(ErrorKind.UNSUPPORTED, "this worker takes no commands")
         try:
             return self.execute(cmd)
         except BaseException as e:  # refused before it was queued (loop stopped, wrong role)

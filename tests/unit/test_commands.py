@@ -84,9 +84,10 @@ def test_answers_round_trip(call_id: int, value: Any) -> None:
 def test_errors_round_trip_and_map_to_exceptions() -> None:
     err = CommandError(ErrorKind.INVALID, "must be >= 0", "temperature")
     assert decode_from_worker(body(encode_error(7, err)), "w") == (7, err)
-    exc = err.exception()
+    exc = err.request_fault()
     assert isinstance(exc, InvalidRequestError) and exc.field == "temperature"
-    assert isinstance(CommandError(ErrorKind.VALUE, "x").exception(), ValueError)
+    assert isinstance(CommandError(ErrorKind.VALUE, "x").request_fault(), ValueError)
+    assert CommandError(ErrorKind.FAILED, "loop stopped").request_fault() is None
 
 
 def frame_body(obj: Any) -> bytes:
