@@ -151,7 +151,7 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
         if victim is not None:
             pid = handles[victim].info.pid
             os.kill(pid, SIGNALS[name])
-            detected = wait_for(lambda: not handles[victim].healthy, 30, f"{victim} seen lost")
+            detected = wait_for(lambda: not handles[victim].alive, 30, f"{victim} seen lost")
             if name == "decode_stop":
                 threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid)).start()
         for t in threads:
@@ -172,7 +172,7 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
         time.sleep(1.0)  # aborts and frees settle
         leaked = state_left = 0
         for h in st.service.handles:
-            if h.healthy:
+            if h.alive:
                 state = st.run(h.call("request_state", timeout_s=10))
                 load = st.run(h.call("load", timeout_s=10))
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.deploy.pools import PoolSpec, host_class
+from pdserve.deploy.pools import host_class
 from pdserve.router.workers import LocalCaller, WorkerHandle
+from pdserve.worker.host import WorkerSpec
+
+_CALLS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
 
 
-def launch_local(spec: PoolSpec, secret: bytes | None = None, router_address: str = "") -> list[WorkerHandle]:
-    pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
+def launch_local(specs: list[WorkerSpec]) -> list[WorkerHandle]:
+    """Build each worker host here; returns their handles once all are ready."""
     handles = []
-    for ws in spec.worker_specs(secret, router_address):
+    for ws in specs:
         host = host_class(ws.role)(ws)
-        handles.append(WorkerHandle(host.info(), LocalCaller(host, pool)))
+        handles.append(WorkerHandle(host.info(), LocalCaller(host, _CALLS)))
     return handles

@@ -22,6 +22,8 @@ class PoolSpec:
     transport: TransportConfig = field(default_factory=TransportConfig)
     cpus_per_worker: int = 1
     gpus_per_worker: int = 0  # 0: CPU workers
+    replace_lost: bool = True  # a worker the router lost is replaced by a fresh one
+    drain_timeout_s: float = 30.0  # a worker told to stop (SIGTERM) lets its requests finish this long
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -30,6 +32,8 @@ class PoolSpec:
             raise ValueError("a disaggregated deployment needs at least one prefill and one decode worker")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
     @property
     def is_colocated(self) -> bool:
@@ -39,25 +43,42 @@ class PoolSpec:
     def num_workers(self) -> int:
         return self.colocated if self.is_colocated else self.prefill + self.decode
 
-    def worker_specs(self, secret: bytes | None = None, router_address: str = "") -> list[WorkerSpec]:
-        """One spec per worker, all sharing ``secret`` (fresh if not given)."""
-        secret = secret or secrets.token_bytes(32)
-        roles: list[tuple[WorkerRole, int]] = (
-            [(WorkerRole.COLOCATED, self.colocated)]
-            if self.is_colocated
-            else [(WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode)]
+    @property
+    def roles(self) -> tuple[tuple[WorkerRole, int], ...]:
+        """Each pool's role and size."""
+        if self.is_colocated:
+            return ((WorkerRole.COLOCATED, self.colocated),)
+        return ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode))
+
+    def worker_spec(
+        self,
+        role: WorkerRole,
+        worker_id: str,
+        secret: bytes,
+        router_address: str = "",
+        own_process: bool = False,
+    ) -> WorkerSpec:
+        """One worker of pool ``role``; ``own_process``: it drains and exits on SIGTERM."""
+        return WorkerSpec(
+            worker_id=worker_id,
+            role=role,
+            engine=self.engine,
+            transport=self.transport,
+            secret=secret,
+            num_threads=self.cpus_per_worker,
+            router_address=router_address,
+            drain_timeout_s=self.drain_timeout_s,
+            drain_on_sigterm=own_process,
         )
+
+    def worker_specs(
+        self, secret: bytes | None = None, router_address: str = "", own_process: bool = False
+    ) -> list[WorkerSpec]:
+        """One spec per worker (ids ``<role>-<i>``), all sharing ``secret`` (fresh if not given)."""
+        secret = secret or secrets.token_bytes(32)
         return [
-            WorkerSpec(
-                worker_id=f"{role.value}-{i}",
-                role=role,
-                engine=self.engine,
-                transport=self.transport,
-                secret=secret,
-                num_threads=self.cpus_per_worker,
-                router_address=router_address,
-            )
-            for role, n in roles
+            self.worker_spec(role, f"{role.value}-{i}", secret, router_address, own_process)
+            for role, n in self.roles
             for i in range(n)
         ]
 

@@ -1,8 +1,14 @@
-"""Worker pools on Ray: start or join a cluster, reserve a placement group, start the actors.
+"""Worker pools on Ray: start or join a cluster, place and start each worker, remove it.
 
-Each worker is a threaded Ray actor (its long-poll ``collect`` and commands run concurrently)
-pinned to one bundle of a PACK placement group: one GPU per worker on GPU nodes, CPUs
-otherwise. Ray's dashboard stays off (or on loopback) and token auth stays on.
+Each worker is a threaded Ray actor (its process-level calls run concurrently) in a placement
+group of its own, one bundle: one GPU on GPU nodes, CPUs otherwise. Workers come and go one
+at a time (a lost worker's replacement, a pool that grows), and Ray's autoscaler can add or
+remove a node for one worker. Removing a worker removes its placement group with it.
+
+A private instance (``start_ray`` without an address) keeps its dashboard off and token auth
+on, and tunes the control plane's node health checks (``NODE_HEALTH``) so that a dead node is
+declared dead within seconds, not Ray's default half minute; clusters started with
+``ray start`` get the same through ``RAY_health_check_*`` variables (``deploy/README.md``).
 """
 
 from __future__ import annotations
@@ -13,19 +19,32 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.deploy.pools import PoolSpec, host_class
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.host import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 64
+# The GCS pings every raylet each period; a node that misses `threshold` pings in a row (each
+# given `timeout`) is dead: about initial delay + period * threshold after it stopped.
+NODE_HEALTH = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 
 
 class RayCaller:
-    def __init__(self, actor: Any) -> None:
+    """Process-level calls to one worker actor; ``kill`` ends the actor and frees its placement."""
+
+    def __init__(self, actor: Any, placement: Any = None) -> None:
         self.actor = actor
+        self.placement = placement
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         ref = getattr(self.actor, method).remote(*args)
@@ -34,8 +53,14 @@ class RayCaller:
 
     def kill(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
-        ray.kill(self.actor, no_restart=True)
+        try:
+            ray.kill(self.actor, no_restart=True)
+        finally:
+            if self.placement is not None:
+                remove_placement_group(self.placement)
+                self.placement = None
 
 
 def start_ray(address: str | None, num_cpus: int) -> bool:
@@ -53,67 +78,89 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
         num_cpus=max(num_cpus, os.cpu_count() or 1),
         include_dashboard=False,
         object_store_memory=256 << 20,
+        _system_config=dict(NODE_HEALTH),
         **kwargs,
     )
     return True
 
 
-def launch_ray(
-    spec: PoolSpec,
-    timeout_s: float = 300.0,
-    progress: bool = True,
-    secret: bytes | None = None,
-    router_address: str = "",
-) -> tuple[list[WorkerHandle], Any]:
-    """Start the workers; returns their handles and the placement group (remove it to free the
-    resources once the actors are gone)."""
+@dataclass(frozen=True)
+class Placement:
+    """What each worker of a deployment takes from the cluster."""
+
+    cpus: int
+    gpus: int = 0
+    deployment: str = ""  # names the actors and groups: pdserve-<deployment>-<worker id>
+
+    @classmethod
+    def of(cls, spec: PoolSpec) -> Placement:
+        return cls(spec.cpus_per_worker, spec.gpus_per_worker, uuid.uuid4().hex[:8])
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+
+def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
+    """Ask for the worker's placement group and start its actor there (both asynchronously)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    specs = spec.worker_specs(secret, router_address)
-    bundle: dict[str, float] = {"CPU": spec.cpus_per_worker}
-    if spec.gpus_per_worker:
-        bundle["GPU"] = spec.gpus_per_worker
-    deployment = uuid.uuid4().hex[:8]
-    pg = placement_group([dict(bundle) for _ in specs], strategy="PACK", name=f"pdserve-{deployment}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        raise TimeoutError(
-            f"Ray could not place {len(specs)} workers of {bundle} within {timeout_s:g}s "
-            f"(cluster resources: {ray.cluster_resources()})"
+    name = f"pdserve-{where.deployment}-{ws.worker_id}"
+    pg = placement_group([where.bundle], strategy="STRICT_PACK", name=name)
+    actor = (
+        ray.remote(host_class(ws.role))
+        .options(
+            name=name,
+            num_cpus=where.cpus,
+            num_gpus=where.gpus,
+            max_concurrency=ACTOR_CONCURRENCY,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         )
-    actors = []
-    for i, ws in enumerate(specs):
-        cls = ray.remote(host_class(ws.role))
-        actors.append(
-            cls.options(
-                name=f"pdserve-{deployment}-{ws.worker_id}",
-                num_cpus=spec.cpus_per_worker,
-                num_gpus=spec.gpus_per_worker,
-                max_concurrency=ACTOR_CONCURRENCY,
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(ws)
-        )
-    pending = {a.info.remote(): a for a in actors}
-    infos: dict[Any, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise TimeoutError(f"{len(pending)} workers not ready after {timeout_s:g}s")
-        actor = pending.pop(done[0])
-        infos[actor] = ray.get(done[0])  # raises the worker's start-up error, if any
-        if progress:
-            print(f"  worker {infos[actor].worker_id} ready ({len(infos)}/{len(actors)})", file=sys.stderr)
-    return [WorkerHandle(infos[a], RayCaller(a)) for a in actors], pg
+        .remote(ws)
+    )
+    return actor, pg
 
 
-def release(pg: Any, shutdown: bool) -> None:
+def launch_workers(
+    specs: list[WorkerSpec], where: Placement, timeout_s: float = 300.0, progress: bool = True
+) -> list[WorkerHandle]:
+    """Start the workers and wait until every one is ready (or raise, leaving none behind)."""
     import ray
-    from ray.util.placement_group import remove_placement_group
 
-    remove_placement_group(pg)
-    if shutdown:
-        ray.shutdown()
+    placed = [_place(ws, where) for ws in specs]
+    callers = [RayCaller(actor, pg) for actor, pg in placed]
+    try:
+        ready, _ = ray.wait([pg.ready() for _, pg in placed], num_returns=len(placed), timeout=timeout_s)
+        if len(ready) < len(placed):
+            raise TimeoutError(
+                f"Ray could not place {len(placed) - len(ready)} of {len(placed)} workers of "
+                f"{where.bundle} within {timeout_s:g}s (cluster resources: {ray.cluster_resources()})"
+            )
+        pending = {actor.info.remote(): i for i, (actor, _) in enumerate(placed)}
+        infos: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(f"{len(pending)} workers not ready after {timeout_s:g}s")
+            i = pending.pop(done[0])
+            infos[i] = ray.get(done[0])  # raises the worker's start-up error, if any
+            if progress:
+                print(f"  worker {infos[i].worker_id} ready ({len(infos)}/{len(placed)})", file=sys.stderr)
+    except BaseException:
+        for c in callers:
+            try:
+                c.kill()
+            except Exception as e:  # best effort: the launch failed anyway
+                log.debug("cleaning up a failed launch: %s", e)
+        raise
+    return [WorkerHandle(infos[i], callers[i]) for i in range(len(placed))]
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()

@@ -12,8 +12,9 @@ import secrets
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pdserve.deploy.keeper import PoolKeeper
 from pdserve.deploy.pools import PoolSpec
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
@@ -22,6 +23,11 @@ from pdserve.router.outputs import OutputListener
 from pdserve.router.server import Frontends, chat_template_for
 from pdserve.router.service import Router
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.host import WorkerSpec
+from pdserve.worker.messages import WorkerRole
+
+if TYPE_CHECKING:
+    from pdserve.deploy.ray_pools import Placement
 
 
 @dataclass(frozen=True)
@@ -38,39 +44,60 @@ class Service:
         self.config = config
         self.use_ray = use_ray
         self.ray_address = ray_address
-        self.handles: list[WorkerHandle] = []
+        self.handles: list[WorkerHandle] = []  # the deployment's workers (replacements join)
         self.router: Router | None = None
         self.frontends: Frontends | None = None
-        self._placement: Any = None
+        self.keeper: PoolKeeper | None = None
+        self._secret = secrets.token_bytes(32)
+        self._channel_address = ""
+        self._placement: Placement | None = None
         self._owns_ray = False
 
     async def start(self, progress: bool = False) -> Endpoints:
-        secret = secrets.token_bytes(32)
         outputs = OutputListener(
-            secret, host=self.config.worker_channel_host, liveness_timeout_s=self.config.liveness_timeout_s
+            self._secret,
+            host=self.config.worker_channel_host,
+            liveness_timeout_s=self.config.liveness_timeout_s,
         )
-        address = await outputs.start()
+        self._channel_address = await outputs.start()
         if self.use_ray:
-            from pdserve.deploy.ray_pools import launch_ray, start_ray
+            from pdserve.deploy.ray_pools import Placement, start_ray
 
             self._owns_ray = await asyncio.to_thread(
                 start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
             )
-            self.handles, self._placement = await asyncio.to_thread(
-                launch_ray, self.spec, 300.0, progress, secret, address
-            )
-        else:
-            from pdserve.deploy.local import launch_local
-
-            self.handles = await asyncio.to_thread(launch_local, self.spec, secret, address)
+            self._placement = Placement.of(self.spec)
+        specs = self.spec.worker_specs(self._secret, self._channel_address, own_process=self.use_ray)
+        self.handles = await asyncio.to_thread(self._launch, specs, progress)
         model_dir = resolve_model(self.spec.engine.model)
         tokenizer = TextTokenizer.load(model_dir)
         self.router = Router(self.config, self.handles, tokenizer, outputs, colocated=self.spec.is_colocated)
         self.router.start()
+        if self.spec.replace_lost:
+            first = {role: n for role, n in self.spec.roles}
+            self.keeper = PoolKeeper(self.router, outputs, self._launch_one, first, self._joined)
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
         self.frontends = Frontends(self.router, self.config, chat_template_for(model_dir, tokenizer))
         await self.frontends.start()
         return self.endpoints
+
+    def _launch(self, specs: list[WorkerSpec], progress: bool) -> list[WorkerHandle]:
+        if self._placement is not None:
+            from pdserve.deploy.ray_pools import launch_workers
+
+            return launch_workers(specs, self._placement, 300.0, progress)
+        from pdserve.deploy.local import launch_local
+
+        return launch_local(specs)
+
+    async def _launch_one(self, role: WorkerRole, worker_id: str) -> WorkerHandle:
+        ws = self.spec.worker_spec(role, worker_id, self._secret, self._channel_address, self.use_ray)
+        [handle] = await asyncio.to_thread(self._launch, [ws], False)
+        return handle
+
+    def _joined(self, worker: WorkerHandle) -> None:
+        # Lost workers were stopped when the router let them go; their replacements take their place.
+        self.handles = [h for h in self.handles if h.alive] + [worker]
 
     @property
     def endpoints(self) -> Endpoints:
@@ -79,6 +106,8 @@ class Service:
         return Endpoints(f"http://{host}:{self.frontends.http_port}", f"{host}:{self.frontends.grpc_port}")
 
     async def stop(self) -> None:
+        if self.keeper is not None:
+            await self.keeper.close()
         if self.frontends is not None:
             await self.frontends.stop()
         if self.router is not None:
@@ -87,12 +116,13 @@ class Service:
             with contextlib.suppress(Exception):  # already dead: nothing to shut down
                 await h.call("shutdown", timeout_s=10)
             if self.use_ray:
-                h.caller.kill()
-        if self._placement is not None:
-            from pdserve.deploy.ray_pools import release
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(h.caller.kill)
+        if self._owns_ray:
+            from pdserve.deploy.ray_pools import shutdown_ray
 
-            await asyncio.to_thread(release, self._placement, self._owns_ray)
-            self._placement = None
+            await asyncio.to_thread(shutdown_ray)
+            self._owns_ray = False
 
 
 class ServiceThread:

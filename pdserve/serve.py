@@ -30,6 +30,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -98,6 +105,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
     p.add_argument(
+        "--worker-drain-timeout", type=_non_negative_float, default=30.0, metavar="S",
+        help="a worker sent SIGTERM takes no new requests and lets its own finish for up to S seconds; "
+        "the rest move to other workers",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-replace-lost-workers", dest="replace_lost", action="store_false",
+        help="do not start a fresh worker in place of one that was lost (pools shrink instead)",
+    )  # fmt: skip
+    p.add_argument(
         "--migration-limit", type=_non_negative_int, default=3, metavar="N",
         help="a stream whose decode worker is lost moves to another one at most N times (0: it fails)",
     )  # fmt: skip
@@ -142,6 +158,8 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         transport=TransportConfig(backend=args.transport, host=args.kv_host),
         cpus_per_worker=args.cpus_per_worker,
         gpus_per_worker=gpus,
+        replace_lost=args.replace_lost,
+        drain_timeout_s=args.worker_drain_timeout,
     )
     config = RouterConfig(
         host=args.host,

@@ -24,7 +24,6 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from pdserve.router.service import Router
 from pdserve.router.slo import WindowStats
-from pdserve.worker.messages import WorkerHealth
 
 WINDOW_S = 60.0  # the "current" numbers: the last minute, like the router's gauges
 MAX_POINTS = 300
@@ -58,7 +57,8 @@ def dashboard_data(router: Router, horizon_s: float, step_s: float) -> dict[str,
             {
                 "worker": w.worker_id,
                 "role": w.role.value,
-                "healthy": w.healthy and load.health is WorkerHealth.HEALTHY,
+                "healthy": w.routable,
+                "health": w.health.value,
                 "running": load.running,
                 "waiting": load.waiting,
                 "kv_usage": _finite(load.kv_usage),
@@ -324,7 +324,7 @@ function render(d) {
   for (const w of d.workers) {
     const health = document.createElement("span");
     health.className = w.healthy ? "ok" : "down";
-    health.textContent = w.healthy ? "healthy" : "unhealthy";
+    health.textContent = w.health;
     const kv = document.createElement("span");
     const bar = document.createElement("span");
     bar.className = "bar";

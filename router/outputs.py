@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
 HANDSHAKE_TIMEOUT_S = 10.0
+REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
 
 
 class CommandChannel:
@@ -105,6 +106,7 @@ class OutputListener:
         self._on_lost: OnLost | None = None
         self._bound = asyncio.Event()
         self._connected: dict[str, asyncio.Event] = {}
+        self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
         self._closing = False
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -117,6 +119,19 @@ class OutputListener:
         """Start delivering: connections that arrived earlier wait for this."""
         self._workers, self._on_deltas, self._on_lost = workers, on_deltas, on_lost
         self._bound.set()
+
+    def expect(self, worker_id: str) -> None:
+        """A worker is being started at run time: its connection waits (instead of being
+        refused) until ``registered`` says the router knows it."""
+        self._registered.setdefault(worker_id, asyncio.Event())
+
+    def registered(self, worker_id: str) -> None:
+        self._registered.setdefault(worker_id, asyncio.Event()).set()
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that will not connect again (lost, or its start failed)."""
+        self._registered.pop(worker_id, None)
+        self._connected.pop(worker_id, None)
 
     async def wait_connected(self, worker_ids: list[str], timeout_s: float) -> None:
         events = [self._connected.setdefault(w, asyncio.Event()) for w in worker_ids]
@@ -137,9 +152,14 @@ class OutputListener:
             wid, nonce = decode_hello(body, self.secret, challenge)
             writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
+            if wid not in self._workers and wid in self._registered:
+                await asyncio.wait_for(self._registered[wid].wait(), REGISTER_TIMEOUT_S)
             worker = self._workers.get(wid)
             if worker is None:
                 raise ChannelError(f"unexpected worker {wid!r}")
+            if not worker.alive or worker.channel is not None:
+                # A lost worker stays lost (its requests moved on), and one worker has one channel.
+                raise ChannelError(f"worker {wid!r} is fenced off (lost, or already connected)")
             worker.channel = channel = CommandChannel(wid, writer)
             self._connected.setdefault(wid, asyncio.Event()).set()
             assert self._on_deltas is not None
@@ -155,7 +175,7 @@ class OutputListener:
                 if not isinstance(frame, OutputBatch):
                     channel.answered(*frame)
                     continue
-                worker.load = frame.load
+                worker.report(frame.load)
                 if frame.deltas:
                     self._on_deltas(worker, frame.deltas)
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
@@ -169,7 +189,7 @@ class OutputListener:
             writer.close()
             if channel is not None:
                 channel.close(reason)
-            if worker is not None and not self._closing and worker.healthy and self._on_lost is not None:
+            if worker is not None and not self._closing and worker.alive and self._on_lost is not None:
                 log.error("worker %s lost: %s", worker.worker_id, reason)
                 worker.mark_lost()
                 await self._on_lost(worker, reason)

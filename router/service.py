@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -126,6 +126,9 @@ class Router:
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining = False
+        # Told of every worker the router lost, once its requests have moved (a pool keeper
+        # replaces it).
+        self.on_worker_gone: Callable[[WorkerHandle, str], None] | None = None
         info = workers[0].info
         caps = config.caps
         decode_blocks = min(w.info.kv_blocks for w in workers if w.role is not WorkerRole.PREFILL)
@@ -168,12 +171,45 @@ class Router:
             s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
         await self.outputs.close()
 
+    def add_worker(self, worker: WorkerHandle, replaces: str = "") -> None:
+        """Take a worker in at run time (a replacement, a grown pool); it gets requests once its
+        channel is up. ``replaces``: a lost worker it stands in for, dropped from the list now.
+        Raises ``ValueError`` if it cannot serve this deployment's requests."""
+        wid, info, ref = worker.worker_id, worker.info, self.model
+        if wid in self.workers:
+            raise ValueError(f"worker {wid!r} is already registered")
+        roles = (self._decode_role,) if self.colocated else (WorkerRole.PREFILL, WorkerRole.DECODE)
+        if worker.role not in roles:
+            raise ValueError(f"worker {wid!r}: a {worker.role.value} worker in a deployment of {roles}")
+        diffs = [
+            f"{name} {got!r} (the deployment's: {want!r})"
+            for name, got, want in (
+                ("architecture", info.architecture, ref.architecture),
+                ("vocab_size", info.vocab_size, ref.vocab_size),
+                ("block_size", info.block_size, ref.block_size),
+                ("max_model_len", info.max_model_len, ref.max_context_length),
+                ("dtype", info.dtype, ref.dtype),
+            )
+            if got != want
+        ]
+        if worker.role is not WorkerRole.PREFILL and info.kv_blocks < self.limits.kv_capacity_blocks:
+            admitted = self.limits.kv_capacity_blocks
+            diffs.append(f"kv_blocks {info.kv_blocks} (requests are admitted for {admitted})")
+        if diffs:
+            raise ValueError(f"worker {wid!r} cannot join: " + ", ".join(diffs))
+        old = self.workers.get(replaces)
+        if old is not None and not old.alive:
+            del self.workers[replaces]
+        self.workers[wid] = worker
+        self.outputs.registered(wid)
+        log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
+
     def _loads(self) -> list[WorkerLoad]:
         unhealthy = WorkerHealth.UNHEALTHY
-        return [w.load if w.healthy else replace(w.load, health=unhealthy) for w in self.workers.values()]
+        return [w.load if w.alive else replace(w.load, health=unhealthy) for w in self.workers.values()]
 
     def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.role is role and w.healthy]
+        return [w for w in self.workers.values() if w.role is role and w.routable]
 
     @property
     def ready(self) -> bool:
@@ -351,11 +387,12 @@ class Router:
         prefill.inflight.add(rid)
         wait = self.config.reserve_timeout_s
         # Prefill goes out first: its call is on the TTFT path, the reservation is not.
-        started, target = await asyncio.gather(
+        outcomes: tuple[Any, Any] = await asyncio.gather(
             prefill.command(Prefill(work), self.config.call_timeout_s),
             self._reserve(stream, decode, work, wait),
             return_exceptions=True,
         )
+        started, target = outcomes
         # The first token may come out before prefill's answer does (two threads there): a
         # prefill worker lost after it is no reason to fail the request (decode recomputes).
         prefill_gone = (
@@ -383,7 +420,7 @@ class Router:
             # (told here, or by the worker-loss handler if it saw the loss first), and prefill,
             # should it live, lets go of the prompt's blocks.
             self._spawn(self._kv_lost(stream))
-            if rid in prefill.inflight and prefill.healthy:
+            if rid in prefill.inflight and prefill.alive:
                 prefill.inflight.discard(rid)
                 self._spawn(self._abort_on(prefill, rid))
 
@@ -414,7 +451,7 @@ class Router:
             w = self.workers.get(wid)
             if w is not None and stream.request_id in w.inflight:
                 w.inflight.discard(stream.request_id)
-                if w.healthy:
+                if w.alive:
                     self._spawn(self._abort_on(w, stream.request_id))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -518,9 +555,12 @@ class Router:
                 RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}; {why_not}")
             )
         worker.inflight.clear()
+        self.outputs.forget(worker.worker_id)
         # Its channel is gone, but the process may live on (a broken connection, a wedged
         # pusher): stop it, or it keeps computing requests nobody collects.
         self._spawn(self._stop_worker(worker))
+        if self.on_worker_gone is not None:
+            self.on_worker_gone(worker, reason)
 
     # -- migration -----------------------------------------------------------------------------
     def _why_not_migrate(self, stream: RequestStream) -> str | None:
@@ -549,7 +589,7 @@ class Router:
             w = self.workers.get(wid)
             if w is not None and old in w.inflight:
                 w.inflight.discard(old)
-                if w.healthy:
+                if w.alive:
                     self._spawn(self._abort_on(w, old))
         self.accounting.dropped(old)  # the dispatcher forgets the old placement
         new = f"req-{uuid.uuid4().hex}"
@@ -592,7 +632,7 @@ class Router:
         """Fresh loads from every worker (a short call each); unreachable ones as UNHEALTHY."""
 
         async def one(w: WorkerHandle) -> WorkerLoad:
-            if w.healthy:
+            if w.alive:
                 try:
                     w.load = await w.call("load", timeout_s=2.0)
                     return w.load

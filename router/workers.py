@@ -4,7 +4,9 @@ A ``WorkerHandle`` wraps one worker process behind a ``Caller`` (Ray actor calls
 cluster, a thread pool around an in-process ``WorkerHost`` in tests and single-process mode).
 Outputs do not come through it: they arrive over the worker's output channel
 (``pdserve.router.outputs``), each batch with the worker's load for the routing policy. A worker whose
-channel closes is marked UNHEALTHY (terminal) and the router fails the requests it held.
+channel closes is marked UNHEALTHY (terminal) and the router moves or fails the requests it
+held. A worker that reports DRAINING (it was told to stop, e.g. SIGTERM) gets no new requests
+but keeps its commands (starts, aborts) until its channel ends.
 """
 
 from __future__ import annotations
@@ -65,8 +67,20 @@ class WorkerHandle:
         self.channel: CommandSender | None = None  # set once its channel is authenticated
 
     @property
-    def healthy(self) -> bool:
-        return self.health is WorkerHealth.HEALTHY
+    def alive(self) -> bool:
+        """It may still hold requests and take commands (healthy or draining)."""
+        return self.health is not WorkerHealth.UNHEALTHY
+
+    @property
+    def routable(self) -> bool:
+        """New requests may go here: healthy, with its channel up."""
+        return self.health is WorkerHealth.HEALTHY and self.channel is not None
+
+    def report(self, load: WorkerLoad) -> None:
+        """The worker's latest load, and with it whether it is draining (lost is terminal)."""
+        self.load = load
+        if self.alive and load.health in (WorkerHealth.HEALTHY, WorkerHealth.DRAINING):
+            self.health = load.health
 
     def mark_lost(self) -> None:
         self.health = WorkerHealth.UNHEALTHY

@@ -7,13 +7,20 @@ engine work goes through the loop.
 
 Lifecycle: ``__init__`` loads the model and opens the transport -> ``info()`` (ready) ->
 commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
+
+SIGTERM (a worker process of a cluster, ``drain_on_sigterm``): the worker drains, then exits.
+Its loads say DRAINING from then on, so the router routes nothing new to it; the requests it
+holds get ``drain_timeout_s`` to finish; then it closes its channel and exits, and the router
+moves whatever is left to other workers (migration), as for any lost worker.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,7 +35,7 @@ from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_ru
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
 from pdserve.worker.commands import Abort, Answer, Command, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, RoleEngine
-from pdserve.worker.messages import OutputBatch, WorkerInfo, WorkerLoad, WorkerRole
+from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
 
 log = logging.getLogger(__name__)
@@ -43,6 +50,12 @@ class WorkerSpec:
     secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
     router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish
+    drain_on_sigterm: bool = False  # install the SIGTERM drain (own worker processes only)
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:  # NaN too
+            raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
 
 def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
@@ -138,6 +151,9 @@ class WorkerHost:
             node=socket.gethostname(),
             step_tokens=spec.engine.scheduler.max_num_batched_tokens,
         )
+        self._terminating = threading.Event()
+        if spec.drain_on_sigterm and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _make_engine(self) -> RoleEngine:
         raise NotImplementedError  # each role's host builds its engine
@@ -191,6 +207,30 @@ class WorkerHost:
                 return True
             time.sleep(0.01)
         return False
+
+    def drain(self, timeout_s: float) -> bool:
+        """Report DRAINING (the router routes nothing new here) and wait up to ``timeout_s`` for
+        the requests held to finish; True if none is left. The worker keeps serving."""
+        self.loop.set_health(WorkerHealth.DRAINING)
+        return self.wait_idle(timeout_s)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # A signal handler must not block the thread it interrupts: drain on another one.
+        if not self._terminating.is_set():
+            self._terminating.set()
+            threading.Thread(target=self._drain_and_exit, name="sigterm-drain", daemon=True).start()
+
+    def _drain_and_exit(self) -> None:
+        timeout = self.spec.drain_timeout_s
+        log.warning("%s: SIGTERM: draining (up to %gs), then exiting", self.spec.worker_id, timeout)
+        try:
+            clean = self.drain(timeout)
+            outcome = "drained" if clean else "drain timed out (the router moves what is left)"
+            log.warning("%s: %s; exiting", self.spec.worker_id, outcome)
+            self.shutdown()
+        finally:
+            logging.shutdown()
+            os._exit(0)
 
     def shutdown(self) -> None:
         if self.pusher is not None:

@@ -14,9 +14,10 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Protocol
 
-from pdserve.worker.messages import TokenDelta, WorkerLoad
+from pdserve.worker.messages import TokenDelta, WorkerHealth, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class EngineLoop:
         # Refreshed on the loop thread after every step and command batch, so readers (the
         # output long-poll, status) never wait for a step to finish to learn the load.
         self.load: WorkerLoad = engine.load(address)
+        self._health = WorkerHealth.HEALTHY  # what every load this loop reports says
         self.error: BaseException | None = None
         self.steps = 0
         self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
@@ -70,6 +72,16 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def set_health(self, health: WorkerHealth) -> None:
+        """Report ``health`` with every load from now on (DRAINING: route nothing new here)."""
+        self._health = health
+        self.load = replace(self.load, health=health)
+        self._wake.set()
+
+    def _refresh_load(self) -> None:
+        load = self.engine.load(self.address)
+        self.load = load if self._health is WorkerHealth.HEALTHY else replace(load, health=self._health)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         self._check()
@@ -119,12 +131,12 @@ class EngineLoop:
                 self._wake.clear()
                 if self._cmds:
                     self._run_commands()
-                    self.load = self.engine.load(self.address)
+                    self._refresh_load()
                 eng = self.engine
                 if eng.has_work or eng.has_pending_io:
                     deltas = eng.step()
                     self.steps += 1
-                    self.load = eng.load(self.address)
+                    self._refresh_load()
                     if deltas:
                         with self._out_cv:
                             self._out.extend(deltas)

@@ -27,7 +27,8 @@ def fake_router(tracker: Any) -> Any:
 
     def worker(wid: str, role: WorkerRole, free: int, health: WorkerHealth) -> Any:
         load = WorkerLoad(wid, role, "", 1, 2, 100, free, 0)
-        return SimpleNamespace(worker_id=wid, role=role, load=load, healthy=health is WorkerHealth.HEALTHY)
+        routable = health is WorkerHealth.HEALTHY
+        return SimpleNamespace(worker_id=wid, role=role, load=load, health=health, routable=routable)
 
     workers = [
         worker("decode-0", WorkerRole.DECODE, 25, WorkerHealth.HEALTHY),
@@ -79,9 +80,11 @@ def test_data_json_nan_is_null_and_behind_the_key() -> None:
     assert {k: v for k, v in chat.items() if k != "targets"} == d["current"]
     load = {"running": 1, "waiting": 2}
     assert d["workers"] == [
-        {"worker": "decode-0", "role": "decode", "healthy": True, **load, "kv_usage": 0.75},
-        {"worker": "prefill-0", "role": "prefill", "healthy": False, **load, "kv_usage": 0.0},
-    ]
+        {"worker": "decode-0", "role": "decode", "healthy": True, "health": "healthy", **load,
+         "kv_usage": 0.75},
+        {"worker": "prefill-0", "role": "prefill", "healthy": False, "health": "unhealthy", **load,
+         "kv_usage": 0.0},
+    ]  # fmt: skip
     assert client.get("/dashboard/data", params={"step_s": 0}, headers=auth).status_code == 400
 
 

@@ -44,16 +44,19 @@ def start_service(
     local_prefill: bool = False,
     slo_classes: tuple[SloClass, ...] = (),
     migration_limit: int = 3,
+    replace_lost: bool = False,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
-    disaggregated path (KV transfer) that most tests check; the product default is on."""
+    disaggregated path (KV transfer) that most tests check; the product default is on. So is
+    ``replace_lost`` (off here, so that a test's killed worker leaves the pool it describes)."""
     spec = PoolSpec(
         prefill=prefill,
         decode=decode,
         colocated=colocated,
         engine=engine_config(**engine),
         transport=TransportConfig(backend=transport),
+        replace_lost=replace_lost,
     )
     config = RouterConfig(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL,
@@ -138,7 +141,7 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
     def leftovers() -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for h in st.service.handles:
-            if h.healthy:
+            if h.alive:
                 state = st.run(h.call("request_state", timeout_s=10))
                 left = {k: v for k, v in state.items() if v}
                 if left:
@@ -150,5 +153,5 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
 
     wait_for(lambda: not leftovers(), timeout_s, "no per-request state left", leftovers)
     for h in st.service.handles:
-        if h.healthy:
+        if h.alive:
             st.run(h.call("check_integrity", timeout_s=10))

@@ -439,7 +439,7 @@ def test_prefill_lost_after_the_first_token_is_recomputed_on_decode() -> None:
         hog, blocked, first = blocked_by_a_full_decode_worker(stub(ep), p)
         prefill = next(h for h in st.service.handles if h.role.value == "prefill")
         prefill.caller.kill()  # its output channel ends: the router sees it dead
-        wait_for(lambda: not prefill.healthy, 5.0, "prefill seen dead")
+        wait_for(lambda: not prefill.alive, 5.0, "prefill seen dead")
         hog.cancel()  # room on decode: the reservation goes through, the target has nowhere to go
         rest = list(blocked)
         tokens = list(first.chunk.token_ids) + [t for m in rest for t in m.chunk.token_ids]
@@ -459,7 +459,7 @@ def test_a_worker_whose_channel_broke_is_stopped() -> None:
         host = d0.caller.host  # type: ignore[attr-defined]
         assert host.pusher is not None
         host.pusher.close()  # only the channel: the worker's loop still runs
-        wait_for(lambda: not d0.healthy, 5.0, "decode-0 seen lost")
+        wait_for(lambda: not d0.alive, 5.0, "decode-0 seen lost")
         wait_for(lambda: not host.loop._thread.is_alive(), 5.0, "decode-0's loop stopped")
         [msg] = list(stub(ep).Generate(grpc_request([5, 6, 7], 3)))
         assert msg.result.decode_worker == "decode-1"

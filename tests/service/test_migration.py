@@ -60,7 +60,7 @@ def finish(calls: list[tuple[Any, list[int]]]) -> list[tuple[list[int], Any]]:
 def kill(st: Any, worker_id: str) -> None:
     handle = next(h for h in st.service.handles if h.worker_id == worker_id)
     handle.caller.kill()  # its channel ends: the router sees it lost
-    wait_for(lambda: not handle.healthy, 5.0, f"{worker_id} seen lost")
+    wait_for(lambda: not handle.alive, 5.0, f"{worker_id} seen lost")
 
 
 def test_streams_of_a_lost_decode_worker_finish_elsewhere_token_exact() -> None:
@@ -143,7 +143,7 @@ def test_a_silent_worker_is_detected_and_its_streams_move() -> None:
         send = pusher._send
         pusher._send = lambda data: (wake.wait(), send(data))  # nothing leaves the worker
         t0 = time.monotonic()
-        wait_for(lambda: not handle.healthy, 8.0, "decode-0 seen lost")
+        wait_for(lambda: not handle.alive, 8.0, "decode-0 seen lost")
         detected = time.monotonic() - t0
         assert detected <= 5.0, detected
         results = finish(calls)

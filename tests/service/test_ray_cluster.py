@@ -164,11 +164,12 @@ def test_grpc_abort_rpc(cluster) -> None:
     wait_for(lambda: all_free(status(ep)), 1.0, "blocks freed after Abort", lambda: status(ep))
 
 
-def test_killed_decode_worker_streams_move_and_traffic_moves_on() -> None:
+def test_killed_decode_worker_streams_move_and_the_pool_replaces_it() -> None:
     """SIGKILL of a decode worker under load: its streams continue on the survivor (request
-    migration, on by default), later requests go there, and with the only prefill worker killed
-    too the survivor prefills requests itself."""
-    st, ep = start_service(use_ray=True, prefill=1, decode=2)
+    migration, on by default), and a fresh worker (its own Ray actor and placement group) takes
+    the lost one's place; with the only prefill worker killed too, requests are served (the
+    decode workers prefill them) until its replacement joins and takes prefills again."""
+    st, ep = start_service(use_ray=True, prefill=1, decode=2, replace_lost=True)
     try:
         s = stub(ep)
         calls = []
@@ -209,21 +210,33 @@ def test_killed_decode_worker_streams_move_and_traffic_moves_on() -> None:
         elapsed = time.monotonic() - t0
         assert all(o[1] == "decode-1" for o in outcomes), outcomes  # every gRPC stream ran to its end
         assert elapsed < 60, f"in-flight requests took {elapsed:.1f}s to end"
-        health = {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
-        assert health["decode-0"] == "unhealthy" and health["decode-1"] == "healthy"
+        def health() -> dict[str, str]:
+            return {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
+
+        want = {"prefill-0": "healthy", "decode-1": "healthy", "decode-2": "healthy"}
+        wait_for(lambda: health() == want, 60, "decode-2 in decode-0's place", health)
         assert status(ep)["ready"]
-        for i in range(4):
-            [msg] = list(s.Generate(grpc_request([7, 8, 9 + i], 4)))
-            assert msg.result.decode_worker == "decode-1"
-        # With the only prefill worker gone too, the survivor prefills requests itself.
+        seen = set()
+        for i in range(6):
+            p = [7, 8, 9 + i]
+            [msg] = list(s.Generate(grpc_request(p, 4)))
+            assert list(msg.chunk.token_ids) == hf_reference(p, 4)
+            seen.add(msg.result.decode_worker)
+        assert seen <= {"decode-1", "decode-2"}, seen
+        # With the only prefill worker gone too, requests are still served (decode workers
+        # prefill them) while its replacement starts; then prefills go to the replacement.
         prefill0 = next(h for h in st.service.handles if h.worker_id == "prefill-0")
         os.kill(prefill0.info.pid, signal.SIGKILL)
-        wait_for(lambda: not next(h for h in st.service.handles if h.worker_id == "prefill-0").healthy, 10,
-                 "prefill-0 seen dead")  # fmt: skip
+        wait_for(lambda: not prefill0.alive, 10, "prefill-0 seen dead")
         assert status(ep)["ready"]
         p = list(range(3, 40))
         [msg] = list(s.Generate(grpc_request(p, 5)))
-        assert msg.result.decode_worker == "decode-1" and msg.result.prefill_worker == ""
         assert list(msg.chunk.token_ids) == hf_reference(p, 5)
+        wait_for(lambda: health().get("prefill-1") == "healthy", 60, "prefill-1 joined", health)
+        [msg] = list(s.Generate(grpc_request(p, 5)))
+        assert msg.result.prefill_worker == "prefill-1"
+        assert list(msg.chunk.token_ids) == hf_reference(p, 5)
+        wait_for(lambda: all_free(status(ep)), 5.0, "blocks freed", lambda: status(ep))
+        assert_no_request_state(st)
     finally:
         st.stop()
