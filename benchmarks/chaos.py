@@ -1,17 +1,23 @@
-"""Chaos: a real 2 prefill + 2 decode deployment on a local Ray cluster, 16 concurrent greedy
-streams of mixed lengths checked token by token against HF transformers, one fault per
-scenario; what a client would see.
+"""Chaos: a real 2 prefill + 2 decode deployment, 16 concurrent greedy streams of mixed lengths
+checked token by token against HF transformers, one fault per scenario; what a client sees.
 
-Scenarios (each on a fresh deployment): no fault; SIGKILL of a decode worker mid-stream;
-SIGKILL of a prefill worker with prompts queued (mid-prefill); SIGSTOP of a decode worker for
-5 s (then SIGCONT); SIGTERM of a decode worker mid-stream. Per scenario: requests succeeded /
-failed, streams migrated, tokens lost (a stream shorter than its reference, or different from
-it) and duplicated (longer), KV blocks still in use after the traffic on the surviving
-workers, detection time (fault -> the router marks the worker lost), recovery time (fault ->
-the last moved stream's first token after the worker was seen lost), TTFT p50 and p99 of the
-scenario's streams.
+Scenarios (each on a fresh deployment on a local Ray instance, lost workers replaced as the
+product does by default): ``none``; ``decode_kill`` SIGKILL of a decode worker mid-stream;
+``prefill_kill`` SIGKILL of a prefill worker with prompts queued (mid-prefill);
+``prefill_push_kill`` SIGKILL of a prefill worker the moment the first stream has its first token
+(its KV pushes under way); ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term``
+SIGTERM of a decode worker mid-stream (it drains); ``kv_drop`` every KV connection to the decode
+workers reset (``ss -K``) for 1.5 s while prompts are prefilled; ``router_term`` SIGTERM of the
+router (``pdserve serve --local`` in a child process; it drains).
 
-    .venv/bin/python benchmarks/chaos.py            # about 3 minutes on 2 cores
+Per scenario: streams succeeded / failed, streams migrated, tokens lost (a stream shorter than
+its reference, or different from it) and duplicated (longer), KV blocks still in use after the
+traffic on the live workers and their per-request map entries, detection time (fault -> the
+router stops routing to the worker), recovery time (fault -> the last moved stream's first token
+after that), KV transfers failed, and TTFT p50/p99 of the streams started before the fault and
+of a second wave of 8 started right after it (``router_term``: those must be refused).
+
+    .venv/bin/python benchmarks/chaos.py            # about 6 minutes on 2 cores
     .venv/bin/python benchmarks/chaos.py --scenarios none,decode_kill
 
 The final JSON line totals ``failed``, ``tokens_lost``, ``tokens_duplicated`` and
@@ -25,7 +31,9 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -37,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit
 
-SCENARIOS = ("none", "decode_kill", "prefill_kill", "decode_stop", "decode_term")
-SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "decode_stop": signal.SIGSTOP,
-           "decode_term": signal.SIGTERM}  # fmt: skip
+SCENARIOS = ("none", "decode_kill", "prefill_kill", "prefill_push_kill", "decode_stop", "decode_term",
+             "kv_drop", "router_term")  # fmt: skip
+SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "prefill_push_kill": signal.SIGKILL,
+           "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM}  # fmt: skip
+ENGINE_FLAGS = ["--block-size", "16", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
 
 
 @dataclass
@@ -51,21 +61,27 @@ class StreamLog:
     start: float = 0.0
     migrations: int = 0
     error: str = ""
+    code: str = ""  # the gRPC status code name of a failed stream
+
+
+@dataclass(frozen=True)
+class Work:
+    """The streams of a scenario: those started before the fault, and a wave right after it."""
+
+    before: list[tuple[list[int], int]]
+    after: list[tuple[list[int], int]]
+    refs_before: list[list[int]]
+    refs_after: list[list[int]]
 
 
 def reference(model: Any, prompt: list[int], n: int) -> list[int]:
     """HF greedy continuation (EOS ignored), with the model's own KV cache."""
     import torch
 
+    from tests.engine.hf_models import hf_greedy
+
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        toks = [int(out.logits[0, -1].argmax())]
-        past = out.past_key_values
-        for _ in range(n - 1):
-            out = model(input_ids=torch.tensor([[toks[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            toks.append(int(out.logits[0, -1].argmax()))
-    return toks
+        return hf_greedy(model, prompt, n)[0]
 
 
 def workload(seed: int, n: int) -> list[tuple[list[int], int]]:
@@ -77,6 +93,17 @@ def workload(seed: int, n: int) -> list[tuple[list[int], int]]:
         )
         for _ in range(n)
     ]
+
+
+def make_work(seed: int, streams: int, after: int) -> Work:
+    import transformers
+
+    from pdserve.model_runtime.presets import resolve_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny"))).eval()
+    before_w, after_w = workload(seed, streams), workload(seed + 1, after)
+    return Work(before_w, after_w, [reference(model, p, m) for p, m in before_w],
+                [reference(model, p, m) for p, m in after_w])  # fmt: skip
 
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> float:
@@ -130,43 +157,89 @@ def run_stream(stub: Any, log: StreamLog) -> None:
                 log.migrations = msg.result.migrations
     except Exception as e:  # a failed request is a result here, not a crash
         details = e.details() if hasattr(e, "details") else str(e)
+        log.code = e.code().name if hasattr(e, "code") else ""
         log.error = f"{type(e).__name__}: {details}"
 
 
-def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]) -> dict[str, Any]:
+def launch(stub: Any, work: list[tuple[list[int], int]]) -> tuple[list[StreamLog], list[threading.Thread]]:
+    logs = [StreamLog(p, m) for p, m in work]
+    threads = [threading.Thread(target=run_stream, args=(stub, lg)) for lg in logs]
+    for t in threads:
+        t.start()
+    return logs, threads
+
+
+def tally(logs: list[StreamLog], refs: list[list[int]]) -> tuple[int, int, int]:
+    """(failed, tokens lost, tokens duplicated) of finished streams against their references."""
+    lost = dup = failed = 0
+    for lg, ref in zip(logs, refs, strict=True):
+        failed += bool(lg.error)
+        n_ok = next(
+            (i for i, (a, b) in enumerate(zip(lg.tokens, ref, strict=False)) if a != b),
+            min(len(lg.tokens), len(ref)),
+        )
+        lost += len(ref) - n_ok
+        dup += max(0, len(lg.tokens) - len(ref))
+    return failed, lost, dup
+
+
+def percentiles(logs: list[StreamLog]) -> tuple[float | None, float | None]:
+    ttfts = sorted((lg.times[0] - lg.start) * 1e3 for lg in logs if lg.times)
+    if not ttfts:
+        return None, None
+    return round(statistics.median(ttfts), 1), round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1)
+
+
+def kv_failures(st: Any) -> int:
+    return sum(n for h in st.service.handles if h.load.transfers for _, n in h.load.transfers.failures)
+
+
+def reset_kv_connections(addresses: list[str], seconds: float) -> int:
+    """Reset every TCP connection to the decode workers' KV ports, again and again (``ss -K``,
+    which needs CAP_NET_ADMIN); returns how many resets ``ss`` reported."""
+    resets = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for addr in addresses:
+            host, _, port = addr.rpartition(":")
+            out = subprocess.run(["ss", "-K", "-t", "dst", host, "dport", "=", f":{port}"],
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+            resets += sum(1 for line in out.stdout.splitlines() if "ESTAB" in line)
+        time.sleep(0.01)
+    return resets
+
+
+def scenario(name: str, work: Work) -> dict[str, Any]:
+    if name == "router_term":
+        return router_term(work)
     st, s = start(prefill=2, decode=2)
     try:
         handles = {h.worker_id: h for h in st.service.handles}
-        logs = [StreamLog(p, m) for p, m in work]
-        threads = [threading.Thread(target=run_stream, args=(s, lg)) for lg in logs]
-        victim = None if name == "none" else name.split("_")[0] + "-0"
-        for t in threads:
-            t.start()
+        logs, threads = launch(s, work.before)
+        victim = name.split("_")[0] + "-0" if name in SIGNALS else None
         if name == "prefill_kill":
             time.sleep(0.05)  # prompts queued, prefill under way
-        elif victim is not None:  # mid-stream: every stream has tokens
+        elif name == "prefill_push_kill":
+            wait_for(lambda: any(lg.tokens or lg.error for lg in logs), 60, "a first token")
+        elif name in ("decode_kill", "decode_stop", "decode_term"):  # mid-stream: every stream has tokens
             wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
         t_fault = time.monotonic()
         detected = 0.0
         if victim is not None:
             pid = handles[victim].info.pid
             os.kill(pid, SIGNALS[name])
-            detected = wait_for(lambda: not handles[victim].alive, 30, f"{victim} seen lost")
+        after_logs, after_threads = launch(s, work.after)
+        if victim is not None:
+            # Detected: the router routes nothing more to it (lost, or draining on SIGTERM).
+            detected = wait_for(lambda: not handles[victim].routable, 30, f"{victim} seen lost")
             if name == "decode_stop":
                 threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid)).start()
-        for t in threads:
+        if name == "kv_drop":
+            reset_kv_connections([h.info.address for h in handles.values() if h.info.address], 1.5)
+        for t in threads + after_threads:
             t.join(180)
-        lost = dup = failed = 0
-        for lg, ref in zip(logs, refs, strict=True):
-            if lg.error:
-                failed += 1
-            n_ok = next(
-                (i for i, (a, b) in enumerate(zip(lg.tokens, ref, strict=False)) if a != b),
-                min(len(lg.tokens), len(ref)),
-            )
-            lost += len(ref) - n_ok
-            dup += max(0, len(lg.tokens) - len(ref))
-        moved = [lg for lg in logs if lg.migrations]
+        failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)
+        moved = [lg for lg in logs + after_logs if lg.migrations]
         seen = t_fault + detected  # tokens before this may still be the lost worker's
         recovery = max((next((t for t in lg.times if t > seen), seen) - t_fault for lg in moved), default=0.0)
         time.sleep(1.0)  # aborts and frees settle
@@ -177,17 +250,78 @@ def scenario(name: str, work: list[tuple[list[int], int]], refs: list[list[int]]
                 load = st.run(h.call("load", timeout_s=10))
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
                 state_left += sum(state.values())
-        ttfts = sorted((lg.times[0] - lg.start) * 1e3 for lg in logs if lg.times)
-        return {
-            "scenario": name, "succeeded": len(logs) - failed, "failed": failed, "migrated": len(moved),
-            "tokens_lost": lost, "tokens_duplicated": dup, "blocks_leaked": leaked, "state_left": state_left,
-            "detection_s": round(detected, 3), "recovery_s": round(recovery, 3),
-            "ttft_ms_p50": round(statistics.median(ttfts), 1) if ttfts else None,
-            "ttft_ms_p99": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1) if ttfts else None,
-            "errors": sorted({lg.error for lg in logs if lg.error})[:3],
-        }  # fmt: skip
+        return row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
+                   kv_failures(st), percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
     finally:
         st.stop()
+
+
+def router_term(work: Work) -> dict[str, Any]:
+    """``pdserve serve --local`` in a child process, SIGTERM once every stream has tokens: the
+    streams must finish, the wave after it be refused (UNAVAILABLE), the process exit cleanly."""
+    import grpc
+
+    from pdserve.v1 import inference_pb2_grpc as pb_grpc
+
+    ports = [_free_port(), _free_port()]
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--local", "--model", "tiny", "--prefill", "2",
+           "--decode", "2", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--no-local-prefill",
+           *ENGINE_FLAGS]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if "ready in" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(180):
+            raise RuntimeError("pdserve serve did not start:\n" + "".join(out[-20:]))
+        s = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{ports[1]}"))
+        logs, threads = launch(s, work.before)
+        wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: any("draining" in line for line in out), 10, "the router draining")
+        after_logs, after_threads = launch(s, work.after)
+        for t in threads + after_threads:
+            t.join(180)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    failed, lost, dup = tally(logs, work.refs_before)
+    refused = sum(lg.code == "UNAVAILABLE" and not lg.tokens for lg in after_logs)
+    clean = code == 0 and any(line.strip() == "pdserve: stopped" for line in out)
+    r = row("router_term", logs, failed, lost, dup, None, None, 0.0, 0.0, 0, percentiles(logs), (None, None),
+            0)  # fmt: skip
+    r.update(refused_after=refused, after=len(after_logs), clean_exit=clean)
+    r["failed"] += len(after_logs) - refused  # a request after the signal must be refused, at once
+    return r
+
+
+def row(name: str, logs: list[StreamLog], failed: int, lost: int, dup: int, leaked: int | None,
+        state_left: int | None, detected: float, recovery: float, kv_failed: int,
+        before: tuple[float | None, float | None], after: tuple[float | None, float | None],
+        migrated: int) -> dict[str, Any]:  # fmt: skip
+    return {
+        "scenario": name, "succeeded": len(logs) - failed, "failed": failed, "migrated": migrated,
+        "tokens_lost": lost, "tokens_duplicated": dup, "blocks_leaked": leaked, "state_left": state_left,
+        "detection_s": round(detected, 3), "recovery_s": round(recovery, 3), "kv_failed": kv_failed,
+        "ttft_before_ms": before, "ttft_after_ms": after,
+        "errors": sorted({lg.error for lg in logs if lg.error})[:3],
+    }  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _cont(pid: int) -> None:
@@ -195,43 +329,46 @@ def _cont(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def run(names: list[str], streams: int, after: int, seed: int) -> list[dict[str, Any]]:
+    from pdserve.deploy.ray_pools import start_ray
+
+    work = make_work(seed, streams, after)
+    rows = []
+    if "router_term" in names:  # before this process starts Ray: the child runs without it
+        rows.append(scenario("router_term", work))
+        print(rows[-1], file=sys.stderr)
+    start_ray(None, 16)
+    for name in names:
+        if name != "router_term":
+            print(f"scenario {name} ...", file=sys.stderr)
+            rows.append(scenario(name, work))
+            print(rows[-1], file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--after", type=int, default=8, help="streams started right after the fault")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     names = [n for n in args.scenarios.split(",") if n]
     unknown = set(names) - set(SCENARIOS)
     if unknown:
         ap.error(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
-
-    import transformers
-
-    from pdserve.deploy.ray_pools import start_ray
-    from pdserve.model_runtime.presets import resolve_model
-
-    work = workload(args.seed, args.streams)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny"))).eval()
-    print(f"HF reference for {len(work)} streams ...", file=sys.stderr)
-    refs = [reference(model, p, m) for p, m in work]
-    start_ray(None, 16)
-    rows = []
-    for name in names:
-        print(f"scenario {name} ...", file=sys.stderr)
-        row = scenario(name, work, refs)
-        print(row, file=sys.stderr)
-        rows.append(row)
+    print(f"HF reference for {args.streams} + {args.after} streams ...", file=sys.stderr)
+    rows = run(names, args.streams, args.after, args.seed)
     cols = ["scenario", "succeeded", "failed", "migrated", "tokens_lost", "tokens_duplicated",
-            "blocks_leaked", "state_left", "detection_s", "recovery_s",
-            "ttft_ms_p50", "ttft_ms_p99"]  # fmt: skip
+            "blocks_leaked", "state_left", "detection_s", "recovery_s", "kv_failed",
+            "ttft_before_ms", "ttft_after_ms"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     keys = ("failed", "tokens_lost", "tokens_duplicated", "blocks_leaked", "state_left")
-    totals = {k: sum(r[k] for r in rows) for k in keys}
-    emit({**totals, "scenarios": rows, "streams": args.streams})
+    totals = {k: sum(r[k] or 0 for r in rows) for k in keys}
+    emit({**totals, "scenarios": rows, "streams": args.streams, "after": args.after})
 
 
 if __name__ == "__main__":

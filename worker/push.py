@@ -121,6 +121,7 @@ class OutputPusher:
         self.execute = execute
         self.bad_commands = 0  # malformed command frames answered or dropped
         self._stop = threading.Event()
+        self._router_closed = threading.Event()
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._answers: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
@@ -174,8 +175,11 @@ class OutputPusher:
                 self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
         except BaseException as e:
             if not self._stop.is_set():
-                log.error("worker channel to %s failed: %s", self.address, e)
                 self.error = e
+                if self._router_closed.is_set():  # the router went first (it stops, or let us go)
+                    log.info("the router closed the worker channel")
+                else:
+                    log.error("worker channel to %s failed: %s", self.address, e)
         finally:
             self._answers.put(None)
             if self._sock is not None:
@@ -204,6 +208,8 @@ class OutputPusher:
                 else:
                     self._answers.put((call_id, outcome))
         except Exception as e:  # unreadable stream, or a bug: never a reader dead behind a live socket
+            if isinstance(e, ConnectionError):
+                self._router_closed.set()
             if not self._stop.is_set():
                 log.info("worker channel closed while reading commands: %r", e)
                 _hang_up(sock)  # the router must see the loss

@@ -174,3 +174,63 @@ def test_requests_of_a_prefill_worker_lost_before_their_first_token_are_redispat
         assert_no_request_state(st)
     finally:
         st.stop()
+
+
+def test_a_lost_worker_is_replaced_and_its_replacement_serves() -> None:
+    """With ``replace_lost`` (the product default) a fresh worker joins in place of a lost one:
+    the lost worker's streams move to the survivor at once, and once the replacement's channel
+    is up it takes new requests; nothing leaks anywhere."""
+    st, ep = start_service(use_ray=False, prefill=1, decode=2, replace_lost=True)
+    try:
+        s = stub(ep)
+        ps = prompts(4, seed=56)
+        calls = start_streams(s, ps)
+        kill(st, "decode-0")
+        for p, (tokens, result) in zip(ps, finish(calls), strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None and result.decode_worker == "decode-1"
+        router = st.service.router
+        assert router is not None
+        wait_for(lambda: "decode-2" in router.workers and router.workers["decode-2"].routable, 30,
+                 "decode-2 joined", lambda: {w: h.health for w, h in router.workers.items()})  # fmt: skip
+        assert "decode-0" not in router.workers
+        assert [h.worker_id for h in st.service.handles] == ["prefill-0", "decode-1", "decode-2"]
+        ps = prompts(6, seed=57)
+        results = finish(start_streams(s, ps))
+        assert {r.decode_worker for _, r in results if r is not None} == {"decode-1", "decode-2"}
+        for p, (tokens, _) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
+def test_a_draining_worker_finishes_its_streams_and_gets_no_new_ones() -> None:
+    """``drain`` (what SIGTERM starts in a worker process): the worker reports DRAINING, the
+    router sends it nothing new, and its own streams finish there, unmoved and token-exact."""
+    import threading
+
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    try:
+        s = stub(ep)
+        ps = prompts(4, seed=58)
+        calls = start_streams(s, ps)
+        handle = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        drained: list[bool] = []
+        t = threading.Thread(target=lambda: drained.append(handle.caller.host.drain(60)))  # type: ignore[attr-defined]
+        t.start()
+        wait_for(lambda: not handle.routable, 5.0, "decode-0 seen draining")
+        assert handle.alive
+        for p in prompts(3, seed=59):
+            [msg] = list(s.Generate(grpc_request(p, 4)))
+            assert msg.result.decode_worker == "decode-1"
+        results = finish(calls)
+        t.join(60)
+        assert drained == [True]
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None and result.migrations == 0
+        assert {r.decode_worker for _, r in results if r is not None} >= {"decode-0"}
+        assert_no_request_state(st)
+    finally:
+        st.stop()

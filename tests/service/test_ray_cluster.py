@@ -210,6 +210,7 @@ def test_killed_decode_worker_streams_move_and_the_pool_replaces_it() -> None:
         elapsed = time.monotonic() - t0
         assert all(o[1] == "decode-1" for o in outcomes), outcomes  # every gRPC stream ran to its end
         assert elapsed < 60, f"in-flight requests took {elapsed:.1f}s to end"
+
         def health() -> dict[str, str]:
             return {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
 
@@ -236,6 +237,46 @@ def test_killed_decode_worker_streams_move_and_the_pool_replaces_it() -> None:
         [msg] = list(s.Generate(grpc_request(p, 5)))
         assert msg.result.prefill_worker == "prefill-1"
         assert list(msg.chunk.token_ids) == hf_reference(p, 5)
+        wait_for(lambda: all_free(status(ep)), 5.0, "blocks freed", lambda: status(ep))
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
+def test_sigterm_drains_a_decode_worker_then_the_pool_replaces_it() -> None:
+    """SIGTERM to a decode worker's process: it reports DRAINING, gets no new requests, finishes
+    its streams where they are (none moves), exits, and a fresh worker takes its place."""
+    st, ep = start_service(use_ray=True, prefill=1, decode=2, replace_lost=True)
+    try:
+        s = stub(ep)
+        rng = random.Random(61)
+        ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
+        calls = []
+        for p in ps:
+            call = s.Generate(grpc_request(p, 200, stream=True))
+            first = list(next(call).chunk.token_ids)
+            calls.append((call, first))
+        victim = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        os.kill(victim.info.pid, signal.SIGTERM)
+        wait_for(lambda: victim.load.health.value == "draining", 5.0, "decode-0 reports draining")
+        [msg] = list(s.Generate(grpc_request([7, 8, 9], 4)))
+        assert msg.result.decode_worker == "decode-1"
+        on_victim = 0
+        for p, (call, tokens) in zip(ps, calls, strict=True):
+            msgs = list(call)
+            tokens += [t for m in msgs for t in m.chunk.token_ids]
+            assert tokens == hf_reference(p, 200)
+            assert msgs[-1].result.migrations == 0
+            on_victim += msgs[-1].result.decode_worker == "decode-0"
+        assert on_victim >= 1
+
+        def health() -> dict[str, str]:
+            return {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
+
+        want = {"prefill-0": "healthy", "decode-1": "healthy", "decode-2": "healthy"}
+        wait_for(lambda: health() == want, 60, "decode-2 in decode-0's place", health)
+        with pytest.raises(ProcessLookupError):
+            os.kill(victim.info.pid, 0)
         wait_for(lambda: all_free(status(ep)), 5.0, "blocks freed", lambda: status(ep))
         assert_no_request_state(st)
     finally:

@@ -1,0 +1,156 @@
+"""Run-time membership against scripted workers (no processes): a worker joins only if it
+serves the deployment's model, a draining worker gets no new requests but keeps its commands,
+and the pool keeper replaces a lost worker, backing off while starts fail."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from pdserve.deploy.keeper import PoolKeeper
+from pdserve.router.service import GenerateInput
+from pdserve.router.workers import WorkerHandle
+from pdserve.worker import commands as C
+from pdserve.worker.messages import WorkerHealth, WorkerRole
+from tests.unit.test_router_migration import GREEDY, Worker, cluster, lose, settle
+
+P, D = WorkerRole.PREFILL, WorkerRole.DECODE
+
+
+def test_a_worker_joins_only_with_the_deployments_model_shape() -> None:
+    router, _ = cluster([("prefill-0", P), ("decode-0", D)])
+    fresh = Worker("decode-1", D).handle
+    for field, value in (("vocab_size", 999), ("block_size", 32), ("dtype", "bfloat16"), ("kv_blocks", 8)):
+        odd = WorkerHandle(replace(fresh.info, **{field: value}), fresh.caller)
+        with pytest.raises(ValueError, match=field):
+            router.add_worker(odd)
+    with pytest.raises(ValueError, match="colocated"):
+        router.add_worker(Worker("colocated-0", WorkerRole.COLOCATED).handle)
+    with pytest.raises(ValueError, match="already registered"):
+        router.add_worker(Worker("decode-0", D).handle)
+    router.add_worker(fresh)
+    assert router.workers["decode-1"] is fresh
+
+
+def test_a_draining_worker_gets_no_new_request_but_keeps_its_commands() -> None:
+    async def main() -> None:
+        router, ws = cluster([("colocated-0", WorkerRole.COLOCATED), ("colocated-1", WorkerRole.COLOCATED)],
+                             colocated=True)  # fmt: skip
+        held = router.admit(GenerateInput([5, 6, 7], GREEDY))
+        victim = ws[held.decision.decode_worker]
+        other = next(w for w in ws.values() if w is not victim)
+        events = router.run(held)
+        task = asyncio.ensure_future(events.__anext__())
+        await settle()
+        victim.handle.report(replace(victim.handle.load, health=WorkerHealth.DRAINING))
+        assert not victim.handle.routable and victim.handle.alive
+        for _ in range(4):
+            decision = router.admit(GenerateInput([1, 2], GREEDY)).decision
+            assert decision.decode_worker == other.handle.worker_id
+        [(call_id, add)] = victim.commands()
+        assert isinstance(add, C.AddLocal)
+        victim.answer(call_id, None)
+        await router.abort(held.stream.client_id)
+        await asyncio.wait_for(task, 1)
+        await events.aclose()
+        await settle()
+        # The client's abort still reaches the draining worker.
+        assert any(isinstance(c, C.Abort) for _, c in victim.commands())
+        # A report that it is healthy again (a drain called off) makes it routable again; a lost
+        # worker stays lost whatever it reported last.
+        victim.handle.report(replace(victim.handle.load, health=WorkerHealth.HEALTHY))
+        assert victim.handle.routable
+        victim.handle.mark_lost()
+        victim.handle.report(replace(victim.handle.load, health=WorkerHealth.HEALTHY))
+        assert not victim.handle.alive
+
+    asyncio.run(main())
+
+
+class FakeOutputs:
+    def __init__(self) -> None:
+        self.expected: list[str] = []
+        self.forgotten: list[str] = []
+
+    def expect(self, wid: str) -> None:
+        self.expected.append(wid)
+
+    def forget(self, wid: str) -> None:
+        self.forgotten.append(wid)
+
+    def registered(self, wid: str) -> None:
+        pass
+
+    async def wait_connected(self, wids: list[str], timeout_s: float) -> None:
+        pass
+
+
+def test_the_keeper_replaces_a_lost_worker_and_backs_off_while_starts_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
+        outputs = FakeOutputs()
+        router.outputs = outputs  # type: ignore[assignment]
+        attempts: list[str] = []
+        killed: list[str] = []
+        joined: list[WorkerHandle] = []
+
+        async def launch(role: WorkerRole, wid: str) -> WorkerHandle:
+            attempts.append(wid)
+            w = Worker(wid, role)
+            w.handle.caller.kill = lambda: killed.append(wid)  # type: ignore[method-assign]
+            if len(attempts) == 1:
+                raise RuntimeError("no room")
+            if len(attempts) == 2:  # starts, then is not what the deployment serves
+                return WorkerHandle(replace(w.handle.info, block_size=64), w.handle.caller)
+            return w.handle
+
+        sleeps: list[float] = []
+        real_sleep = asyncio.sleep
+
+        async def fast_sleep(s: float) -> None:
+            sleeps.append(s)
+            await real_sleep(0)
+
+        monkeypatch.setattr("pdserve.deploy.keeper.asyncio.sleep", fast_sleep)
+        keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 2}, joined.append)  # type: ignore[arg-type]
+        await lose(router, ws["decode-0"])
+        for _ in range(50):
+            if joined:
+                break
+            await real_sleep(0.01)
+        assert attempts == ["decode-2", "decode-3", "decode-4"]
+        assert sleeps == [1.0, 2.0] and keeper.failed_starts == 2 and keeper.replaced == 1
+        assert killed == ["decode-3"]  # the one that started but could not join is stopped
+        assert outputs.expected == attempts and {"decode-2", "decode-3"} <= set(outputs.forgotten)
+        assert [h.worker_id for h in joined] == ["decode-4"]
+        assert set(router.workers) == {"prefill-0", "decode-1", "decode-4"}  # decode-0's place taken
+        assert keeper.pending == 0
+        await keeper.close()
+
+    asyncio.run(main())
+
+
+def test_closing_the_keeper_stops_a_start_under_way() -> None:
+    async def main() -> None:
+        router, ws = cluster([("prefill-0", P), ("decode-0", D)])
+        outputs = FakeOutputs()
+        router.outputs = outputs  # type: ignore[assignment]
+        started = asyncio.Event()
+
+        async def launch(role: WorkerRole, wid: str) -> Any:
+            started.set()
+            await asyncio.sleep(3600)
+
+        keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 1}, lambda h: None)  # type: ignore[arg-type]
+        await lose(router, ws["prefill-0"])
+        await asyncio.wait_for(started.wait(), 1)
+        assert keeper.pending == 1
+        await asyncio.wait_for(keeper.close(), 1)
+        assert keeper.pending == 0 and "prefill-1" not in router.workers
+
+    asyncio.run(main())
