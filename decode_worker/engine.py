@@ -47,6 +47,7 @@ from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.validation import validate_request
 from pdserve.worker.deltas import delta_for
 from pdserve.worker.engine_base import RoleEngineBase
+from pdserve.worker.loop import WorkerFailed
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
@@ -185,9 +186,11 @@ class DecodeEngine(RoleEngineBase):
         return fut
 
     def on_stop(self) -> None:
-        """The loop stopped: nothing will be granted any more."""
+        """The loop stopped: nothing will be granted any more. The waiting reservations fail as
+        the worker's fault (the router moves their requests), not as "no room" (which would
+        send the client a RESOURCE_EXHAUSTED it did not cause)."""
         for p in self._pending.values():
-            p.future.set_result(None)
+            p.future.set_exception(WorkerFailed("worker loop stopped"))
         self._pending.clear()
 
     def kv_lost(self, request_id: str) -> bool:

@@ -221,6 +221,17 @@ class Router:
         # but served): the dispatchers fall back to local prefill.
         return bool(self._pool(WorkerRole.DECODE))
 
+    def request_state(self) -> dict[str, int]:
+        """Sizes of the router's per-request maps: all zero once no request is in flight (a
+        worker's own maps: ``WorkerHost.request_state``)."""
+        return {
+            "streams": len(self._streams),
+            "client_ids": len(self._client_ids),
+            "tasks": len(self._tasks),
+            "worker_inflight": sum(len(w.inflight) for w in self.workers.values()),
+            "commands_waiting": sum(w.channel.waiting for w in self.workers.values() if w.channel),
+        }
+
     @property
     def num_inflight(self) -> int:
         return len(self._streams)
@@ -291,6 +302,7 @@ class Router:
                 retry_after_s=decision.retry_after_s,
             )
         stream = RequestStream(rid, ids, inp.params, self.tokenizer, inp.request_id or rid)
+        stream.slo = slo
         self._streams[rid] = stream
         self._client_ids[stream.client_id] = rid
         return Admitted(stream, WorkItem(rid, ids, inp.params, decision.priority), decision, slo)
@@ -374,7 +386,8 @@ class Router:
             raise RouterError(Code.UNAVAILABLE, "a worker did not answer in time") from None
         except (InvalidRequestError, ValueError) as e:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
-        stream.dispatched = time.perf_counter()
+        if stream.dispatched is None:  # the first attempt's: queueing ends there, whatever moves later
+            stream.dispatched = time.perf_counter()
 
     async def _dispatch_pair(
         self, stream: RequestStream, work: WorkItem, prefill: WorkerHandle, decode: WorkerHandle
@@ -606,10 +619,10 @@ class Router:
             return  # it ended (or its consumer left) before it could move
         sent = tuple(stream.token_ids)
         work = replace(stream.work, request_id=stream.request_id, output_token_ids=sent)
-        route = RouteRequest(
-            len(stream.prompt_ids) + len(sent), stream.params.max_tokens - len(sent), work.priority,
-            stream.request_id,
-        )  # fmt: skip
+        context = stream.prompt_ids + sent
+        keys = block_keys(context, self.limits.block_size) if self.config.policy == "goodput" else ()
+        remaining = stream.params.max_tokens - len(sent)
+        route = RouteRequest(len(context), remaining, work.priority, stream.request_id, keys, stream.slo)
         try:
             # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
             # prefilled anywhere, like a new request's.

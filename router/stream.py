@@ -24,6 +24,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import RouterError
+from pdserve.router.slo import SloClass
 from pdserve.worker.messages import Logprob, TokenDelta, WorkItem
 
 
@@ -87,7 +88,8 @@ class RequestStream:
         self.dispatched: float | None = None
         self.first_token: float | None = None
         self.token_ids: list[int] = []
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # of the prompt (a migrated request's recompute may hit more)
+        self.slo: SloClass | None = None  # its class, for the routing of a migrated attempt
         self.prefill_worker = ""
         self.decode_worker = ""
         self.last_token: float | None = None
@@ -173,7 +175,7 @@ class RequestStream:
             request_id=self.client_id,
             finish_reason=reason,
             stop_reason=stop_reason,
-            usage=Usage(len(self.prompt_ids), n, self.cached_tokens),
+            usage=Usage(len(self.prompt_ids), n, min(self.cached_tokens, len(self.prompt_ids))),
             timing=Timing(
                 queue_ms=((self.dispatched or now) - self.arrival) * 1000,
                 ttft_ms=ttft,

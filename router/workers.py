@@ -50,6 +50,9 @@ class CommandSender(Protocol):
 
     def send(self, cmd: Any) -> asyncio.Future[Any]: ...
 
+    @property
+    def waiting(self) -> int: ...  # commands sent and not answered yet
+
 
 class WorkerHandle:
     """One worker: commands (``command``) go over its authenticated worker channel, in order;

@@ -132,6 +132,11 @@ def hf_reference(prompt: list[int], n: int) -> list[int]:
     return hf_greedy(_HF["model"], prompt, n)[0]
 
 
+async def _router_state(router: Any) -> dict[str, int]:
+    state: dict[str, int] = router.request_state()  # on the router's loop: its maps are that loop's
+    return state
+
+
 def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
     """Once traffic is over: no block in use and every per-request map empty, on every live
     worker (engine, KV manager, transport) and in the router."""
@@ -146,8 +151,8 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
                 left = {k: v for k, v in state.items() if v}
                 if left:
                     out[h.worker_id] = left
-        routed = {"streams": len(router._streams), "client_ids": len(router._client_ids)}
-        if any(routed.values()):
+        routed = {k: v for k, v in st.run(_router_state(router)).items() if v}
+        if routed:
             out["router"] = routed
         return out
 

@@ -186,3 +186,42 @@ def test_the_old_reservation_does_not_settle_the_new_attempts() -> None:
 async def _drain(events: Any) -> None:
     async for _ in events:
         pass
+
+
+def test_a_reservation_failed_by_its_dying_worker_moves_the_request() -> None:
+    """Decode's loop stops while a reservation waits (the worker answers FAILED before its
+    channel ends): the request goes to another decode worker; the client sees no
+    RESOURCE_EXHAUSTED for a fault that was not its own."""
+
+    async def main() -> None:
+        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE), ("d1", WorkerRole.DECODE)],
+                             policy="round_robin")  # fmt: skip
+        admitted = router.admit(GenerateInput([5, 6, 7], GREEDY))
+        events: list[Any] = []
+
+        async def consume() -> None:
+            try:
+                async for ev in router.run(admitted):
+                    events.append(ev)
+            except Exception as e:
+                events.append(e)
+
+        task = asyncio.create_task(consume())
+        await settle()
+        first = ws[admitted.stream.decode_worker]
+        queued = {type(c): i for i, c in first.commands()}
+        first.answer(queued[C.QueueReservation], True)
+        await settle()
+        [(await_id, waiting)] = first.commands()
+        assert isinstance(waiting, C.AwaitReservation)
+        first.answer(await_id, C.CommandError(C.ErrorKind.FAILED, "WorkerFailed: worker loop stopped"))
+        for call_id, cmd in ws["p0"].commands():
+            assert isinstance(cmd, C.Prefill)
+            ws["p0"].answer(call_id, None)
+        await settle()
+        assert admitted.stream.migrations == 1 and not admitted.stream.done, events
+        other = ws["d1" if first.handle.worker_id == "d0" else "d0"]
+        assert C.QueueReservation in {type(c) for _, c in other.commands()}
+        task.cancel()
+
+    asyncio.run(main())
