@@ -5,7 +5,7 @@ process is sampled; does anything grow?
 Load: ``--clients`` threads, each sending one gRPC stream after another: prompts of 5-600
 tokens, 16-160 output tokens, greedy or seeded; one stream in five is cancelled by the client
 after a few tokens; request ids are re-used (each client cycles through four). Faults: at every
-full minute a worker is SIGKILLed, decode and prefill in turn.
+full minute (``--kill-every``) a worker is SIGKILLed, decode and prefill in turn.
 
 Samples every ``--sample-s`` seconds (Linux ``/proc``): the router's process (this one) and
 every live worker's RSS, open file descriptors and threads; KV blocks in use; the sizes of
@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-every", type=float, default=60.0, metavar="S",
+                    help="SIGKILL a worker every S seconds (0: never)")  # fmt: skip
     args = ap.parse_args()
     if args.minutes < 2.5:
         ap.error("--minutes must be >= 2.5 (growth is measured from minute 2)")
@@ -166,7 +168,8 @@ def main() -> None:
     try:
         for c in clients:
             c.start()
-        next_kill, next_sample, role = 60.0, 0.0, "decode"
+        next_kill = args.kill_every if args.kill_every > 0 else float("inf")
+        next_sample, role = 0.0, "decode"
         while (now := time.monotonic() - t0) < duration:
             if now >= next_sample:
                 samples.append(sample(st, t0))
@@ -180,7 +183,7 @@ def main() -> None:
                     kills.append(victim.worker_id)
                     print(f"{now:6.0f}s SIGKILL {victim.worker_id}", file=sys.stderr)
                 role = "prefill" if role == "decode" else "decode"
-                next_kill += 60
+                next_kill += args.kill_every
             time.sleep(0.2)
         end = time.monotonic() - t0
         stop.set()

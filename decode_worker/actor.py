@@ -1,8 +1,9 @@
-"""The decode worker process: a ``WorkerHost`` with the decode engine (also the colocated one)."""
+"""The decode and colocated roles of a worker process: the decode engine and its commands."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import ClassVar
 
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.worker.commands import (
@@ -14,8 +15,8 @@ from pdserve.worker.commands import (
     QueueReservation,
     Start,
 )
-from pdserve.worker.host import WorkerHost, flatten, then
-from pdserve.worker.messages import KVTarget, WorkItem
+from pdserve.worker.host import Role, WorkerHost, flatten, then
+from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
 
 
 def _queued(outcome: Future[KVTarget | None]) -> bool:
@@ -23,31 +24,42 @@ def _queued(outcome: Future[KVTarget | None]) -> bool:
     return not outcome.done() or outcome.result() is not None
 
 
+def _decode_engine(host: WorkerHost) -> DecodeEngine:
+    return DecodeEngine(
+        host.rt, host.transport, host.spec.engine.scheduler, host.spec.worker_id, WorkerRole.DECODE
+    )
+
+
+def _colocated_engine(host: WorkerHost) -> DecodeEngine:
+    # No transport: a colocated engine neither sends nor receives KV.
+    return DecodeEngine(host.rt, None, host.spec.engine.scheduler, host.spec.worker_id, WorkerRole.COLOCATED)
+
+
+def _execute(host: WorkerHost, cmd: Command) -> Future[Answer] | None:
+    eng = host.engine
+    assert isinstance(eng, DecodeEngine)
+    if isinstance(cmd, AddLocal):
+        return host.loop.submit(eng.add_local, cmd.work)
+    if eng.role is WorkerRole.COLOCATED:
+        return None  # the rest is the KV hand-off, which a colocated engine does not do
+    if isinstance(cmd, QueueReservation):
+        queued = host.loop.submit(eng.reserve, cmd.work, cmd.transfer_id, cmd.timeout_s)
+        return then(queued, _queued)
+    if isinstance(cmd, AwaitReservation):
+        return flatten(host.loop.submit(eng.reservation, cmd.request_id))
+    if isinstance(cmd, Start):
+        return host.loop.submit(eng.start, cmd.request_id, cmd.first_token, cmd.cached_tokens)
+    if isinstance(cmd, KvLost):
+        return host.loop.submit(eng.kv_lost, cmd.request_id)
+    return None
+
+
+DECODE = Role(make_engine=_decode_engine, execute=_execute, transport=True, listens=True)
+COLOCATED = Role(make_engine=_colocated_engine, execute=_execute, transport=False, listens=False)
+
+
 class DecodeWorker(WorkerHost):
-    def _make_engine(self) -> DecodeEngine:
-        return DecodeEngine(
-            self.rt, self.transport, self.spec.engine.scheduler, self.spec.worker_id, self.spec.role
-        )
-
-    @property
-    def _decode(self) -> DecodeEngine:
-        assert isinstance(self.engine, DecodeEngine)
-        return self.engine
-
-    def _execute_role(self, cmd: Command) -> Future[Answer]:
-        eng = self._decode
-        if isinstance(cmd, QueueReservation):
-            queued = self.loop.submit(eng.reserve, cmd.work, cmd.transfer_id, cmd.timeout_s)
-            return then(queued, _queued)
-        if isinstance(cmd, AwaitReservation):
-            return flatten(self.loop.submit(eng.reservation, cmd.request_id))
-        if isinstance(cmd, Start):
-            return self.loop.submit(eng.start, cmd.request_id, cmd.first_token, cmd.cached_tokens)
-        if isinstance(cmd, KvLost):
-            return self.loop.submit(eng.kv_lost, cmd.request_id)
-        if isinstance(cmd, AddLocal):
-            return self.loop.submit(eng.add_local, cmd.work)
-        return super()._execute_role(cmd)
+    ROLES: ClassVar = {WorkerRole.DECODE: DECODE, WorkerRole.COLOCATED: COLOCATED}
 
     # -- the same commands, in process (tests, tools): one path with the channel's ----------
     def queue_reservation(self, work: WorkItem, transfer_id: str, timeout_s: float) -> bool:

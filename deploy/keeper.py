@@ -1,4 +1,5 @@
-"""Keeps each pool at its size: a worker the router lost is replaced by a fresh one.
+"""Starts the workers that join a running deployment: a replacement for each worker the
+router lost (``replace_lost``), and those a pool grows by (``grow``).
 
 A replacement is a new worker (a new id, ``<role>-<n>`` counting on from the pool's first
 ones; a new process and, on Ray, a new placement group, so it may land on another node) that
@@ -46,6 +47,7 @@ class PoolKeeper:
         launch: Launch,
         first_index: dict[WorkerRole, int],
         on_joined: Callable[[WorkerHandle], None],
+        replace_lost: bool = True,
     ) -> None:
         self.router = router
         self.outputs = outputs
@@ -56,7 +58,8 @@ class PoolKeeper:
         self._starting: set[WorkerHandle] = set()
         self.replaced = 0  # workers that joined in place of a lost one
         self.failed_starts = 0
-        router.on_worker_gone = self.lost
+        if replace_lost:
+            router.on_worker_gone = self.lost
 
     @property
     def pending(self) -> int:
@@ -71,31 +74,39 @@ class PoolKeeper:
     async def _replace(self, old: WorkerHandle) -> None:
         backoff = 1.0
         while True:
-            wid = f"{old.role.value}-{next(self._ids[old.role])}"
             try:
-                new = await self._start(old.role, wid)
-                self.router.add_worker(new, replaces=old.worker_id)
-                await self.outputs.wait_connected([wid], CONNECT_TIMEOUT_S)
+                new = await self._join(old.role, replaces=old.worker_id)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.failed_starts += 1
-                log.error("replacing %s with %s failed (%s); retrying in %gs", old.worker_id, wid, e, backoff)
-                await self._discard(wid)
+                log.error("replacing %s failed (%s); retrying in %gs", old.worker_id, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
                 continue
-            self._starting.discard(new)
             self.replaced += 1
-            self.on_joined(new)
-            log.warning("worker %s replaced %s", wid, old.worker_id)
+            log.warning("worker %s replaced %s", new.worker_id, old.worker_id)
             return
 
-    async def _start(self, role: WorkerRole, wid: str) -> WorkerHandle:
-        self.outputs.expect(wid)
-        handle = await self.launch(role, wid)
-        self._starting.add(handle)
-        return handle
+    async def grow(self, role: WorkerRole) -> WorkerHandle:
+        """Start one more worker of pool ``role``; returns it once it takes requests. Raises
+        (leaving nothing behind) if it cannot start or join."""
+        return await self._join(role)
+
+    async def _join(self, role: WorkerRole, replaces: str = "") -> WorkerHandle:
+        wid = f"{role.value}-{next(self._ids[role])}"
+        try:
+            self.outputs.expect(wid)
+            new = await self.launch(role, wid)
+            self._starting.add(new)
+            self.router.add_worker(new, replaces=replaces)
+            await self.outputs.wait_connected([wid], CONNECT_TIMEOUT_S)
+        except BaseException:
+            self.failed_starts += 1
+            await asyncio.shield(self._discard(wid))
+            raise
+        self._starting.discard(new)
+        self.on_joined(new)
+        return new
 
     async def _discard(self, wid: str) -> None:
         """Stop whatever of a failed replacement was started, and forget its id."""

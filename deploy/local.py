@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.deploy.pools import host_class
+from pdserve.deploy.pools import worker_class
 from pdserve.router.workers import LocalCaller, WorkerHandle
 from pdserve.worker.host import WorkerSpec
 
@@ -15,6 +15,6 @@ def launch_local(specs: list[WorkerSpec]) -> list[WorkerHandle]:
     """Build each worker host here; returns their handles once all are ready."""
     handles = []
     for ws in specs:
-        host = host_class(ws.role)(ws)
+        host = worker_class()(ws)
         handles.append(WorkerHandle(host.info(), LocalCaller(host, _CALLS)))
     return handles

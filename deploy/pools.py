@@ -83,8 +83,8 @@ class PoolSpec:
         ]
 
 
-def host_class(role: WorkerRole) -> type:
-    from pdserve.decode_worker.actor import DecodeWorker
-    from pdserve.prefill_worker.actor import PrefillWorker
+def worker_class() -> type:
+    """The class every worker of a deployment runs (imported here only when needed: it loads torch)."""
+    from pdserve.deploy.pool_worker import PoolWorker
 
-    return PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
+    return PoolWorker

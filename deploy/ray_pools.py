@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deploy.pools import PoolSpec, host_class
+from pdserve.deploy.pools import PoolSpec, worker_class
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.host import WorkerSpec
 
@@ -110,7 +110,7 @@ def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
     name = f"pdserve-{where.deployment}-{ws.worker_id}"
     pg = placement_group([where.bundle], strategy="STRICT_PACK", name=name)
     actor = (
-        ray.remote(host_class(ws.role))
+        ray.remote(worker_class())
         .options(
             name=name,
             num_cpus=where.cpus,

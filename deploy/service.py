@@ -52,6 +52,7 @@ class Service:
         self._channel_address = ""
         self._placement: Placement | None = None
         self._owns_ray = False
+        self._resizing = asyncio.Lock()
 
     async def start(self, progress: bool = False) -> Endpoints:
         outputs = OutputListener(
@@ -73,9 +74,10 @@ class Service:
         tokenizer = TextTokenizer.load(model_dir)
         self.router = Router(self.config, self.handles, tokenizer, outputs, colocated=self.spec.is_colocated)
         self.router.start()
-        if self.spec.replace_lost:
-            first = {role: n for role, n in self.spec.roles}
-            self.keeper = PoolKeeper(self.router, outputs, self._launch_one, first, self._joined)
+        first = {role: n for role, n in self.spec.roles}
+        self.keeper = PoolKeeper(
+            self.router, outputs, self._launch_one, first, self._joined, replace_lost=self.spec.replace_lost
+        )
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
         self.frontends = Frontends(self.router, self.config, chat_template_for(model_dir, tokenizer))
         await self.frontends.start()
@@ -98,6 +100,42 @@ class Service:
     def _joined(self, worker: WorkerHandle) -> None:
         # Lost workers were stopped when the router let them go; their replacements take their place.
         self.handles = [h for h in self.handles if h.alive] + [worker]
+
+    async def resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None = None) -> None:
+        """Grow or shrink pool ``role`` to ``count`` live workers. New workers take requests once
+        they are ready; surplus ones (those holding the fewest requests) are retired: drained
+        for ``drain_timeout_s`` (default: the pool's drain timeout), what is left moved, then
+        stopped, so no request fails. Raises ``ValueError`` for a size the deployment cannot
+        run with (no decode worker, or a role it has no pool for)."""
+        async with self._resizing:  # one change at a time: each counts the workers the last left
+            await self._resize(role, count, drain_timeout_s)
+
+    async def _resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None) -> None:
+        router, keeper = self.router, self.keeper
+        assert router is not None and keeper is not None, "not started"
+        roles = [r for r, _ in self.spec.roles]
+        if role not in roles:
+            raise ValueError(f"this deployment has no {role.value} pool (pools: {[r.value for r in roles]})")
+        if count < (0 if role is WorkerRole.PREFILL else 1):
+            raise ValueError(f"a {role.value} pool of {count} workers cannot serve")
+        live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
+        if count > len(live):
+            await asyncio.gather(*(keeper.grow(role) for _ in range(count - len(live))))
+            return
+        surplus = sorted(live, key=lambda w: len(w.inflight))[: len(live) - count]
+        timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        await asyncio.gather(*(router.retire(w.worker_id, timeout) for w in surplus))
+        self.handles = [h for h in self.handles if h not in surplus]
+
+    async def switch_role(
+        self, worker_id: str, role: WorkerRole, drain_timeout_s: float | None = None
+    ) -> bool:
+        """Move one worker to pool ``role`` in place (``Router.switch_role``): it keeps its
+        weights and KV pool, so this takes a drain and well under a second, not a new process."""
+        assert self.router is not None, "not started"
+        timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        async with self._resizing:
+            return await self.router.switch_role(worker_id, role, timeout)
 
     @property
     def endpoints(self) -> Endpoints:

@@ -1,32 +1,38 @@
-"""The prefill worker process: a ``WorkerHost`` with the prefill engine and one command."""
+"""The prefill role of a worker process: the prefill engine and its commands."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import ClassVar
 
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.worker.commands import Answer, Command, Prefill, SetTarget
-from pdserve.worker.host import WorkerHost
-from pdserve.worker.messages import KVTarget, WorkItem
+from pdserve.worker.host import Role, WorkerHost
+from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
+
+
+def _engine(host: WorkerHost) -> PrefillEngine:
+    assert host.transport is not None
+    return PrefillEngine(host.rt, host.transport, host.spec.engine.scheduler, host.spec.worker_id)
+
+
+def _execute(host: WorkerHost, cmd: Command) -> Future[Answer] | None:
+    eng = host.engine
+    assert isinstance(eng, PrefillEngine)
+    if isinstance(cmd, Prefill):
+        return host.loop.submit(eng.add, cmd.work, cmd.target)
+    if isinstance(cmd, SetTarget):
+        return host.loop.submit(eng.set_target, cmd.request_id, cmd.target)
+    return None
+
+
+PREFILL = Role(make_engine=_engine, execute=_execute, transport=True, listens=False)
 
 
 class PrefillWorker(WorkerHost):
-    def _make_engine(self) -> PrefillEngine:
-        assert self.transport is not None
-        return PrefillEngine(self.rt, self.transport, self.spec.engine.scheduler, self.spec.worker_id)
+    ROLES: ClassVar = {WorkerRole.PREFILL: PREFILL}
 
-    @property
-    def _prefill(self) -> PrefillEngine:
-        assert isinstance(self.engine, PrefillEngine)
-        return self.engine
-
-    def _execute_role(self, cmd: Command) -> Future[Answer]:
-        if isinstance(cmd, Prefill):
-            return self.loop.submit(self._prefill.add, cmd.work, cmd.target)
-        if isinstance(cmd, SetTarget):
-            return self.loop.submit(self._prefill.set_target, cmd.request_id, cmd.target)
-        return super()._execute_role(cmd)
-
+    # -- the same commands, in process (tests, tools): one path with the channel's ----------
     def prefill(self, work: WorkItem, target: KVTarget | None = None) -> None:
         """Queue ``work``; its first token comes back through ``collect`` (``prefilled``), its KV
         goes to ``target`` (or to the one ``set_target`` names later). Raises

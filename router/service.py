@@ -552,6 +552,15 @@ class Router:
             log.debug("kv_lost %s on %s: %s", rid, decode.worker_id, e)
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        self._move_off(worker, f"worker {worker.worker_id} failed: {reason}")
+        # Its channel is gone, but the process may live on (a broken connection, a wedged
+        # pusher): stop it, or it keeps computing requests nobody collects.
+        self._spawn(self._stop_worker(worker))
+        if self.on_worker_gone is not None and not worker.retiring:
+            self.on_worker_gone(worker, reason)
+
+    def _move_off(self, worker: WorkerHandle, why: str) -> None:
+        """Whatever ``worker`` (lost, or retired) still held goes elsewhere or fails with ``why``."""
         self.dispatcher.on_worker_lost(worker.worker_id)
         for rid in list(worker.inflight):
             stream = self._streams.get(rid)
@@ -564,16 +573,76 @@ class Router:
             if why_not is None:
                 self._migrate(stream)  # decode lost, or prefill lost before the first token
                 continue
-            stream.fail(
-                RouterError(Code.UNAVAILABLE, f"worker {worker.worker_id} failed: {reason}; {why_not}")
-            )
-        worker.inflight.clear()
-        self.outputs.forget(worker.worker_id)
-        # Its channel is gone, but the process may live on (a broken connection, a wedged
-        # pusher): stop it, or it keeps computing requests nobody collects.
-        self._spawn(self._stop_worker(worker))
-        if self.on_worker_gone is not None:
-            self.on_worker_gone(worker, reason)
+            stream.fail(RouterError(Code.UNAVAILABLE, f"{why}; {why_not}"))
+        leftover, worker.inflight = worker.inflight, set()
+        if worker.alive:  # (a worker switching role): it lets go of what it still holds
+            for rid in leftover:
+                self._spawn(self._abort_on(worker, rid))
+
+    async def _drain(self, worker_id: str, drain_timeout_s: float) -> WorkerHandle:
+        """Route nothing more to the worker and wait up to ``drain_timeout_s`` (with migration
+        off: however long it takes) for the requests it holds to end. Raises ``ValueError`` for
+        an unknown or lost worker, or one already being taken out of service."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.alive or w.retiring:
+            raise ValueError(f"no live worker {worker_id!r} in service")
+        w.retiring = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while w.inflight and w.alive and (loop.time() < deadline or self.config.migration_limit <= 0):
+            await asyncio.sleep(0.05)
+        return w
+
+    async def switch_role(self, worker_id: str, role: WorkerRole, drain_timeout_s: float) -> bool:
+        """Move a worker to the other pool in place (it keeps its weights and KV pool): route
+        nothing more to it, let its requests finish for up to ``drain_timeout_s``, move what is
+        left to other workers, switch it, and route to it in its new role. True if nothing had
+        to move. Raises ``ValueError`` for a role this deployment has no pool for, or when the
+        worker is the last one that decodes."""
+        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if not self.colocated else (WorkerRole.COLOCATED,)
+        w = self.workers.get(worker_id)
+        if w is not None and (role not in roles or role is w.role):
+            raise ValueError(f"worker {worker_id!r} cannot switch from {w.role.value} to {role.value} here")
+        if w is not None and w.role is self._decode_role and self._pool(self._decode_role) == [w]:
+            raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
+        w = await self._drain(worker_id, drain_timeout_s)
+        try:
+            clean = not w.inflight
+            if w.alive:
+                self._move_off(w, f"worker {worker_id} is switching role")
+            self.dispatcher.on_worker_lost(worker_id)  # its history in the old role says nothing now
+            deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
+            while True:  # the aborts of what moved may still be on their way
+                try:
+                    info = await w.call("switch_role", role.value, timeout_s=self.config.call_timeout_s)
+                    break
+                except ValueError:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(0.01)
+            w.info, w.role = info, info.role
+            w.load = replace(w.load, role=info.role, address=info.address)
+        finally:
+            w.retiring = False
+        moved = "" if clean else " (requests moved)"
+        log.info("worker %s is now a %s worker%s", worker_id, role.value, moved)
+        return clean
+
+    async def retire(self, worker_id: str, drain_timeout_s: float) -> bool:
+        """Take a worker out of service without failing a request: route nothing more to it, let
+        the requests it holds finish for up to ``drain_timeout_s``, move what is left to other
+        workers (migration), then stop it (its process and, on Ray, its placement group go).
+        True if nothing had to move (see ``_drain`` for the errors)."""
+        w = await self._drain(worker_id, drain_timeout_s)
+        clean = not w.inflight
+        if w.alive:  # (else it was lost meanwhile, and its requests moved then)
+            w.mark_lost()  # its channel's end is no loss now: nothing to replace
+            self._move_off(w, f"worker {worker_id} was retired")
+        if self.workers.get(worker_id) is w:
+            del self.workers[worker_id]
+        await self._stop_worker(w)
+        log.info("worker %s retired%s", worker_id, "" if clean else " (requests moved)")
+        return clean
 
     # -- migration -----------------------------------------------------------------------------
     def _why_not_migrate(self, stream: RequestStream) -> str | None:

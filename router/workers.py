@@ -68,6 +68,7 @@ class WorkerHandle:
         self.load = WorkerLoad(info.worker_id, info.role, info.address, 0, 0, blocks, blocks, 0)
         self.inflight: set[str] = set()
         self.channel: CommandSender | None = None  # set once its channel is authenticated
+        self.retiring = False  # the router is taking it out of service (``Router.retire``)
 
     @property
     def alive(self) -> bool:
@@ -76,8 +77,8 @@ class WorkerHandle:
 
     @property
     def routable(self) -> bool:
-        """New requests may go here: healthy, with its channel up."""
-        return self.health is WorkerHealth.HEALTHY and self.channel is not None
+        """New requests may go here: healthy, with its channel up, not being retired."""
+        return self.health is WorkerHealth.HEALTHY and self.channel is not None and not self.retiring
 
     def report(self, load: WorkerLoad) -> None:
         """The worker's latest load, and with it whether it is draining (lost is terminal)."""

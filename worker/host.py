@@ -22,11 +22,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,10 +58,22 @@ class WorkerSpec:
             raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
 
-def _shared_cache_allocator(spec: WorkerSpec) -> tuple[Any, list[Path]]:
-    """Decode workers on CPU keep their cache in /dev/shm so same-host senders write directly."""
+@dataclass(frozen=True)
+class Role:
+    """How a host runs one role: its engine, and that role's own commands (``execute`` returns
+    ``None`` for a command the role does not take)."""
+
+    make_engine: Callable[[WorkerHost], RoleEngine]
+    execute: Callable[[WorkerHost, Command], Future[Answer] | None]
+    transport: bool  # it moves KV (a KV transport is opened for it)
+    listens: bool  # it receives KV (its transport listens; its address goes to the router)
+
+
+def _shared_cache_allocator(spec: WorkerSpec, receives: bool) -> tuple[Any, list[Path]]:
+    """Workers that receive KV (or may, after a role switch) on CPU keep their cache in
+    /dev/shm, so same-host senders write into it directly."""
     paths: list[Path] = []
-    if spec.role is not WorkerRole.DECODE or spec.transport.backend not in ("auto", "shm"):
+    if not receives or spec.transport.backend not in ("auto", "shm"):
         return None, paths
     if spec.engine.torch_device().type != "cpu":
         return None, paths
@@ -107,26 +119,31 @@ def flatten(fut: Future[Future[Any]]) -> Future[Any]:
 
 
 class WorkerHost:
+    """A worker process of one of the roles in ``ROLES`` (each subclass says which it can run;
+    one that can run several switches between them in place: ``switch_role``)."""
+
+    ROLES: ClassVar[Mapping[WorkerRole, Role]] = {}
+
     def __init__(self, spec: WorkerSpec) -> None:
+        if spec.role not in self.ROLES:
+            raise ValueError(f"{type(self).__name__} cannot run a {spec.role.value} worker")
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
-        allocator, shm_paths = _shared_cache_allocator(spec)
+        self.role = spec.role
+        allocator, shm_paths = _shared_cache_allocator(spec, any(r.listens for r in self.ROLES.values()))
         self.rt: Runtime = build_runtime(spec.engine, allocator)
+        self._shm_path = shm_paths[0] if shm_paths else None  # (filled while the runtime was built)
         self.step_log: StepLog | None = None
         if spec.engine.step_log:
             self.step_log = StepLog(Path(spec.engine.step_log) / f"{spec.worker_id}.jsonl")
             self.rt.runner = LoggedRunner(self.rt.runner, self.step_log)
         self.transport: KVTransport | None = None
-        self.address = ""
-        if spec.role is not WorkerRole.COLOCATED:
-            self.transport = KVTransport(
-                self.rt.kv_cache, spec.secret, spec.transport, shm_path=shm_paths[0] if shm_paths else None
-            )
-            if spec.role is WorkerRole.DECODE:
-                self.address = self.transport.listen()
-        self.engine = self._make_engine()
-        self.loop = EngineLoop(self.engine, name=f"{spec.role.value}-loop", address=self.address)
+        self.address = ""  # the transport's, once it listens
+        role = self.ROLES[spec.role]
+        self._open_transport(role)
+        self.engine: RoleEngine = role.make_engine(self)
+        self.loop = EngineLoop(self.engine, name="engine-loop", address=self.address if role.listens else "")
         if self.transport is not None:
             self.transport.on_completion(self.loop.wake)
         self.pusher: OutputPusher | None = None
@@ -137,7 +154,7 @@ class WorkerHost:
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
             role=spec.role,
-            address=self.address,
+            address=self.loop.address,
             model_dir=str(self.rt.model_dir),
             architecture=self.rt.model_config.architecture,
             vocab_size=self.rt.model_config.vocab_size,
@@ -155,8 +172,43 @@ class WorkerHost:
         if spec.drain_on_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _make_engine(self) -> RoleEngine:
-        raise NotImplementedError  # each role's host builds its engine
+    def _open_transport(self, role: Role) -> bool:
+        """Open (and start listening on) the KV transport ``role`` needs; True if it is new."""
+        new = role.transport and self.transport is None
+        if new:
+            self.transport = KVTransport(
+                self.rt.kv_cache, self.spec.secret, self.spec.transport, self._shm_path
+            )
+        if role.listens and not self.address:
+            assert self.transport is not None
+            self.address = self.transport.listen()
+        return new
+
+    def switch_role(self, role: WorkerRole | str) -> WorkerInfo:
+        """Run as ``role`` from now on, keeping the weights and the KV pool (with its prefix
+        cache); returns the worker's new info. Only while it holds no request (drain it first):
+        raises ``ValueError`` otherwise, or for a role this worker cannot run."""
+        role = WorkerRole(role)
+        if role not in self.ROLES:
+            raise ValueError(f"a {type(self).__name__} cannot run as {role.value}")
+        info: WorkerInfo = self.loop.call(self._switch, role)
+        return info
+
+    def _switch(self, role: WorkerRole) -> WorkerInfo:
+        # On the loop thread, between steps: no step sees half an engine.
+        if not self.engine.idle:
+            raise ValueError(f"worker {self.spec.worker_id} holds requests: drain it before it switches role")
+        impl = self.ROLES[role]
+        if self._open_transport(impl):
+            assert self.transport is not None
+            self.transport.on_completion(self.loop.wake)
+        self.engine = self.loop.engine = impl.make_engine(self)
+        self.role = role
+        self.loop.address = self.address if impl.listens else ""
+        self.loop.refresh_load()
+        self._info = replace(self._info, role=role, address=self.loop.address)
+        log.info("%s: now a %s worker", self.spec.worker_id, role.value)
+        return self._info
 
     # -- API for the router ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -180,7 +232,10 @@ class WorkerHost:
         return self._execute_role(cmd)
 
     def _execute_role(self, cmd: Command) -> Future[Answer]:
-        raise UnsupportedCommand(f"a {self.spec.role.value} worker takes no {type(cmd).__name__} command")
+        fut = self.ROLES[self.role].execute(self, cmd)
+        if fut is None:
+            raise UnsupportedCommand(f"a {self.role.value} worker takes no {type(cmd).__name__} command")
+        return fut
 
     def run(self, cmd: Command, timeout_s: float = 30.0) -> Answer:
         """``execute`` and wait for the answer: the router's commands, in process."""

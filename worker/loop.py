@@ -79,7 +79,7 @@ class EngineLoop:
         self.load = replace(self.load, health=health)
         self._wake.set()
 
-    def _refresh_load(self) -> None:
+    def refresh_load(self) -> None:
         load = self.engine.load(self.address)
         self.load = load if self._health is WorkerHealth.HEALTHY else replace(load, health=self._health)
 
@@ -131,12 +131,12 @@ class EngineLoop:
                 self._wake.clear()
                 if self._cmds:
                     self._run_commands()
-                    self._refresh_load()
+                    self.refresh_load()
                 eng = self.engine
                 if eng.has_work or eng.has_pending_io:
                     deltas = eng.step()
                     self.steps += 1
-                    self._refresh_load()
+                    self.refresh_load()
                     if deltas:
                         with self._out_cv:
                             self._out.extend(deltas)

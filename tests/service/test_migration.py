@@ -234,3 +234,82 @@ def test_a_draining_worker_finishes_its_streams_and_gets_no_new_ones() -> None:
         assert_no_request_state(st)
     finally:
         st.stop()
+
+
+def test_pools_grow_and_shrink_under_load_without_failing_a_request() -> None:
+    """``Service.resize``: a decode worker retired under load (a short drain, so some streams
+    must move) fails nothing; a new one joins and takes requests; with the prefill pool at zero,
+    decode workers prefill requests themselves. Everything HF-exact, nothing left anywhere."""
+    from pdserve.worker.messages import WorkerRole
+
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    try:
+        s = stub(ep)
+        router = st.service.router
+        assert router is not None
+        ps = prompts(6, seed=60)
+        calls = start_streams(s, ps)
+        held = {w: len(router.workers[w].inflight) for w in ("decode-0", "decode-1")}
+        assert all(held.values()), held
+        st.run(st.service.resize(WorkerRole.DECODE, 1, drain_timeout_s=0.2))
+        results = finish(calls)
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None
+        assert sum(r.migrations for _, r in results if r is not None) >= 1  # the drain was too short
+        decode = sorted(w for w, h in router.workers.items() if h.role is WorkerRole.DECODE)
+        assert len(decode) == 1 and len(st.service.handles) == 2
+        st.run(st.service.resize(WorkerRole.DECODE, 2))
+        assert "decode-2" in router.workers and router.workers["decode-2"].routable
+        st.run(st.service.resize(WorkerRole.PREFILL, 0))
+        assert not [h for h in router.workers.values() if h.role is WorkerRole.PREFILL]
+        ps = prompts(4, seed=61)
+        results = finish(start_streams(s, ps))
+        for p, (tokens, result) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None and result.prefill_worker == ""
+        assert "decode-2" in {r.decode_worker for _, r in results if r is not None}
+        with pytest.raises(ValueError, match="cannot serve"):
+            st.run(st.service.resize(WorkerRole.DECODE, 0))
+        with pytest.raises(ValueError, match="no colocated pool"):
+            st.run(st.service.resize(WorkerRole.COLOCATED, 1))
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
+def test_a_role_switch_under_load_fails_nothing_and_takes_under_a_second() -> None:
+    """A decode worker becomes a prefill worker under load (drained for 0.3 s, what is left
+    moved, switched in place) within a second, with every stream HF-exact; the new prefill
+    worker then takes prefills, and the switch back works the same way."""
+    from pdserve.worker.messages import WorkerRole
+
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    try:
+        s = stub(ep)
+        router = st.service.router
+        assert router is not None
+        ps = prompts(6, seed=62)
+        calls = start_streams(s, ps)
+        t0 = time.monotonic()
+        st.run(st.service.switch_role("decode-1", WorkerRole.PREFILL, drain_timeout_s=0.3))
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        assert router.workers["decode-1"].role is WorkerRole.PREFILL and router.workers["decode-1"].routable
+        for p, (tokens, result) in zip(ps, finish(calls), strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+            assert result is not None and result.decode_worker == "decode-0"  # moved there, or there
+        with pytest.raises(ValueError, match="last decode"):
+            st.run(st.service.switch_role("decode-0", WorkerRole.PREFILL))
+        ps = prompts(8, seed=63)
+        results = finish(start_streams(s, ps))
+        assert "decode-1" in {r.prefill_worker for _, r in results if r is not None}
+        for p, (tokens, _) in zip(ps, results, strict=True):
+            assert tokens == hf_reference(p, N_TOKENS)
+        st.run(st.service.switch_role("decode-1", WorkerRole.DECODE, drain_timeout_s=1.0))
+        ps = prompts(6, seed=64)
+        results = finish(start_streams(s, ps))
+        assert {r.decode_worker for _, r in results if r is not None} == {"decode-0", "decode-1"}
+        assert_no_request_state(st)
+    finally:
+        st.stop()

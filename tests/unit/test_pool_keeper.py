@@ -154,3 +154,25 @@ def test_closing_the_keeper_stops_a_start_under_way() -> None:
         assert keeper.pending == 0 and "prefill-1" not in router.workers
 
     asyncio.run(main())
+
+
+def test_a_retired_worker_is_not_replaced() -> None:
+    async def main() -> None:
+        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
+        outputs = FakeOutputs()
+        router.outputs = outputs  # type: ignore[assignment]
+        launched: list[str] = []
+
+        async def launch(role: WorkerRole, wid: str) -> WorkerHandle:
+            launched.append(wid)
+            return Worker(wid, role).handle
+
+        PoolKeeper(router, outputs, launch, {P: 1, D: 2}, lambda h: None)  # type: ignore[arg-type]
+        assert await router.retire("decode-0", drain_timeout_s=1.0)  # nothing in flight: clean
+        assert "decode-0" not in router.workers and not ws["decode-0"].handle.alive
+        with pytest.raises(ValueError, match="no live worker"):
+            await router.retire("decode-0", drain_timeout_s=1.0)
+        await settle()
+        assert launched == []  # a scale-down is not a loss
+
+    asyncio.run(main())

@@ -194,8 +194,8 @@ def test_a_reservation_failed_by_its_dying_worker_moves_the_request() -> None:
     RESOURCE_EXHAUSTED for a fault that was not its own."""
 
     async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE), ("d1", WorkerRole.DECODE)],
-                             policy="round_robin")  # fmt: skip
+        roles = [("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE), ("d1", WorkerRole.DECODE)]
+        router, ws = cluster(roles, policy="round_robin")
         admitted = router.admit(GenerateInput([5, 6, 7], GREEDY))
         events: list[Any] = []
 
