@@ -12,7 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
+from pdserve.router.service import Router
 from pdserve.v1 import inference_pb2 as pb
+from pdserve.worker.messages import WorkerRole
 from tests.service.helpers import (
     assert_no_request_state,
     grpc_request,
@@ -55,6 +57,13 @@ def finish(calls: list[tuple[Any, list[int]]]) -> list[tuple[list[int], Any]]:
                 result = msg.result
         out.append((tokens, result))
     return out
+
+
+def one_prefill_two_decode() -> tuple[Any, Any, Router]:
+    """An in-process 1 prefill + 2 decode service, its gRPC stub and its router."""
+    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    assert st.service.router is not None
+    return st, stub(ep), st.service.router
 
 
 def kill(st: Any, worker_id: str) -> None:
@@ -240,13 +249,8 @@ def test_pools_grow_and_shrink_under_load_without_failing_a_request() -> None:
     """``Service.resize``: a decode worker retired under load (a short drain, so some streams
     must move) fails nothing; a new one joins and takes requests; with the prefill pool at zero,
     decode workers prefill requests themselves. Everything HF-exact, nothing left anywhere."""
-    from pdserve.worker.messages import WorkerRole
-
-    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    st, s, router = one_prefill_two_decode()
     try:
-        s = stub(ep)
-        router = st.service.router
-        assert router is not None
         ps = prompts(6, seed=60)
         calls = start_streams(s, ps)
         held = {w: len(router.workers[w].inflight) for w in ("decode-0", "decode-1")}
@@ -282,13 +286,8 @@ def test_a_role_switch_under_load_fails_nothing_and_takes_under_a_second() -> No
     """A decode worker becomes a prefill worker under load (drained for 0.3 s, what is left
     moved, switched in place) within a second, with every stream HF-exact; the new prefill
     worker then takes prefills, and the switch back works the same way."""
-    from pdserve.worker.messages import WorkerRole
-
-    st, ep = start_service(use_ray=False, prefill=1, decode=2)
+    st, s, router = one_prefill_two_decode()
     try:
-        s = stub(ep)
-        router = st.service.router
-        assert router is not None
         ps = prompts(6, seed=62)
         calls = start_streams(s, ps)
         t0 = time.monotonic()

@@ -74,6 +74,15 @@ async def lose(router: Router, w: Worker) -> None:
     await router._on_lost(w.handle, "gone")
 
 
+async def consume(router: Router, admitted: Any, events: list[Any]) -> None:
+    """Read a request's events as a client would; an error ends the list."""
+    try:
+        async for ev in router.run(admitted):
+            events.append(ev)
+    except Exception as e:
+        events.append(e)
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0.005)
@@ -88,15 +97,7 @@ def test_a_migrated_stream_is_not_failed_by_its_old_attempt() -> None:
                              policy="round_robin")  # fmt: skip
         admitted = router.admit(GenerateInput([5, 6, 7], GREEDY))
         events: list[Any] = []
-
-        async def consume() -> None:
-            try:
-                async for ev in router.run(admitted):
-                    events.append(ev)
-            except Exception as e:
-                events.append(e)
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(consume(router, admitted, events))
         await settle()
         first = ws[admitted.stream.decode_worker]
         other = ws["c1" if first.handle.worker_id == "c0" else "c0"]
@@ -198,15 +199,7 @@ def test_a_reservation_failed_by_its_dying_worker_moves_the_request() -> None:
         router, ws = cluster(roles, policy="round_robin")
         admitted = router.admit(GenerateInput([5, 6, 7], GREEDY))
         events: list[Any] = []
-
-        async def consume() -> None:
-            try:
-                async for ev in router.run(admitted):
-                    events.append(ev)
-            except Exception as e:
-                events.append(e)
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(consume(router, admitted, events))
         await settle()
         first = ws[admitted.stream.decode_worker]
         queued = {type(c): i for i, c in first.commands()}
