@@ -30,7 +30,7 @@ class RouteRequest:
     max_tokens: int
     priority: int = 0
     request_id: str = ""
-    block_keys: tuple[int, ...] = ()  # ``pdserve.router.prefix.block_keys`` of the prompt
+    block_keys: tuple[bytes, ...] = ()  # ``pdserve.router.prefix.block_keys`` of the prompt
     slo: SloClass | None = None
 
 

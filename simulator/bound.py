@@ -78,7 +78,7 @@ class MarginalCost:
 def work_bound(model: LatencyModel, specs: Sequence[RequestSpec], block_size: int = 16) -> WorkBound:
     """The work bound of ``specs`` on ``model`` (see the module docstring)."""
     cost = MarginalCost(model)
-    seen: set[int] = set()
+    seen: set[bytes] = set()
     prefill = decode = 0.0
     prompt_tokens = cached_tokens = 0
     for s in specs:

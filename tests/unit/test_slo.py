@@ -115,3 +115,17 @@ def test_block_keys_chain_and_index_lru() -> None:
     assert idx.cached_blocks("p1", a) == 0
     idx.forget("p0")
     assert idx.cached_blocks("p0", a) == 0
+
+
+def test_the_routers_block_keys_are_the_workers_prefix_cache_keys() -> None:
+    """One key function: what the router records per worker is what that worker's prefix cache
+    looks up, so a predicted hit is a real one."""
+    from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+    from pdserve.model_runtime.request import Request
+    from pdserve.model_runtime.sampling_params import SamplingParams
+
+    tokens = tuple(range(3, 3 + 16 * 3 + 5))
+    kv = KVCacheManager(16, block_size=16)
+    req = Request("r", tokens, SamplingParams(max_tokens=1), ())
+    keys = kv._request_keys(req, 3)
+    assert block_keys(tokens, 16) == tuple(keys) and len(keys) == 3
