@@ -13,6 +13,41 @@ from dataclasses import dataclass
 from pdserve.model_runtime.errors import InvalidRequestError
 
 MAX_LOGPROBS_DEFAULT = 20
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts: ``low`` (excluded when ``low_open``) to ``high``;
+    ``None``: unbounded. One table (``RANGES``) serves the check and the HTTP API's schema."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    text: str = ""  # the error's wording, when the interval alone says it badly
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.text:
+            return self.text
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {self.low:g}"
+        return f"must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+RANGES = {
+    "temperature": Range(0.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, low_open=True),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "top_k": Range(-1, text="must be -1, 0 (disabled) or positive"),
+    "min_tokens": Range(0),
+}
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
 # (softmax then yields NaN), and a distribution that sharp is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -78,29 +113,16 @@ class SamplingParams:
 
         if integer("max_tokens", self.max_tokens) <= 0:
             raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if integer("top_k", self.top_k) < -1:
-            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        finite("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        finite("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name, allowed in RANGES.items():
             value = getattr(self, name)
-            finite(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+            if name in ("top_k", "min_tokens"):
+                integer(name, value)
+            else:
+                finite(name, value)
+            if value not in allowed:
+                raise InvalidRequestError(name, f"{allowed.describe()}, got {value}")
         if self.seed is not None:
             integer("seed", self.seed)
-        if integer("min_tokens", self.min_tokens) < 0:
-            raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})"

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.auth import ApiKeyMiddleware
@@ -29,6 +30,7 @@ from pdserve.router.dashboard import install_dashboard
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.openai_format import ChoiceBuilder, error_body, usage_json
 from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.router.openapi_doc import install_openapi
 from pdserve.router.service import Admitted, GenerateInput, Router
 from pdserve.router.status import cluster_status_json
 from pdserve.router.stream import Event, Final
@@ -49,10 +51,24 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
             headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}
         return JSONResponse(error_body(e), status_code=e.code.http, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (a body that is not JSON, an unknown path or method)
+        # in the same error shape as every other answer of this API.
+        kind = {404: "not_found_error"}.get(e.status_code, "invalid_request_error")
+        body = {"error": {"message": str(e.detail), "type": kind, "param": None, "code": e.status_code}}
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        path = tuple(err.get("loc", ()))
+        path = path[1:] if path[:1] == ("body",) else path
+        loc: list[str] = []
+        for x in path:
+            if not (isinstance(x, int) or str(x).isidentifier()):
+                break  # a union member's tag ("constrained-str", "list[...]"): not a field
+            loc.append(str(x))
         field = ".".join(loc) or "body"
         msg = f"{field}: {err.get('msg', 'invalid')}"
         return JSONResponse(error_body(RouterError(Code.INVALID_ARGUMENT, msg, field)), status_code=400)
@@ -113,6 +129,8 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
         return await respond(router, request, body, inputs, rid, chat=True)
 
     install_dashboard(app, router)
+    classes = tuple(router.slos.classes)
+    install_openapi(app, router.model.model_id, router.config.caps, router.model.vocab_size, classes)
     return app
 
 

@@ -11,45 +11,62 @@ gRPC APIs reject exactly the same requests with the same messages.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.router.chat import ROLES
 from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.slo import SloHint
 
-TokenIds = list[StrictInt]
+
+def _json_integer(value: Any) -> Any:
+    """JSON's integers as JSON Schema counts them: 3 and 3.0, but never true or "3" (the models
+    are strict: no other coercion)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_json_integer)]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+NON_EMPTY = Field(min_length=1)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     model: str
-    max_tokens: int | None = Field(None, description="tokens to generate (server default when unset)")
+    max_tokens: Int | None = Field(None, description="tokens to generate (server default when unset)")
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = Field(1, description="sequences per prompt (capped by the server)")
+    n: Int = Field(1, description="sequences per prompt (capped by the server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM-compatible extensions
-    top_k: int = 0
+    top_k: Int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = Field(False, description="add prompt and completion token ids to choices")
-    priority: int = Field(0, description="lower is served first")
+    priority: Int = Field(0, description="lower is served first")
     slo_class: str = Field("", max_length=64, description="SLO class configured on the server ('': default)")
     slo_ttft_ms: float = Field(0.0, ge=0, description="this request's TTFT target (0: its class's)")
     slo_tpot_ms: float = Field(0.0, ge=0, description="this request's TPOT target (0: its class's)")
@@ -57,7 +74,7 @@ class SamplingFields(BaseModel):
     def slo_hint(self) -> SloHint:
         return SloHint(self.slo_ttft_ms, self.slo_tpot_ms, self.priority, self.slo_class)
 
-    def sampling_params(self, caps: Caps, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, caps: Caps, max_tokens: Int | None, logprobs: int | None) -> SamplingParams:
         if not 1 <= self.n <= caps.max_n:
             raise RouterError(
                 Code.INVALID_ARGUMENT, f"n: must be in [1, {caps.max_n}] (server cap), got {self.n}", "n"
@@ -86,8 +103,10 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    logprobs: int | None = Field(None, description="top alternatives per token (0: chosen token only)")
+    prompt: (
+        Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], NON_EMPTY]
+    )
+    logprobs: Int | None = Field(None, description="top alternatives per token (0: chosen token only)")
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -102,12 +121,16 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    role: str
+    model_config = ConfigDict(strict=True)
+
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})  # checked with the template's message
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
@@ -120,11 +143,15 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> int | None:
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            msg = "max_tokens: differs from max_completion_tokens; send one"
+            raise RouterError(Code.INVALID_ARGUMENT, msg, "max_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def requested_logprobs(self) -> int | None:

@@ -93,10 +93,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()

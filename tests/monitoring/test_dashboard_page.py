@@ -22,6 +22,7 @@ from tests.monitoring.helpers import require_tool, send_traffic
 
 def fake_router(tracker: Any) -> Any:
     """What the dashboard reads of a router: its SLO classes and tracker, workers and model id."""
+    from pdserve.router.config import Caps
     from pdserve.router.slo import SloBook, SloClass
     from pdserve.worker.messages import WorkerHealth, WorkerLoad, WorkerRole
 
@@ -38,7 +39,8 @@ def fake_router(tracker: Any) -> Any:
         slos=SloBook.of(SloClass("chat", ttft_ms=250, tpot_ms=100), SloClass("batch", ttft_ms=2000)),
         slo_tracker=tracker,
         workers={w.worker_id: w for w in workers},
-        model=SimpleNamespace(model_id="tiny"),
+        model=SimpleNamespace(model_id="tiny", vocab_size=256),
+        config=SimpleNamespace(caps=Caps()),
         ready=True,
     )
 
