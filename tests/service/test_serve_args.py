@@ -20,3 +20,20 @@ def test_colocated_schedule_defaults_to_chunked_and_can_be_prefill_priority() ->
     assert spec.colocated == 2
     assert spec.engine.scheduler.colocated is ColocatedSchedule.PREFILL_PRIORITY
     assert spec.engine.scheduler.max_num_batched_tokens == 2048
+
+
+def test_the_readme_synopsis_lists_every_serve_flag() -> None:
+    """The README's `pdserve serve` synopsis is the reference users read: no flag missing, none
+    that the command does not take."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("pdserve serve [", 1)[1].split("```", 1)[0]
+    documented = set(re.findall(r"--[a-z0-9-]+", block))
+    serve = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+        if a.prog.endswith(" serve")
+    )  # fmt: skip
+    flags = {s for action in serve._actions for s in action.option_strings if s.startswith("--")} - {"--help"}
+    assert documented == flags, (sorted(flags - documented), sorted(documented - flags))
