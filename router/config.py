@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.latency_model import StepModel
 from pdserve.router.slo import SloClass
 
@@ -16,7 +17,7 @@ class Caps:
     max_tokens: int = 4096
     max_n: int = 8
     max_logprobs: int = 20
-    default_max_tokens: int = 16
+    default_max_tokens: int = SamplingParams.max_tokens  # a request that names none
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "default_max_tokens"):

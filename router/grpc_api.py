@@ -59,23 +59,24 @@ HEALTH = {
 }
 
 
+OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")  # proto3 `optional`
+
+
 def sampling_params(s: pb.SamplingParameters, default_max_tokens: int) -> SamplingParams:
+    # Fields the client left unset take SamplingParams' own defaults (the one place they live).
+    given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
     return SamplingParams.create(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
         top_k=s.top_k,
         min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty,
-        seed=s.seed if s.HasField("seed") else None,
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         include_stop_str_in_output=s.include_stop_str_in_output,
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        **given,
     )
 
 

@@ -31,6 +31,7 @@ def _json_integer(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_json_integer)]
+DEFAULT = SamplingParams()  # every unset field means what it means to the engine
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 NON_EMPTY = Field(min_length=1)
@@ -47,24 +48,24 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: Int | None = Field(None, description="tokens to generate (server default when unset)")
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = DEFAULT.temperature
+    top_p: float = DEFAULT.top_p
     n: Int = Field(1, description="sequences per prompt (capped by the server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: Int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = DEFAULT.presence_penalty
+    frequency_penalty: float = DEFAULT.frequency_penalty
     user: str | None = None
     # vLLM-compatible extensions
-    top_k: Int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    min_tokens: Int = 0
+    top_k: Int = DEFAULT.top_k
+    min_p: float = DEFAULT.min_p
+    repetition_penalty: float = DEFAULT.repetition_penalty
+    ignore_eos: bool = DEFAULT.ignore_eos
+    min_tokens: Int = DEFAULT.min_tokens
     stop_token_ids: list[Int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = DEFAULT.include_stop_str_in_output
     return_token_ids: bool = Field(False, description="add prompt and completion token ids to choices")
     priority: Int = Field(0, description="lower is served first")
     slo_class: str = Field("", max_length=64, description="SLO class configured on the server ('': default)")

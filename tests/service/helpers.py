@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -68,6 +69,19 @@ def start_service(
         start_ray(None, 16)  # logical CPUs: room for several small deployments at once
     st = ServiceThread(Service(spec, config, use_ray=use_ray))
     return st, st.start()
+
+
+@contextlib.contextmanager
+def running_service(**kwargs: Any) -> Iterator[tuple[ServiceThread, Endpoints]]:
+    """``start_service(**kwargs)`` for a block (a module's fixture): at its end every block is
+    free and no per-request state is left anywhere, then the service stops."""
+    st, ep = start_service(**kwargs)
+    try:
+        yield st, ep
+        wait_for(lambda: all_free(status(ep)), 5, "blocks freed at the end")
+        assert_no_request_state(st)
+    finally:
+        st.stop()
 
 
 def stub(ep: Endpoints) -> pb_grpc.InferenceStub:

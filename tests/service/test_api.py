@@ -21,6 +21,7 @@ from tests.service.helpers import (
     assert_no_request_state,
     grpc_request,
     hf_reference,
+    running_service,
     start_service,
     status,
     stub,
@@ -32,11 +33,8 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def svc():
-    st, ep = start_service(use_ray=False, caps=Caps(max_tokens=512, max_n=4, max_logprobs=5))
-    yield ep
-    wait_for(lambda: all_free(status(ep)), 5, "blocks freed after the module")
-    assert_no_request_state(st)
-    st.stop()
+    with running_service(use_ray=False, caps=Caps(max_tokens=512, max_n=4, max_logprobs=5)) as (_, ep):
+        yield ep
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

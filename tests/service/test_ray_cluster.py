@@ -22,6 +22,7 @@ from tests.service.helpers import (
     assert_no_request_state,
     grpc_request,
     hf_reference,
+    running_service,
     start_service,
     status,
     stub,
@@ -36,10 +37,8 @@ LONG = 1500  # tokens: a request that is still running when the test interrupts 
 
 @pytest.fixture(scope="module")
 def cluster():
-    st, ep = start_service(use_ray=True, prefill=1, decode=1)
-    yield st, ep
-    assert_no_request_state(st)
-    st.stop()
+    with running_service(use_ray=True, prefill=1, decode=1) as (st, ep):
+        yield st, ep
 
 
 def mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:

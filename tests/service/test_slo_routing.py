@@ -12,14 +12,11 @@ import pytest
 from pdserve.router.slo import Admission, SloClass
 from tests.service.helpers import (
     MODEL,
-    all_free,
-    assert_no_request_state,
     grpc_request,
     hf_reference,
+    running_service,
     start_service,
-    status,
     stub,
-    wait_for,
 )
 
 pytest.importorskip("transformers")
@@ -32,11 +29,8 @@ CLASSES = (
 
 @pytest.fixture(scope="module")
 def svc():
-    st, ep = start_service(use_ray=False, local_prefill=True, slo_classes=CLASSES)
-    yield ep
-    wait_for(lambda: all_free(status(ep)), 5, "blocks freed after the module")
-    assert_no_request_state(st)
-    st.stop()
+    with running_service(use_ray=False, local_prefill=True, slo_classes=CLASSES) as (_, ep):
+        yield ep
 
 
 def metric(ep, name: str) -> float:
