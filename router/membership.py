@@ -1,0 +1,260 @@
+"""The router's workers coming and going, and the request migration that causes.
+
+``Membership`` is the part of ``Router`` (``pdserve.router.service``) that changes which
+workers serve: a worker joins (``add_worker``), is lost (its channel ended, ``_on_lost``), is
+retired (``retire``) or moves to the other pool in place (``switch_role``). Whatever a worker
+that leaves still held moves elsewhere (``_migrate``: a fresh internal id, dispatched again
+with the tokens already sent) or fails with the reason.
+
+Every method runs on the router's event loop, like the rest of ``Router``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from pdserve.model_runtime.validation import RequestLimits
+from pdserve.router.accounting import Accounting
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import Code, RouterError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.outputs import OutputListener
+from pdserve.router.policy import Decision, Dispatcher, RouteRequest
+from pdserve.router.prefix import block_keys
+from pdserve.router.stream import RequestStream
+from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import WorkerRole, WorkItem
+
+if TYPE_CHECKING:
+    from pdserve.router.service import ModelInfo
+
+log = logging.getLogger("pdserve.router.service")
+
+
+class Membership:
+    # What ``Router`` provides (set in its ``__init__``; its methods, declared for the checker).
+    config: RouterConfig
+    colocated: bool
+    outputs: OutputListener
+    workers: dict[str, WorkerHandle]
+    limits: RequestLimits
+    model: ModelInfo
+    accounting: Accounting
+    metrics: RouterMetrics
+    dispatcher: Dispatcher
+    on_worker_gone: Callable[[WorkerHandle, str], None] | None
+    _streams: dict[str, RequestStream]
+    _client_ids: dict[str, str]
+
+    if TYPE_CHECKING:
+
+        @property
+        def _decode_role(self) -> WorkerRole: ...
+
+        def _pool(self, role: WorkerRole) -> list[WorkerHandle]: ...
+
+        def _decide(self, route: RouteRequest, remote_prefill: bool = True) -> Decision: ...
+
+        def _start_dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None: ...
+
+        def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+        async def _abort_on(self, w: WorkerHandle, rid: str) -> None: ...
+
+        async def _kv_lost(self, stream: RequestStream) -> None: ...
+
+    def add_worker(self, worker: WorkerHandle, replaces: str = "") -> None:
+        """Take a worker in at run time (a replacement, a grown pool); it gets requests once its
+        channel is up. ``replaces``: a lost worker it stands in for, dropped from the list now.
+        Raises ``ValueError`` if it cannot serve this deployment's requests."""
+        wid, info, ref = worker.worker_id, worker.info, self.model
+        if wid in self.workers:
+            raise ValueError(f"worker {wid!r} is already registered")
+        roles = (self._decode_role,) if self.colocated else (WorkerRole.PREFILL, WorkerRole.DECODE)
+        if worker.role not in roles:
+            raise ValueError(f"worker {wid!r}: a {worker.role.value} worker in a deployment of {roles}")
+        diffs = [
+            f"{name} {got!r} (the deployment's: {want!r})"
+            for name, got, want in (
+                ("architecture", info.architecture, ref.architecture),
+                ("vocab_size", info.vocab_size, ref.vocab_size),
+                ("block_size", info.block_size, ref.block_size),
+                ("max_model_len", info.max_model_len, ref.max_context_length),
+                ("dtype", info.dtype, ref.dtype),
+            )
+            if got != want
+        ]
+        if worker.role is not WorkerRole.PREFILL and info.kv_blocks < self.limits.kv_capacity_blocks:
+            admitted = self.limits.kv_capacity_blocks
+            diffs.append(f"kv_blocks {info.kv_blocks} (requests are admitted for {admitted})")
+        if diffs:
+            raise ValueError(f"worker {wid!r} cannot join: " + ", ".join(diffs))
+        old = self.workers.get(replaces)
+        if old is not None and not old.alive:
+            del self.workers[replaces]
+        self.workers[wid] = worker
+        self.outputs.registered(wid)
+        log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
+
+    async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        self._move_off(worker, f"worker {worker.worker_id} failed: {reason}")
+        # Its channel is gone, but the process may live on (a broken connection, a wedged
+        # pusher): stop it, or it keeps computing requests nobody collects.
+        self._spawn(self._stop_worker(worker))
+        if self.on_worker_gone is not None and not worker.retiring:
+            self.on_worker_gone(worker, reason)
+
+    def _move_off(self, worker: WorkerHandle, why: str) -> None:
+        """Whatever ``worker`` (lost, or retired) still held goes elsewhere or fails with ``why``."""
+        self.dispatcher.on_worker_lost(worker.worker_id)
+        for rid in list(worker.inflight):
+            stream = self._streams.get(rid)
+            if stream is None or stream.done:
+                continue  # ended already (its consumer has yet to clean up): nothing to move
+            if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
+                self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
+                continue
+            why_not = self._why_not_migrate(stream)
+            if why_not is None:
+                self._migrate(stream)  # decode lost, or prefill lost before the first token
+                continue
+            stream.fail(RouterError(Code.UNAVAILABLE, f"{why}; {why_not}"))
+        leftover, worker.inflight = worker.inflight, set()
+        if worker.alive:  # (a worker switching role): it lets go of what it still holds
+            for rid in leftover:
+                self._spawn(self._abort_on(worker, rid))
+
+    async def _drain(self, worker_id: str, drain_timeout_s: float) -> WorkerHandle:
+        """Route nothing more to the worker and wait up to ``drain_timeout_s`` (with migration
+        off: however long it takes) for the requests it holds to end. Raises ``ValueError`` for
+        an unknown or lost worker, or one already being taken out of service."""
+        w = self.workers.get(worker_id)
+        if w is None or not w.alive or w.retiring:
+            raise ValueError(f"no live worker {worker_id!r} in service")
+        w.retiring = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while w.inflight and w.alive and (loop.time() < deadline or self.config.migration_limit <= 0):
+            await asyncio.sleep(0.05)
+        return w
+
+    async def switch_role(self, worker_id: str, role: WorkerRole, drain_timeout_s: float) -> bool:
+        """Move a worker to the other pool in place (it keeps its weights and KV pool): route
+        nothing more to it, let its requests finish for up to ``drain_timeout_s``, move what is
+        left to other workers, switch it, and route to it in its new role. True if nothing had
+        to move. Raises ``ValueError`` for a role this deployment has no pool for, or when the
+        worker is the last one that decodes."""
+        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if not self.colocated else (WorkerRole.COLOCATED,)
+        w = self.workers.get(worker_id)
+        if w is not None and (role not in roles or role is w.role):
+            raise ValueError(f"worker {worker_id!r} cannot switch from {w.role.value} to {role.value} here")
+        if w is not None and w.role is self._decode_role and self._pool(self._decode_role) == [w]:
+            raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
+        w = await self._drain(worker_id, drain_timeout_s)
+        try:
+            clean = not w.inflight
+            if w.alive:
+                self._move_off(w, f"worker {worker_id} is switching role")
+            self.dispatcher.on_worker_lost(worker_id)  # its history in the old role says nothing now
+            deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
+            while True:  # the aborts of what moved may still be on their way
+                try:
+                    info = await w.call("switch_role", role.value, timeout_s=self.config.call_timeout_s)
+                    break
+                except ValueError:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(0.01)
+            w.info, w.role = info, info.role
+            w.load = replace(w.load, role=info.role, address=info.address)
+        finally:
+            w.retiring = False
+        moved = "" if clean else " (requests moved)"
+        log.info("worker %s is now a %s worker%s", worker_id, role.value, moved)
+        return clean
+
+    async def retire(self, worker_id: str, drain_timeout_s: float) -> bool:
+        """Take a worker out of service without failing a request: route nothing more to it, let
+        the requests it holds finish for up to ``drain_timeout_s``, move what is left to other
+        workers (migration), then stop it (its process and, on Ray, its placement group go).
+        True if nothing had to move (see ``_drain`` for the errors)."""
+        w = await self._drain(worker_id, drain_timeout_s)
+        clean = not w.inflight
+        if w.alive:  # (else it was lost meanwhile, and its requests moved then)
+            w.mark_lost()  # its channel's end is no loss now: nothing to replace
+            self._move_off(w, f"worker {worker_id} was retired")
+        if self.workers.get(worker_id) is w:
+            del self.workers[worker_id]
+        await self._stop_worker(w)
+        log.info("worker %s retired%s", worker_id, "" if clean else " (requests moved)")
+        return clean
+
+    # -- migration -----------------------------------------------------------------------------
+    def _why_not_migrate(self, stream: RequestStream) -> str | None:
+        """Why a stream whose decode worker was lost cannot move to another one (None: it can)."""
+        limit = self.config.migration_limit
+        if limit <= 0:
+            return "request migration is off (--migration-limit 0)"
+        if stream.migrations >= limit:
+            return f"the stream already moved {stream.migrations} times (--migration-limit {limit})"
+        if not self._pool(self._decode_role):
+            return f"no healthy {self._decode_role.value} worker is left to move it to"
+        return None
+
+    def _migrate(self, stream: RequestStream) -> None:
+        """Move a stream off a lost worker: whatever was under way for it stops (its dispatch;
+        it is aborted on the workers that live on), it takes a fresh id (so nothing the old
+        workers still send can reach it), and it is dispatched again — to a decode worker that
+        recomputes prompt + the tokens already sent and goes on, or, when no token was sent yet,
+        the way any new request is routed."""
+        stream.migrations += 1
+        self.metrics.migrations.inc()
+        if stream.dispatch is not None and not stream.dispatch.done():
+            stream.dispatch.cancel()
+        old = stream.request_id
+        for wid in (stream.prefill_worker, stream.decode_worker):
+            w = self.workers.get(wid)
+            if w is not None and old in w.inflight:
+                w.inflight.discard(old)
+                if w.alive:
+                    self._spawn(self._abort_on(w, old))
+        self.accounting.dropped(old)  # the dispatcher forgets the old placement
+        new = f"req-{uuid.uuid4().hex}"
+        del self._streams[old]
+        self._streams[new] = stream
+        if self._client_ids.get(stream.client_id) == old:
+            self._client_ids[stream.client_id] = new
+        stream.restart(new)
+        self._spawn(self._resume(stream))
+
+    async def _resume(self, stream: RequestStream) -> None:
+        assert stream.work is not None
+        if stream.done or self._streams.get(stream.request_id) is not stream:
+            return  # it ended (or its consumer left) before it could move
+        sent = tuple(stream.token_ids)
+        work = replace(stream.work, request_id=stream.request_id, output_token_ids=sent)
+        context = stream.prompt_ids + sent
+        keys = block_keys(context, self.limits.block_size) if self.config.policy == "goodput" else ()
+        remaining = stream.params.max_tokens - len(sent)
+        route = RouteRequest(len(context), remaining, work.priority, stream.request_id, keys, stream.slo)
+        try:
+            # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
+            # prefilled anywhere, like a new request's.
+            decision = self._decide(route, remote_prefill=not sent)
+        except RouterError as e:
+            stream.fail(e)
+            return
+        log.info("%s: moving to %s after %d tokens (migration %d)", stream.client_id, decision.decode_worker,
+                 len(sent), stream.migrations)  # fmt: skip
+        self._start_dispatch(stream, work, decision)
+
+    async def _stop_worker(self, worker: WorkerHandle) -> None:
+        try:
+            await asyncio.to_thread(worker.caller.kill)
+        except Exception as e:  # already gone is the common case
+            log.debug("stopping lost worker %s: %s", worker.worker_id, e)
