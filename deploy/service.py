@@ -53,9 +53,10 @@ class Service:
         self._placement: Placement | None = None
         self._owns_ray = False
         self._resizing = asyncio.Lock()
+        self._outputs: OutputListener | None = None
 
     async def start(self, progress: bool = False) -> Endpoints:
-        outputs = OutputListener(
+        self._outputs = outputs = OutputListener(
             self._secret,
             host=self.config.worker_channel_host,
             liveness_timeout_s=self.config.liveness_timeout_s,
@@ -149,7 +150,9 @@ class Service:
         if self.frontends is not None:
             await self.frontends.stop()
         if self.router is not None:
-            await self.router.stop()
+            await self.router.stop()  # (closes the output channel too)
+        elif self._outputs is not None:  # it did not get as far as a router
+            await self._outputs.close()
         for h in self.handles:
             with contextlib.suppress(Exception):  # already dead: nothing to shut down
                 await h.call("shutdown", timeout_s=10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -190,6 +191,14 @@ def _emulated(compute: str) -> str:
     return compute.partition(":")[2] if compute.startswith("emulated:") else ""
 
 
+def failure_reason(e: BaseException) -> str:
+    """The one line that says why: a worker's own error (Ray wraps it, traceback and all, in its
+    actor error; its last line is the worker's exception), or the error itself."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    own = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return own[-1] if own else (lines[-1] if lines else type(e).__name__)
+
+
 async def _run(service: Service, started: float) -> bool:
     spec = service.spec
     shape = (
@@ -199,7 +208,14 @@ async def _run(service: Service, started: float) -> bool:
     )
     where = "in-process" if not service.use_ray else f"Ray {service.ray_address or '(local)'}"
     print(f"pdserve: starting {shape} workers on {where} with model {spec.engine.model!r}...", flush=True)
-    ep = await service.start(progress=True)
+    try:
+        ep = await service.start(progress=True)
+    except Exception as e:  # a worker that did not start, a port taken, no room on the cluster
+        print(
+            f"pdserve: error: the deployment did not start: {failure_reason(e)}", file=sys.stderr, flush=True
+        )
+        await service.stop()
+        return False
     assert service.router is not None and service.frontends is not None
     print(
         f"pdserve: ready in {time.monotonic() - started:.1f}s\n"

@@ -60,3 +60,37 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("fault", ["unsupported_architecture", "missing_weights", "bad_config"])
+def test_a_worker_that_cannot_start_ends_serve_with_its_own_message(fault: str, tmp_path: Path) -> None:
+    """A worker whose start fails (in its own Ray actor) makes ``pdserve serve`` print that
+    worker's error and exit non-zero at once, with Ray shut down: no hang, no bare traceback."""
+    import json
+    import shutil
+
+    from pdserve.model_runtime.presets import resolve_model
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model("tiny"), model)
+    config = json.loads((model / "config.json").read_text())
+    if fault == "unsupported_architecture":
+        config["architectures"] = ["GPT2LMHeadModel"]
+        expected = "unsupported architecture 'GPT2LMHeadModel'"
+    elif fault == "missing_weights":
+        (model / "model.safetensors").unlink()
+        expected = "ModelLoadError"
+    else:
+        config["num_attention_heads"] = 0
+        expected = "Error"
+    (model / "config.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", str(model),
+           "--http-port", str(free_port()), "--grpc-port", str(free_port())]  # fmt: skip
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    took = time.monotonic() - t0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("pdserve: error:")]
+    assert out.returncode != 0 and errors, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "did not start" in errors[0] and expected in errors[0], errors
+    assert "Traceback" not in out.stderr.split("pdserve: error:")[-1]  # the message is the end of it
+    assert took < 20, took  # Ray's own start is most of it
