@@ -75,6 +75,9 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
         ray.init(address=address, **kwargs)
         return False
     ray.init(
+        # "local": a new private instance, always; never whatever RAY_ADDRESS or the last
+        # `ray start` on this machine points at.
+        address="local",
         num_cpus=max(num_cpus, os.cpu_count() or 1),
         include_dashboard=False,
         object_store_memory=256 << 20,
