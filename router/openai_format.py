@@ -99,6 +99,8 @@ class ChoiceBuilder:
             body["logprobs"] = self._logprobs(c.logprobs)
             body["finish_reason"] = finish_reason(c.final) if c.final else None
             body["stop_reason"] = c.final.stop_reason if c.final else None
+            if c.final is not None and c.final.migrations:
+                body["migrations"] = c.final.migrations  # (an extension: only when it moved)
             if self.return_token_ids and c.final is not None:
                 body["prompt_token_ids"] = list(c.final.prompt_token_ids)
                 body["token_ids"] = c.token_ids
@@ -146,6 +148,8 @@ class ChoiceBuilder:
             choice["logprobs"] = None
             choice["finish_reason"] = finish_reason(ev)
             choice["stop_reason"] = ev.stop_reason
+            if ev.migrations:
+                choice["migrations"] = ev.migrations  # (an extension: only when it moved)
             if self.return_token_ids:
                 choice["token_ids"] = []
                 choice["prompt_token_ids"] = list(ev.prompt_token_ids)

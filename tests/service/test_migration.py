@@ -312,3 +312,37 @@ def test_a_role_switch_under_load_fails_nothing_and_takes_under_a_second() -> No
         assert_no_request_state(st)
     finally:
         st.stop()
+
+
+def test_http_streams_say_how_often_they_moved() -> None:
+    """Over HTTP too the final chunk of a moved stream says how often it moved (an extension
+    field, only present when it did), and the stream is complete."""
+    import json
+
+    import httpx
+
+    st, _, _ = one_prefill_two_decode()
+    try:
+        ep = st.service.endpoints
+        body = {"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": N_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+        streams = [httpx.stream("POST", f"{ep.http}/v1/completions", json=body, timeout=60) for _ in range(4)]
+        lines = []
+        for cm in streams:
+            r = cm.__enter__()
+            assert r.status_code == 200
+            it = r.iter_lines()
+            next(line for line in it if line.startswith("data: {"))  # a first chunk: it runs
+            lines.append(it)
+        kill(st, "decode-0")
+        moved = []
+        for it, cm in zip(lines, streams, strict=True):
+            events = [json.loads(x[6:]) for x in it if x.startswith("data: {")]
+            cm.__exit__(None, None, None)
+            final = next(c for e in events for c in e["choices"] if c.get("finish_reason"))
+            assert final["finish_reason"] == "length"
+            moved.append(final.get("migrations", 0))
+        assert sum(moved) >= 1 and set(moved) <= {0, 1}, moved
+        assert_no_request_state(st)
+    finally:
+        st.stop()
