@@ -100,8 +100,9 @@ class PoolKeeper:
             self._starting.add(new)
             self.router.add_worker(new, replaces=replaces)
             await self.outputs.wait_connected([wid], CONNECT_TIMEOUT_S)
-        except BaseException:
-            self.failed_starts += 1
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):  # (a close is no failed start)
+                self.failed_starts += 1
             await asyncio.shield(self._discard(wid))
             raise
         self._starting.discard(new)

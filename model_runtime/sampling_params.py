@@ -23,6 +23,7 @@ class Range:
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    integer: bool = False  # whole numbers only
     text: str = ""  # the error's wording, when the interval alone says it badly
 
     def __contains__(self, value: float) -> bool:
@@ -45,8 +46,8 @@ RANGES = {
     "repetition_penalty": Range(0.0, low_open=True),
     "frequency_penalty": Range(-2.0, 2.0),
     "presence_penalty": Range(-2.0, 2.0),
-    "top_k": Range(-1, text="must be -1, 0 (disabled) or positive"),
-    "min_tokens": Range(0),
+    "top_k": Range(-1, integer=True, text="must be -1, 0 (disabled) or positive"),
+    "min_tokens": Range(0, integer=True),
 }
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
 # (softmax then yields NaN), and a distribution that sharp is the argmax anyway.
@@ -115,7 +116,7 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
         for name, allowed in RANGES.items():
             value = getattr(self, name)
-            if name in ("top_k", "min_tokens"):
+            if allowed.integer:
                 integer(name, value)
             else:
                 finite(name, value)

@@ -68,6 +68,11 @@ class Membership:
 
         async def _kv_lost(self, stream: RequestStream) -> None: ...
 
+    @property
+    def _roles(self) -> tuple[WorkerRole, ...]:
+        """The roles of this deployment's pools."""
+        return (WorkerRole.COLOCATED,) if self.colocated else (WorkerRole.PREFILL, WorkerRole.DECODE)
+
     def add_worker(self, worker: WorkerHandle, replaces: str = "") -> None:
         """Take a worker in at run time (a replacement, a grown pool); it gets requests once its
         channel is up. ``replaces``: a lost worker it stands in for, dropped from the list now.
@@ -75,9 +80,8 @@ class Membership:
         wid, info, ref = worker.worker_id, worker.info, self.model
         if wid in self.workers:
             raise ValueError(f"worker {wid!r} is already registered")
-        roles = (self._decode_role,) if self.colocated else (WorkerRole.PREFILL, WorkerRole.DECODE)
-        if worker.role not in roles:
-            raise ValueError(f"worker {wid!r}: a {worker.role.value} worker in a deployment of {roles}")
+        if worker.role not in self._roles:
+            raise ValueError(f"worker {wid!r}: a {worker.role.value} worker in a deployment of {self._roles}")
         diffs = [
             f"{name} {got!r} (the deployment's: {want!r})"
             for name, got, want in (
@@ -149,18 +153,16 @@ class Membership:
         left to other workers, switch it, and route to it in its new role. True if nothing had
         to move. Raises ``ValueError`` for a role this deployment has no pool for, or when the
         worker is the last one that decodes."""
-        roles = (WorkerRole.PREFILL, WorkerRole.DECODE) if not self.colocated else (WorkerRole.COLOCATED,)
         w = self.workers.get(worker_id)
-        if w is not None and (role not in roles or role is w.role):
+        if w is not None and (role not in self._roles or role is w.role):
             raise ValueError(f"worker {worker_id!r} cannot switch from {w.role.value} to {role.value} here")
         if w is not None and w.role is self._decode_role and self._pool(self._decode_role) == [w]:
             raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
         w = await self._drain(worker_id, drain_timeout_s)
         try:
             clean = not w.inflight
-            if w.alive:
+            if w.alive:  # (its history in the old role goes with it: _move_off forgets it)
                 self._move_off(w, f"worker {worker_id} is switching role")
-            self.dispatcher.on_worker_lost(worker_id)  # its history in the old role says nothing now
             deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
             while True:  # the aborts of what moved may still be on their way
                 try:

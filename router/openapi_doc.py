@@ -94,19 +94,22 @@ def correct(
             elif path == "/health":
                 responses["503"] = {"description": "not ready (no healthy worker, or draining)",
                                     "content": {"application/json": {"schema": {}}}}  # fmt: skip
-            if path not in ("/health",):
+            if path != "/health":
                 responses.setdefault("401", _error(GENERATION_ERRORS["401"]))
     schemas = doc.get("components", {}).get("schemas", {})
     for name in REQUEST_SCHEMAS:
         props = schemas.get(name, {}).get("properties", {})
         if "model" in props:
             props["model"] = {"type": "string", "enum": [model_id], "title": "Model"}
-        _cap(props, "max_tokens", 1, caps.max_tokens)
-        _cap(props, "max_completion_tokens", 1, caps.max_tokens)
-        _cap(props, "n", 1, caps.max_n)
-        _cap(props, "logprobs", 0, caps.max_logprobs)
-        _cap(props, "top_logprobs", 0, caps.max_logprobs)
-        for field, allowed in RANGES.items():
+        limits = {
+            **RANGES,  # the sampling ranges, and this server's caps:
+            "max_tokens": Range(1, caps.max_tokens),
+            "max_completion_tokens": Range(1, caps.max_tokens),
+            "n": Range(1, caps.max_n),
+            "logprobs": Range(0, caps.max_logprobs),
+            "top_logprobs": Range(0, caps.max_logprobs),
+        }
+        for field, allowed in limits.items():
             if field in props:
                 _bound(props[field], allowed)
         if "slo_class" in props and slo_classes:
@@ -116,6 +119,7 @@ def correct(
 
 
 def _bound(prop: dict[str, Any], allowed: Range) -> None:
+    """Give a numeric property (or the numeric branch of a nullable one) its range."""
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") not in ("number", "integer"):
             continue
@@ -125,35 +129,13 @@ def _bound(prop: dict[str, Any], allowed: Range) -> None:
             branch["maximum"] = allowed.high
 
 
-def _bound_token_ids(node: Any, vocab_size: int) -> None:
+def _bound_token_ids(node: Any, vocab_size: int, is_ids: bool = False) -> None:
     """Every integer array item under a prompt or stop_token_ids is a token id of the model."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("prompt", "stop_token_ids"):
-                _bound_ids_in(value, vocab_size)
-            else:
-                _bound_token_ids(value, vocab_size)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_token_ids(value, vocab_size)
-
-
-def _bound_ids_in(node: Any, vocab_size: int) -> None:
-    if isinstance(node, dict):
-        if node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
+        if is_ids and node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
             node["items"].update(minimum=0, maximum=vocab_size - 1)
-        for value in node.values():
-            _bound_ids_in(value, vocab_size)
+        for key, value in node.items():
+            _bound_token_ids(value, vocab_size, is_ids or key in ("prompt", "stop_token_ids"))
     elif isinstance(node, list):
         for value in node:
-            _bound_ids_in(value, vocab_size)
-
-
-def _cap(props: dict[str, Any], name: str, minimum: int, maximum: int) -> None:
-    """Give an integer property (or the integer branch of a nullable one) its range."""
-    prop = props.get(name)
-    if prop is None:
-        return
-    for branch in prop.get("anyOf", [prop]):
-        if branch.get("type") == "integer":
-            branch.update(minimum=minimum, maximum=maximum)
+            _bound_token_ids(value, vocab_size, is_ids)
