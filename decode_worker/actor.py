@@ -16,6 +16,7 @@ from pdserve.worker.commands import (
     Start,
 )
 from pdserve.worker.host import Role, WorkerHost, flatten, then
+from pdserve.worker.loop import RoleEngine
 from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
 
 
@@ -35,8 +36,7 @@ def _colocated_engine(host: WorkerHost) -> DecodeEngine:
     return DecodeEngine(host.rt, None, host.spec.engine.scheduler, host.spec.worker_id, WorkerRole.COLOCATED)
 
 
-def _execute(host: WorkerHost, cmd: Command) -> Future[Answer] | None:
-    eng = host.engine
+def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] | None:
     assert isinstance(eng, DecodeEngine)
     if isinstance(cmd, AddLocal):
         return host.loop.submit(eng.add_local, cmd.work)

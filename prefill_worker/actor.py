@@ -8,6 +8,7 @@ from typing import ClassVar
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.worker.commands import Answer, Command, Prefill, SetTarget
 from pdserve.worker.host import Role, WorkerHost
+from pdserve.worker.loop import RoleEngine
 from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
 
 
@@ -16,8 +17,7 @@ def _engine(host: WorkerHost) -> PrefillEngine:
     return PrefillEngine(host.rt, host.transport, host.spec.engine.scheduler, host.spec.worker_id)
 
 
-def _execute(host: WorkerHost, cmd: Command) -> Future[Answer] | None:
-    eng = host.engine
+def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] | None:
     assert isinstance(eng, PrefillEngine)
     if isinstance(cmd, Prefill):
         return host.loop.submit(eng.add, cmd.work, cmd.target)

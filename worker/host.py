@@ -64,7 +64,7 @@ class Role:
     ``None`` for a command the role does not take)."""
 
     make_engine: Callable[[WorkerHost], RoleEngine]
-    execute: Callable[[WorkerHost, Command], Future[Answer] | None]
+    execute: Callable[[WorkerHost, RoleEngine, Command], Future[Answer] | None]  # (host, its engine, cmd)
     transport: bool  # it moves KV (a KV transport is opened for it)
     listens: bool  # it receives KV (its transport listens; its address goes to the router)
 
@@ -130,7 +130,6 @@ class WorkerHost:
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
-        self.role = spec.role
         allocator, shm_paths = _shared_cache_allocator(spec, any(r.listens for r in self.ROLES.values()))
         self.rt: Runtime = build_runtime(spec.engine, allocator)
         self._shm_path = shm_paths[0] if shm_paths else None  # (filled while the runtime was built)
@@ -172,6 +171,11 @@ class WorkerHost:
         if spec.drain_on_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    @property
+    def role(self) -> WorkerRole:
+        """The role it runs now: its engine's (one source, swapped in one step)."""
+        return self.engine.role
+
     def _open_transport(self, role: Role) -> bool:
         """Open (and start listening on) the KV transport ``role`` needs; True if it is new."""
         new = role.transport and self.transport is None
@@ -203,7 +207,6 @@ class WorkerHost:
             assert self.transport is not None
             self.transport.on_completion(self.loop.wake)
         self.engine = self.loop.engine = impl.make_engine(self)
-        self.role = role
         self.loop.address = self.address if impl.listens else ""
         self.loop.refresh_load()
         self._info = replace(self._info, role=role, address=self.loop.address)
@@ -232,9 +235,10 @@ class WorkerHost:
         return self._execute_role(cmd)
 
     def _execute_role(self, cmd: Command) -> Future[Answer]:
-        fut = self.ROLES[self.role].execute(self, cmd)
+        eng = self.engine  # read once: the role that takes the command is this engine's
+        fut = self.ROLES[eng.role].execute(self, eng, cmd)
         if fut is None:
-            raise UnsupportedCommand(f"a {self.role.value} worker takes no {type(cmd).__name__} command")
+            raise UnsupportedCommand(f"a {eng.role.value} worker takes no {type(cmd).__name__} command")
         return fut
 
     def run(self, cmd: Command, timeout_s: float = 30.0) -> Answer:

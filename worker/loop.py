@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Protocol
 
-from pdserve.worker.messages import TokenDelta, WorkerHealth, WorkerLoad
+from pdserve.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class WorkerFailed(RuntimeError):
 
 class RoleEngine(Protocol):
     """What the loop and the host need of a role engine (prefill or decode)."""
+
+    role: WorkerRole
 
     @property
     def has_work(self) -> bool: ...  # a step would compute something
