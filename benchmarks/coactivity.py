@@ -4,7 +4,7 @@ On a GPU cluster a prefill worker and a decode worker have their own devices. On
 share cores, caches and the memory system with each other and with the router and client, so
 a decode step that runs while the other worker prefills takes longer, and so does a prefill
 while decode steps run. The simulator models that with two factors of the profile
-(``FittedProfile.decode_coactive_x``, ``prefill_coactive_x``); this probe measures them on the
+(``HostCalibration.decode_coactive_x``, ``prefill_coactive_x``); this probe measures them on the
 real service, at two requests at a time, never from a load test's own points:
 
 1. prompt B (the workload's longest prompt, one output token) alone, a few times: its TTFT;

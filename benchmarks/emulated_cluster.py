@@ -16,7 +16,7 @@ approach that measure the host, not the emulated GPUs, so the sweep reports toke
 ``--time-scale K`` (with ``--rates``) runs the emulated GPUs K times slower
 (``emulated:h100-llama3-8b@xK``) at 1/K of each rate with K-times SLOs and arrivals stretched
 K-fold, and reports rates and latencies in GPU time: the host's share shrinks K-fold (see
-``model_runtime/time_dilation.py``). The router gets the SLO as its default class either way.
+``steptime/dilation.py``). The router gets the SLO as its default class either way.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ sweep than in its calibration an hour earlier, and by different amounts from run
 sweep server's step log (``pdserve serve --step-log``) records every step a point ran, so the
 host's speed during that point can be measured (``pdserve.simulator.service_fit.host_speed``: the
 median of measured over modelled, by step kind) and the calibrated profile set to it
-(``at_speed``): two numbers a point, measured from step durations alone, never from a request's
-latency or outcome. They are conditioning, not prediction: a median over all of a point's steps
-also absorbs whatever load-dependent error the model has at that rate (co-active steps, the
+(``HostCalibration.at_speed``): two numbers a point, measured from step durations alone, never
+from a request's latency or outcome. They are conditioning, not prediction: a median over all of
+a point's steps also absorbs whatever load-dependent error the model has at that rate (co-active steps, the
 steps slowed by a KV arrival). The second profile of each point goes further and replaces the calibration's
 step-time distribution (``pdserve.simulator.jitter``'s grids and correlation) with the point's own —
 the host's noise during the point, and the model's residuals there with it.
@@ -77,17 +77,17 @@ def point_profiles(
     import dataclasses
 
     from pdserve.model_runtime.engine.step_log import read_dir
-    from pdserve.model_runtime.latency import FittedProfile, load_profile
+    from pdserve.simulator.calibration import Calibrated, load_sim_profile
     from pdserve.simulator.jitter import fit_jitter
-    from pdserve.simulator.service_fit import at_speed, host_speed, residuals
+    from pdserve.simulator.service_fit import host_speed, residuals
 
     speed_paths: dict[str, dict[float, str]] = {}
     noise_paths: dict[str, dict[float, str]] = {}
     hosts: dict[str, list[dict[str, float]]] = {}
     for layout, res in real["layouts"].items():
-        prof = load_profile(calibrated[layout])
+        prof = load_sim_profile(calibrated[layout])
         logs = read_dir(steps_root / f"{layout}-sweep")
-        if not isinstance(prof, FittedProfile) or not logs:
+        if not isinstance(prof, Calibrated) or not logs:
             continue
         spans = point_windows(res["points"], logs, num_prompts)
         if spans is None:
@@ -96,9 +96,11 @@ def point_profiles(
         for pt, span in zip(res["points"], spans, strict=True):
             steps = window(logs, span)
             prefill, decode = host_speed(steps, prof)
-            at = at_speed(prof, prefill, decode)
+            at = prof.with_calibration(prof.calibration.at_speed(prefill, decode))
             pj, dj, rho = fit_jitter(list(residuals(steps, at).values()))
-            noisy = dataclasses.replace(at, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
+            noisy = at.with_calibration(
+                dataclasses.replace(at.calibration, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
+            )
             for paths, kind, p in ((speed_paths, "at", at), (noise_paths, "scatter", noisy)):
                 path = out_dir / f"{prof.name}-{layout}-{kind}-{pt['rate']:.3f}.json"
                 path.write_text(p.to_json() + "\n")

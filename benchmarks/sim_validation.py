@@ -27,7 +27,7 @@ In one run:
    runs them, from the calibration server's step logs only (``pdserve.simulator.service_fit``): the
    workers' measured steps against the profile (a constant and a factor a step, by kind), the
    co-activity their steps show, and the serving worker's own cost per step beyond its forward
-   pass (the real unloaded TPOT minus the simulated one, ``FittedProfile.step_overhead_s``),
+   pass (the real unloaded TPOT minus the simulated one, ``HostCalibration.step_overhead_s``),
    and how the steps scatter around all that (``pdserve.simulator.jitter``: each simulated point is
    the mean of ``--sim-seeds`` seeds of it); then once more with each point's profile set to
    the host's speed during that point, measured from the sweep server's step log
@@ -227,10 +227,9 @@ def simulate_mean(
 ) -> dict[str, float]:
     """``simulate_point`` averaged over ``seeds`` seeds of the profile's step-time variability
     (one run where it has none: every seed would give the same)."""
-    from pdserve.model_runtime.latency import load_profile
+    from pdserve.simulator.calibration import calibration_of, load_sim_profile
 
-    prof = load_profile(profile)
-    varies = bool(getattr(prof, "prefill_jitter", ()) or getattr(prof, "decode_jitter", ()))
+    varies = calibration_of(load_sim_profile(profile)).varies
     runs = [simulate_point(layout, profile, specs, slo, seed) for seed in range(seeds if varies else 1)]
     return {k: statistics.fmean(float(r[k]) for r in runs) for k in MEAN_KEYS}
 
@@ -288,8 +287,9 @@ def service_fit(step_dir: Path, profile_path: str) -> dict[str, Any]:
     probe, the calibration load and the batch ladder) against the engine's profile
     (``pdserve.simulator.service_fit``)."""
     from pdserve.model_runtime.engine.step_log import read_dir
-    from pdserve.model_runtime.latency import FittedProfile, load_profile
     from pdserve.simulator.service_fit import fit_service
+    from pdserve.steptime.fitted import FittedProfile
+    from pdserve.steptime.load import load_profile
 
     prof = load_profile(profile_path)
     if not isinstance(prof, FittedProfile):
@@ -441,29 +441,30 @@ def calibrate(
     engine's steps and take co-activity from the client-side probe), then the serving worker's
     own cost per step beyond its forward pass: the real unloaded TPOT minus the simulator's for
     the same lone requests."""
-    from pdserve.model_runtime.latency import FittedProfile, load_profile
-    from pdserve.simulator.service_fit import ServiceFit, apply_fit
+    from pdserve.simulator.calibration import Calibrated, HostCalibration
+    from pdserve.steptime.fitted import FittedProfile
+    from pdserve.steptime.load import load_profile
 
     out: dict[str, str] = {}
     for layout, base in real["unloaded"].items():
-        prof = load_profile(profiles[layout])
-        if not isinstance(prof, FittedProfile):
+        engine = load_profile(profiles[layout])
+        if not isinstance(engine, FittedProfile):
             out[layout] = profiles[layout]
             continue
         fit = real.get("service_fit", {}).get(layout)
         if fit:
-            prof = apply_fit(prof, ServiceFit(**fit))
+            prof = Calibrated(engine, HostCalibration(**fit["calibration"]))
         else:
             co = real.get("coactivity", {}) if layout == "disaggregated" else {}
-            probed = (co.get("prefill_coactive_x", 1.0), co.get("decode_coactive_x", 1.0))
-            prof = apply_fit(prof, ServiceFit(1.0, 1.0, *probed, 0, 0, 0, 0))
+            probed = {k: co.get(k, 1.0) for k in ("prefill_coactive_x", "decode_coactive_x")}
+            prof = Calibrated(engine, HostCalibration(**probed))
         scaled = out_dir / f"{prof.name}-{layout}-steps.json"
         scaled.write_text(prof.to_json() + "\n")
         n = args.input_len
         lone = [RequestSpec(30.0 * i, lone_prompt(i + 1, n), n, args.output_len) for i in range(6)]
         sim = simulate_mean(layout, str(scaled), lone, real["slo"], args.sim_seeds)
         overhead = max(0.0, (base["tpot_ms"] - sim["median_tpot_ms"]) / 1000)
-        cal = dataclasses.replace(prof, step_overhead_s=overhead)
+        cal = prof.with_calibration(dataclasses.replace(prof.calibration, step_overhead_s=overhead))
         path = out_dir / f"{cal.name}-{layout}.json"
         path.write_text(cal.to_json() + "\n")
         again = simulate_mean(layout, str(path), lone, real["slo"], args.sim_seeds)
@@ -472,7 +473,8 @@ def calibrate(
             f" -> service overhead {overhead * 1000:.2f} ms/step; TTFT real {base['ttft_ms']:.1f} ms, model"
             f" {sim['median_ttft_ms']:.1f} ms without it, {again['median_ttft_ms']:.1f} ms with it;"
             f" in-service steps: {'as in the step logs' if fit else 'as profiled'};"
-            f" co-activity: decode x{cal.decode_coactive_x:.2f}, prefill x{cal.prefill_coactive_x:.2f}"
+            f" co-activity: decode x{cal.calibration.decode_coactive_x:.2f},"
+            f" prefill x{cal.calibration.prefill_coactive_x:.2f}"
         )
         out[layout] = str(path)
     return out

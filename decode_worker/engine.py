@@ -36,8 +36,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.states import FailureCause
-from pdserve.kvtransfer.transport import KVTransport
-from pdserve.model_runtime.engine.runtime import Runtime
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.kv_cache.manager import blocks_needed
 from pdserve.model_runtime.request import FinishReason, Request
@@ -49,6 +47,7 @@ from pdserve.worker.deltas import delta_for
 from pdserve.worker.engine_base import RoleEngineBase
 from pdserve.worker.loop import WorkerFailed
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.ports import Clock, RoleRuntime, Transport
 
 log = logging.getLogger(__name__)
 
@@ -60,27 +59,28 @@ class Reservation:
     received: bool = False
     failed: bool = False
     first: tuple[int, int] | None = None  # the first token, prompt tokens prefill found cached
-    ready_at: float = 0.0  # emulated GPU link: the KV counts as arrived only from then on
 
 
 @dataclass
 class PendingReservation:
     request: Request
     transfer_id: str
-    deadline: float  # time.monotonic()
+    deadline: float  # on the engine's clock
     future: Future[KVTarget | None]
 
 
 class DecodeEngine(RoleEngineBase):
     def __init__(
         self,
-        rt: Runtime,
-        transport: KVTransport | None,
+        rt: RoleRuntime,
+        transport: Transport | None,
         config: SchedulerConfig,
         worker_id: str,
         role: WorkerRole = WorkerRole.DECODE,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.rt = rt
+        self.clock = clock
         self.transport = transport
         self.worker_id = worker_id
         self.role = role
@@ -93,7 +93,6 @@ class DecodeEngine(RoleEngineBase):
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
         self._pending: OrderedDict[str, PendingReservation] = OrderedDict()  # waiting for room
-        self._deferred: set[str] = set()  # KV in, waiting out the emulated link time
         self.transfers_failed = 0
         self.recomputed = 0
 
@@ -133,7 +132,7 @@ class DecodeEngine(RoleEngineBase):
         if target is not None or timeout_s <= 0:
             fut.set_result(target)
         else:
-            deadline = time.monotonic() + timeout_s
+            deadline = self.clock() + timeout_s
             self._pending[work.request_id] = PendingReservation(req, transfer_id, deadline, fut)
         return fut
 
@@ -158,7 +157,7 @@ class DecodeEngine(RoleEngineBase):
 
     def _serve_pending(self) -> None:
         """Grant waiting reservations in arrival order while room lasts; expire late ones."""
-        now = time.monotonic()
+        now = self.clock()
         blocked = False
         for rid, p in list(self._pending.items()):
             target = None
@@ -221,7 +220,6 @@ class DecodeEngine(RoleEngineBase):
             return False
         self._emitted.pop(request_id, None)
         res = self._reserved.pop(request_id, None)
-        self._deferred.discard(request_id)
         if res is not None:
             self._by_transfer.pop(res.transfer_id, None)
             if res.received:
@@ -248,10 +246,6 @@ class DecodeEngine(RoleEngineBase):
                 continue
             res = self._reserved[rid]
             res.received = True
-            profile = self.rt.profile
-            if profile is not None:  # the stand-in cache moved in microseconds; a GPU link would not
-                n = self._requests[rid].num_prompt_tokens
-                res.ready_at = time.monotonic() + profile.transfer_time(n)
             self._maybe_begin(rid, res)
         for tid, cause in done.failed.items():
             self.transport.forget(tid)
@@ -272,10 +266,6 @@ class DecodeEngine(RoleEngineBase):
     def _maybe_begin(self, rid: str, res: Reservation) -> None:
         if res.first is None or not (res.received or res.failed):
             return
-        if res.received and res.ready_at > time.monotonic():
-            self._deferred.add(rid)
-            return
-        self._deferred.discard(rid)
         del self._reserved[rid]
         self._by_transfer.pop(res.transfer_id, None)
         req = self._requests[rid]
@@ -313,22 +303,13 @@ class DecodeEngine(RoleEngineBase):
             "by_transfer": len(self._by_transfer),
             "cancelling": len(self._cancelling),
             "pending_reservations": len(self._pending),
-            "deferred": len(self._deferred),
             **self._transport_state(),
         }
-
-    def io_wait_s(self) -> float:
-        if not self._deferred:
-            return super().io_wait_s()
-        soonest = min(self._reserved[r].ready_at for r in self._deferred)
-        return max(0.0, min(super().io_wait_s(), soonest - time.monotonic()))
 
     def step(self) -> list[TokenDelta]:
         self._poll_transfers()
         if self._pending:
             self._serve_pending()
-        for rid in [r for r in self._deferred if self._reserved[r].ready_at <= time.monotonic()]:
-            self._maybe_begin(rid, self._reserved[rid])
         if not self.scheduler.has_work:
             return []
         plan = self.scheduler.schedule()

@@ -15,7 +15,7 @@ thread per CPU it is given (``--cpus-per-worker``), so profile with the same cou
   transport (``--link shm`` or ``tcp``; in one process, separate threads and sockets), several
   sizes, fitted to latency + bytes / bandwidth. ``--link-gbps`` skips this and takes a figure.
 
-The fit is ``pdserve.model_runtime.latency.FittedProfile.fit``: DistServe's form (prefill a + b·Σl +
+The fit is ``pdserve.steptime.fitted.FittedProfile.fit``: DistServe's form (prefill a + b·Σl +
 c·Σl², decode a + b·Σctx + c·B) by relative-error least squares with non-negative coefficients.
 Each point's relative error and the fit's median and maximum are printed; the profile is written
 as JSON (``--output``) that ``pdserve simulate --profile`` and ``--compute emulated:`` load.
@@ -245,7 +245,7 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
     from pdserve.kvtransfer.states import TransferState
     from pdserve.kvtransfer.transport import KVTransport, TransportConfig
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
-    from pdserve.model_runtime.latency import fit_relative
+    from pdserve.steptime.fitted import fit_relative
 
     secret = os.urandom(32)
     blocks = layout[1]
@@ -291,7 +291,7 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
 
 
 def report(name: str, profile: Any, points: list[Point]) -> list[float]:
-    from pdserve.model_runtime.latency import relative_errors
+    from pdserve.steptime.fitted import relative_errors
 
     errs = relative_errors(profile, points)
     print(f"\n{name}: {len(points)} points")
@@ -312,8 +312,8 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     from pdserve.model_runtime.config import CacheConfig
     from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
     from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape
-    from pdserve.model_runtime.latency import FittedProfile
     from pdserve.model_runtime.model.loader import resolve_dtype
+    from pdserve.steptime.fitted import FittedProfile
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))

@@ -15,13 +15,13 @@ from pdserve.deploy.service import Service
 from pdserve.kvtransfer.transport import BACKENDS, TransportConfig
 from pdserve.model_runtime.config import CacheConfig
 from pdserve.model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
-from pdserve.model_runtime.latency import load_profile
 from pdserve.model_runtime.presets import PRESETS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.policy import POLICIES
 from pdserve.router.server import serve_until_signal
 from pdserve.router.slo import SloClass
+from pdserve.steptime.load import load_profile
 
 
 def _non_negative_int(text: str) -> int:

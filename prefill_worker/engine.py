@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.kvtransfer.transport import KVTransport
-from pdserve.model_runtime.engine.runtime import Runtime
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
@@ -37,6 +35,7 @@ from pdserve.model_runtime.validation import validate_request
 from pdserve.worker.deltas import delta_for, error_delta
 from pdserve.worker.engine_base import RoleEngineBase
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.ports import RoleRuntime, Transport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,9 @@ UNREACHABLE = "no KV transfer backend in common with the decode worker"
 class PrefillEngine(RoleEngineBase):
     role = WorkerRole.PREFILL
 
-    def __init__(self, rt: Runtime, transport: KVTransport, config: SchedulerConfig, worker_id: str) -> None:
+    def __init__(
+        self, rt: RoleRuntime, transport: Transport, config: SchedulerConfig, worker_id: str
+    ) -> None:
         self.rt = rt
         self.transport = transport
         self.worker_id = worker_id

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.errors import Code
-from pdserve.router.latency_model import Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Decision
+from pdserve.router.predictor import Phase
 from pdserve.router.slo import SloBook, SloClass, SloResult, SloTracker
 from pdserve.router.stream import RequestStream, Timing
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole

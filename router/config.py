@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.router.latency_model import StepModel
 from pdserve.router.slo import SloClass
+from pdserve.steptime.model import StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class RouterConfig:
     api_key: str | None = None
     caps: Caps = Caps()
     policy: str = "goodput"  # goodput | least_loaded | round_robin
-    latency_profile: StepModel | None = None  # goodput prior (None: h100-llama3-8b); corrected online
+    latency_profile: StepTimeModel | None = None  # goodput prior (None: h100-llama3-8b); corrected online
     local_prefill: bool = True  # goodput: decode workers may prefill (conditional disaggregation)
     slo_classes: tuple[SloClass, ...] = ()  # none: one class "default" without targets
     default_slo_class: str = ""  # "": the first class

@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from pdserve.model_runtime.latency import H100_LLAMA3_8B
 from pdserve.router.goodput import ErrorSink, GoodputConfig, GoodputPolicy
-from pdserve.router.latency_model import LatencyModel, StepModel
 from pdserve.router.policy import LOAD_POLICIES, POLICIES, Dispatcher, PairPolicy
+from pdserve.router.predictor import StepPredictor
+from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.roofline import H100_LLAMA3_8B
 
 
 def make_dispatcher(
     name: str,
-    profile: StepModel | None = None,
+    profile: StepTimeModel | None = None,
     block_size: int = 16,
     local_prefill: bool = True,
     on_error: ErrorSink | None = None,
@@ -23,7 +24,7 @@ def make_dispatcher(
     if name == "goodput":
         # Without a profile the built-in one is the prior: online correction rescales it per
         # worker from the first observed request on.
-        model = LatencyModel(profile or H100_LLAMA3_8B)
+        model = StepPredictor(profile or H100_LLAMA3_8B)
         config = GoodputConfig(
             block_size,
             local_prefill,

@@ -2,7 +2,7 @@
 costing others theirs; refuse it early when nowhere can (pure Python).
 
 For every option — each decode worker ``d`` paired with a prefill worker ``p``, or ``d`` alone
-prefilling locally (conditional disaggregation) — it predicts, from ``LatencyModel`` and its own
+prefilling locally (conditional disaggregation) — it predicts, from ``StepPredictor`` and its own
 ``Ledger`` of placed work:
 
 - TTFT: the prefill queue ahead of the request on ``p`` (or on ``d``) plus its own prefill,
@@ -28,7 +28,7 @@ time, so it goes to a prefill worker unless the prefill queue or the link costs 
 already on ``d`` takes) breaks the remaining ties, e.g. for requests without targets.
 
 The step model does not let a prefill chunk hide under the decodes riding with it: the
-profile charges the chunk's attention on top of the shared GEMMs (``pdserve.model_runtime.latency``).
+profile charges the chunk's attention on top of the shared GEMMs (``pdserve.steptime.roofline``).
 
 Local prefill needs a TPOT target to weigh: with none on the request nor on ``d``'s batch
 (e.g. no SLO class configured), nothing prices the stall a local prompt puts into every stream
@@ -46,9 +46,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.router.latency_model import LatencyModel, Phase, inbound
 from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger
 from pdserve.router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
+from pdserve.router.predictor import Phase, StepPredictor, inbound
 from pdserve.router.prefix import PrefixIndex
 from pdserve.router.slo import Admission, SloClass
 from pdserve.worker.messages import WorkerLoad, WorkerRole
@@ -103,7 +103,9 @@ class _Placed:
 class GoodputPolicy:
     name = "goodput"
 
-    def __init__(self, model: LatencyModel, config: GoodputConfig, on_error: ErrorSink | None = None) -> None:
+    def __init__(
+        self, model: StepPredictor, config: GoodputConfig, on_error: ErrorSink | None = None
+    ) -> None:
         self.model = model
         self.config = config
         self.ledger = Ledger()
@@ -190,7 +192,7 @@ class GoodputPolicy:
     ) -> _Option:  # fmt: skip
         n, m = request.prompt_tokens, request.max_tokens
         step, eff_now, eff = steps
-        handoff = self.model.transfer_s(p, d.worker_id, n)
+        handoff = self.model.transfer_s(d.worker_id, n)
         tpot = eff + (handoff + room) / (m - 1) if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
         flips = batch.misses_between(eff_now, eff)
@@ -286,7 +288,7 @@ class GoodputPolicy:
         if o.cached and o.cached >= max((r[3] for r in remote), default=0):
             return "cached_prefix"
         best_remote = min(remote, key=lambda r: r[1], default=None)
-        if best_remote is not None and self.model.transfer_s(best_remote[0], o.decode, n) > best_remote[2]:
+        if best_remote is not None and self.model.transfer_s(o.decode, n) > best_remote[2]:
             return "slow_link"
         return "short_prompt"
 
@@ -314,7 +316,7 @@ class GoodputPolicy:
             return
         nbytes, secs, count = t.bytes - last[0], t.seconds - last[1], t.count - last[2]
         tokens = nbytes / max(1, self.model.profile.kv_bytes_per_token) / count
-        predicted = self.model.transfer_s("", load.worker_id, round(tokens), corrected=False)
+        predicted = self.model.transfer_s(load.worker_id, round(tokens), corrected=False)
         self.model.observe(inbound(load.worker_id), Phase.TRANSFER, secs / count, predicted)
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:

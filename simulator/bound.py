@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.bench.workload import RequestSpec
-from pdserve.model_runtime.latency import LatencyModel
 from pdserve.router.prefix import block_keys
+from pdserve.steptime.model import StepTimeModel
 
 # Marginal costs are taken inside a step this large: compute-bound for any profile, with a
 # prefill chunk and a decode token already present so that neither kind's base cost is charged.
@@ -51,7 +51,7 @@ class WorkBound:
 class MarginalCost:
     """Marginal step cost of a prompt chunk and of a decode token under one latency model."""
 
-    def __init__(self, model: LatencyModel) -> None:
+    def __init__(self, model: StepTimeModel) -> None:
         self.model = model
         self._base = model.step_time(_BASE)
         # A decode token's marginal cost is affine in its context for every profile kind (KV
@@ -75,7 +75,7 @@ class MarginalCost:
         return n * max(0.0, self._d0 + self._d1 * (mean_cached - 1024))
 
 
-def work_bound(model: LatencyModel, specs: Sequence[RequestSpec], block_size: int = 16) -> WorkBound:
+def work_bound(model: StepTimeModel, specs: Sequence[RequestSpec], block_size: int = 16) -> WorkBound:
     """The work bound of ``specs`` on ``model`` (see the module docstring)."""
     cost = MarginalCost(model)
     seen: set[bytes] = set()

@@ -16,7 +16,7 @@ co-activity factors: a decode-only step that starts while another worker runs a 
 and a prefill step that starts while another worker steps. The state at a step's start decides
 it; steps are short against the prefills that cause most of the slowdown.
 
-A profile that measured how its steps scatter (``FittedProfile.prefill_jitter`` /
+A profile that measured how its steps scatter (``HostCalibration.prefill_jitter`` /
 ``decode_jitter`` / ``jitter_corr``) has each worker draw every step's factor from that
 distribution (``pdserve.simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so a run is
 reproducible and runs with other seeds show the spread; other profiles step deterministically.
@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from pdserve.model_runtime.latency import LatencyProfile, coactivity_factor, is_decode_chunk
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
@@ -42,7 +41,9 @@ from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass
+from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.jitter import StepJitter
+from pdserve.steptime.model import StepTimeModel, is_decode_chunk
 from pdserve.worker.messages import WorkerLoad, WorkerRole
 
 TOKEN = 1  # every sampled token: content does not matter to scheduling
@@ -82,7 +83,7 @@ class SimWorker:
         self,
         wid: str,
         role: WorkerRole,
-        profile: LatencyProfile,
+        profile: StepTimeModel,
         config: SchedulerConfig,
         block_size: int,
         clock: Clock,
@@ -204,7 +205,7 @@ class SimWorker:
 class Cluster:
     def __init__(
         self,
-        profile: LatencyProfile,
+        profile: StepTimeModel,
         prefill: int,
         decode: int,
         colocated: int,
@@ -218,6 +219,7 @@ class Cluster:
     ) -> None:
         self.clock = Clock()
         self.profile = profile
+        self.calibration = calibration_of(profile)
         self.shared_host = shared_host
         self.jitter_seed = jitter_seed
         self.colocated = colocated > 0
@@ -242,17 +244,17 @@ class Cluster:
     def jitter_for(self, wid: str) -> StepJitter | None:
         """``wid``'s step-time variability, if the profile measured any (its own stream of
         draws: one worker's steps do not shift another's)."""
-        pj, dj = getattr(self.profile, "prefill_jitter", ()), getattr(self.profile, "decode_jitter", ())
-        if not (pj or dj):
+        cal = self.calibration
+        if not cal.varies:
             return None
         rng = random.Random(f"{self.jitter_seed}/{wid}")
-        return StepJitter(pj, dj, float(getattr(self.profile, "jitter_corr", 0.0)), rng)
+        return StepJitter(cal.prefill_jitter, cal.decode_jitter, cal.jitter_corr, rng)
 
     def coactivity(self, w: SimWorker) -> float:
         """The slowdown of the step ``w`` is starting on the shared host, from what the host's
         other workers run."""
         others = [o for o in self.by_id.values() if o is not w and o.busy]
-        return coactivity_factor(self.profile, w.prefilling, bool(others), any(o.prefilling for o in others))
+        return self.calibration.coactivity(w.prefilling, bool(others), any(o.prefilling for o in others))
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)

@@ -22,15 +22,22 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Sequence
-
-from pdserve.model_runtime.latency import quantile_grid_checked
+from collections.abc import Iterable, Sequence
 
 # quantiles at probabilities 0, 1/100, ..., 1: the sampler interpolates linearly between them,
 # so the last bin spreads 1 % of draws up to the worst step logged (with 20 bins, 5 % of draws
 # did, and the simulated 99th percentile came out far above the measured one)
 GRID = 101
 _NORMAL = statistics.NormalDist()
+
+
+def quantile_grid_checked(name: str, grid: Iterable[float]) -> tuple[float, ...]:
+    """``grid`` as a tuple, if it is a quantile grid: empty, or at least two positive,
+    non-decreasing values."""
+    g = tuple(float(q) for q in grid)
+    if g and (len(g) < 2 or g[0] <= 0 or any(b < a for a, b in itertools.pairwise(g))):
+        raise ValueError(f"{name} must be >= 2 positive, non-decreasing quantiles")
+    return g
 
 
 def quantile_grid(ratios: Sequence[float], points: int = GRID) -> tuple[float, ...]:

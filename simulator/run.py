@@ -15,12 +15,12 @@ from typing import Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
-from pdserve.model_runtime.latency import load_profile
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.policy import POLICIES
 from pdserve.router.slo import Admission, SloClass
 from pdserve.simulator.bound import work_bound
+from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.cluster import Cluster
 
 
@@ -76,7 +76,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         "--jitter-seed",
         type=int,
         default=0,
-        help="seed of the step-time variability a profile measured (FittedProfile.*_jitter); "
+        help="seed of the step-time variability a profile measured (HostCalibration.*_jitter); "
         "other seeds show the spread of a run",
     )
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
@@ -104,7 +104,7 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
 
 
 def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -> dict[str, Any]:
-    profile = load_profile(args.profile)
+    profile = load_sim_profile(args.profile)
     specs = specs if specs is not None else workload(args)
     schedule = ColocatedSchedule(getattr(args, "colocated_schedule", ColocatedSchedule.CHUNKED.value))
     cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -11,18 +11,20 @@ calibration traffic — never a load test's own points — say by how much:
   apart, a line measured = a + x · predicted (``fit_line``: a constant a step, as the router
   and client taking a core from a multi-threaded step cost, and a factor, as a slower core
   does; a pure factor where the calibration's steps are too alike to tell the two apart):
-  ``FittedProfile.service_prefill_s`` / ``service_prefill_x`` and the decode pair;
-- **co-activity** (``FittedProfile.decode_coactive_x`` / ``prefill_coactive_x``, defined there):
+  ``HostCalibration.prefill_s`` / ``prefill_x`` and the decode pair
+  (``pdserve.simulator.calibration``);
+- **co-activity** (``HostCalibration.decode_coactive_x`` / ``prefill_coactive_x``):
   the median of measured over the isolated line's time, over steps at least ``COACTIVE``
   overlapped — a decode-only step by another worker's step with prefill work, a step with
   prefill work by any other worker's step;
-- **step-time variability** (``FittedProfile.prefill_jitter`` / ``decode_jitter`` /
+- **step-time variability** (``HostCalibration.prefill_jitter`` / ``decode_jitter`` /
   ``jitter_corr``, ``pdserve.simulator.jitter``): how every step scatters around the calibrated model,
   and how long slow stretches last.
 
 ``host_speed`` measures, over any window of the service's steps (a load test's point, say), how
-much slower the host ran than in the calibration, for ``at_speed`` to apply: on a shared VM the
-host's speed drifts by more between runs than the effects the simulator is checked for.
+much slower the host ran than in the calibration, for ``HostCalibration.at_speed`` to apply: on
+a shared VM the host's speed drifts by more between runs than the effects the simulator is
+checked for.
 
 Medians, because a step log holds the odd step the OS descheduled; a kind with fewer than
 ``min_steps`` co-active steps keeps co-activity 1 (the counts say so).
@@ -37,8 +39,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.model_runtime.engine.step_log import StepRecord
-from pdserve.model_runtime.latency import FittedProfile, coactivity_factor
+from pdserve.simulator.calibration import Calibrated, HostCalibration, calibration_of
 from pdserve.simulator.jitter import fit_jitter
+from pdserve.steptime.model import StepTimeModel
 
 ISOLATED = 0.05  # at most this share of a step overlapped by other workers' steps
 COACTIVE = 0.5  # at least this share
@@ -48,21 +51,13 @@ SPAN = 1.5  # predicted times must span this ratio (p99 / p1) for a constant to 
 
 @dataclass(frozen=True)
 class ServiceFit:
-    """Per step kind, the service's step = ``*_s`` + ``*_x`` x the engine profile's."""
+    """The host calibration the step logs gave, and how many steps each part rests on."""
 
-    prefill_x: float  # steps with prefill work (mixed ones included)
-    decode_x: float  # decode-only steps
-    prefill_coactive_x: float
-    decode_coactive_x: float
-    prefill_steps: int  # isolated steps each kind's fit rests on
+    calibration: HostCalibration
+    prefill_steps: int  # isolated steps each kind's line rests on
     decode_steps: int
     prefill_coactive_steps: int
     decode_coactive_steps: int
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prefill_jitter: tuple[float, ...] = ()  # simulator.jitter's quantile grids and correlation
-    decode_jitter: tuple[float, ...] = ()
-    jitter_corr: float = 0.0
 
 
 def _overlap(rec: StepRecord, others: Sequence[StepRecord]) -> float:
@@ -135,32 +130,35 @@ def _running_at(t: float, others: Sequence[StepRecord]) -> bool:
 
 
 def residuals(
-    logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile
+    logs: Mapping[str, Sequence[StepRecord]], model: StepTimeModel
 ) -> dict[str, list[tuple[bool, float]]]:
     """Worker id -> its steps in order as ``(has prefill work, measured / modelled)``, modelled
-    as the simulator models a step of a service on this host: ``profile``'s step (without the
+    as the simulator models a step of a service on this host: ``model``'s step (without the
     per-step cost outside the forward pass, which a step log does not see), times its
     co-activity factor where the simulator would apply it — by what the other workers run at
     the step's start (``pdserve.simulator.cluster.Cluster.coactivity``). Steps of no duration (a
     clock's tick) are left out."""
-    forward = dataclasses.replace(profile, step_overhead_s=0.0)
+    cal = calibration_of(model)
+    forward = Calibrated(model.base if isinstance(model, Calibrated) else model,
+                         dataclasses.replace(cal, step_overhead_s=0.0))  # fmt: skip
     out: dict[str, list[tuple[bool, float]]] = {w: [] for w in logs}
     for wid, steps, others, prefilling in _beside(logs):
         for rec in steps:
             modelled = forward.step_time(rec.chunks)
             if modelled <= 0 or rec.duration <= 0:
                 continue
-            modelled *= coactivity_factor(
-                profile, rec.has_prefill, _running_at(rec.start, others), _running_at(rec.start, prefilling)
+            modelled *= cal.coactivity(
+                rec.has_prefill, _running_at(rec.start, others), _running_at(rec.start, prefilling)
             )
             out[wid].append((rec.has_prefill, rec.duration / modelled))
     return out
 
 
 def fit_service(
-    logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile, min_steps: int = 5
+    logs: Mapping[str, Sequence[StepRecord]], profile: StepTimeModel, min_steps: int = 5
 ) -> ServiceFit:
-    """The fit from the step logs of the workers of one host (worker id -> its steps)."""
+    """The fit from the step logs of the workers of one host (worker id -> its steps), against
+    the engine's own ``profile``."""
     iso: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # has_prefill -> (pred, meas)
     co: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for _, rec, shared, shared_prefill in _steps(logs):
@@ -184,31 +182,34 @@ def fit_service(
             return 1.0
         return max(1.0, statistics.median(m / (a + x * p) for p, m in co[kind]))
 
-    fit = ServiceFit(
+    cal = HostCalibration(
         prefill_x=px,
         decode_x=dx,
+        prefill_s=pa,
+        decode_s=da,
         prefill_coactive_x=coactive(True, pa, px),
         decode_coactive_x=coactive(False, da, dx),
+    )
+    pj, dj, rho = fit_jitter(list(residuals(logs, Calibrated(profile, cal)).values()))
+    return ServiceFit(
+        calibration=dataclasses.replace(cal, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho),
         prefill_steps=len(iso[True]),
         decode_steps=len(iso[False]),
         prefill_coactive_steps=len(co[True]),
         decode_coactive_steps=len(co[False]),
-        prefill_s=pa,
-        decode_s=da,
     )
-    pj, dj, rho = fit_jitter(list(residuals(logs, apply_fit(profile, fit)).values()))
-    return dataclasses.replace(fit, prefill_jitter=pj, decode_jitter=dj, jitter_corr=rho)
 
 
 def host_speed(
-    logs: Mapping[str, Sequence[StepRecord]], profile: FittedProfile, min_steps: int = 5
+    logs: Mapping[str, Sequence[StepRecord]], model: StepTimeModel, min_steps: int = 5
 ) -> tuple[float, float]:
     """``(steps with prefill work, decode-only steps)``: the median of measured / modelled over
-    a window of the service's steps, against a profile already calibrated (``apply_fit``): how
-    much slower (> 1) or faster the host ran in that window than in the calibration. A kind
-    with fewer than ``min_steps`` steps in the window is 1."""
+    a window of the service's steps, against a calibrated model (``apply_fit``): how much
+    slower (> 1) or faster the host ran in that window than in the calibration
+    (``HostCalibration.at_speed`` applies it). A kind with fewer than ``min_steps`` steps in
+    the window is 1."""
     ratios: dict[bool, list[float]] = {True: [], False: []}
-    for seq in residuals(logs, profile).values():
+    for seq in residuals(logs, model).values():
         for kind, ratio in seq:
             ratios[kind].append(ratio)
     for kind, name in ((True, "with prefill work"), (False, "decode-only")):
@@ -221,31 +222,6 @@ def host_speed(
     return speed[True], speed[False]
 
 
-def apply_fit(profile: FittedProfile, fit: ServiceFit) -> FittedProfile:
-    """The engine's profile as the service runs it: whole steps scaled by kind (as they were
-    measured), co-activity and step-time variability set."""
-    return dataclasses.replace(
-        profile,
-        name=f"{profile.name}+service",
-        service_prefill_x=fit.prefill_x,
-        service_decode_x=fit.decode_x,
-        service_prefill_s=fit.prefill_s,
-        service_decode_s=fit.decode_s,
-        prefill_coactive_x=fit.prefill_coactive_x,
-        decode_coactive_x=fit.decode_coactive_x,
-        prefill_jitter=tuple(fit.prefill_jitter),
-        decode_jitter=tuple(fit.decode_jitter),
-        jitter_corr=fit.jitter_corr,
-    )
-
-
-def at_speed(profile: FittedProfile, prefill: float, decode: float) -> FittedProfile:
-    """A calibrated profile on a host running ``prefill`` / ``decode`` times as slow as in its
-    calibration (``host_speed``): each kind's whole in-service step scaled."""
-    return dataclasses.replace(
-        profile,
-        service_prefill_s=profile.service_prefill_s * prefill,
-        service_prefill_x=profile.service_prefill_x * prefill,
-        service_decode_s=profile.service_decode_s * decode,
-        service_decode_x=profile.service_decode_x * decode,
-    )
+def apply_fit(profile: StepTimeModel, fit: ServiceFit) -> Calibrated:
+    """The engine's profile as the service runs it."""
+    return Calibrated(profile, fit.calibration)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pdserve.kvtransfer.emulated_link import EmulatedLink
 from pdserve.kvtransfer.transport import KVTransport, TransportConfig
 from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
@@ -180,8 +181,13 @@ class WorkerHost:
         """Open (and start listening on) the KV transport ``role`` needs; True if it is new."""
         new = role.transport and self.transport is None
         if new:
-            self.transport = KVTransport(
-                self.rt.kv_cache, self.spec.secret, self.spec.transport, self._shm_path
+            transport = KVTransport(self.rt.kv_cache, self.spec.secret, self.spec.transport, self._shm_path)
+            profile = self.rt.profile
+            # An emulated GPU's stand-in cache moves in microseconds; its link would not.
+            self.transport = (
+                transport
+                if profile is None
+                else EmulatedLink(transport, profile.transfer_time, self.rt.block_size)
             )
         if role.listens and not self.address:
             assert self.transport is not None

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.engine.batch import build_batch
+from pdserve.model_runtime.engine.runner import StepResult
 from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.request import Request
-from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, int]
-    logprobs: dict[str, Logprob]
 
 
 class ModelRunner:

@@ -4,7 +4,7 @@
 a model, sizes its pool and validates requests the same way. ``compute="zero"`` swaps the
 model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone;
 ``compute="emulated:<profile>"`` for ``EmulatedRunner``, which also takes the time a real GPU
-would (``pdserve.model_runtime.latency``), with the pool sized as that GPU's KV memory and a one-layer
+would (``pdserve.steptime``), with the pool sized as that GPU's KV memory and a one-layer
 stand-in cache (transfers still run for real; their GPU-link time is added by the decode side).
 """
 
@@ -20,10 +20,10 @@ from typing import Protocol
 import torch
 
 from pdserve.model_runtime.config import CacheConfig, ModelConfig
-from pdserve.model_runtime.engine.model_runner import ModelRunner, StepResult
+from pdserve.model_runtime.engine.model_runner import ModelRunner
+from pdserve.model_runtime.engine.runner import StepResult
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
-from pdserve.model_runtime.latency import LatencyProfile, load_profile
 from pdserve.model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
 from pdserve.model_runtime.platform import tune_malloc
 from pdserve.model_runtime.presets import resolve_model
@@ -32,6 +32,8 @@ from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits
+from pdserve.steptime.load import load_profile
+from pdserve.steptime.model import StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class EngineConfig:
         _ = self.profile  # an unknown profile fails here, before any worker starts
 
     @property
-    def profile(self) -> LatencyProfile | None:
+    def profile(self) -> StepTimeModel | None:
         return load_profile(self.compute.split(":", 1)[1]) if self.compute.startswith("emulated:") else None
 
     def torch_device(self) -> torch.device:
@@ -121,7 +123,7 @@ class ZeroRunner:
 class EmulatedRunner(ZeroRunner):
     """``ZeroRunner``'s tokens, delivered after the time the profile predicts for the step."""
 
-    def __init__(self, config: ModelConfig, kv_cache: torch.Tensor, profile: LatencyProfile) -> None:
+    def __init__(self, config: ModelConfig, kv_cache: torch.Tensor, profile: StepTimeModel) -> None:
         super().__init__(config, kv_cache)
         self.profile = profile
 
@@ -155,7 +157,7 @@ class Runtime:
     kv: KVCacheManager
     runner: StepRunner
     tokenizer: TextTokenizer | None
-    profile: LatencyProfile | None = None
+    profile: StepTimeModel | None = None
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, TypeVar
 
-from pdserve.model_runtime.latency import is_decode_chunk
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.steptime.model import is_decode_chunk
 
 Chunks = tuple[tuple[int, int], ...]
 R = TypeVar("R", covariant=True)

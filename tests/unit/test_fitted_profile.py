@@ -1,5 +1,6 @@
 """Fitted latency profiles (``pdserve profile``'s output): the fit recovers known coefficients,
-JSON round-trips, ``load_profile`` reads both kinds, both kinds satisfy ``LatencyModel``."""
+JSON round-trips, ``load_profile`` reads both kinds, both kinds satisfy ``StepTimeModel``; a
+host calibration wraps either, for the simulator only."""
 
 from __future__ import annotations
 
@@ -10,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model_runtime.latency import (
-    H100_LLAMA3_8B,
-    FittedProfile,
-    LatencyModel,
-    LatencyProfile,
-    fit_relative,
-    load_profile,
-    relative_errors,
-)
+from pdserve.simulator.calibration import Calibrated, HostCalibration, calibration_of, load_sim_profile
+from pdserve.steptime.dilation import Dilated
+from pdserve.steptime.fitted import FittedProfile, fit_relative, relative_errors
+from pdserve.steptime.load import load_profile
+from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.roofline import H100_LLAMA3_8B, RooflineProfile
 
 TRUE = FittedProfile(
     name="true",
@@ -106,7 +104,7 @@ def test_mixed_steps_pay_both_parts_in_full() -> None:
         TRUE.prefill_per_token2_s * 512 * 2 * 1024
     )
     assert TRUE.step_time([]) == 0.0 and TRUE.decode_time(0, 0) == 0.0
-    served = dataclasses.replace(TRUE, step_overhead_s=0.003)  # the serving worker's own cost per step
+    served = Calibrated(TRUE, HostCalibration(step_overhead_s=0.003))  # the serving worker's own cost a step
     assert served.step_time(chunk + decodes) == pytest.approx(TRUE.step_time(chunk + decodes) + 0.003)
     assert served.decode_time(16, 16 * 1001) == pytest.approx(served.step_time(decodes))
     assert served.step_time([]) == 0.0
@@ -124,10 +122,10 @@ def test_json_round_trip_and_load_both_kinds(tmp_path: Path) -> None:
     roof.write_text(dataclasses.replace(H100_LLAMA3_8B, name="mine").to_json())
     assert json.loads(roof.read_text())["kind"] == "roofline"
     loaded = load_profile(str(roof))
-    assert isinstance(loaded, LatencyProfile) and loaded.name == "mine"
+    assert isinstance(loaded, RooflineProfile) and loaded.name == "mine"
     legacy = {k: v for k, v in json.loads(roof.read_text()).items() if k != "kind"}
     roof.write_text(json.dumps(legacy))  # files written before kinds existed are rooflines
-    assert isinstance(load_profile(str(roof)), LatencyProfile)
+    assert isinstance(load_profile(str(roof)), RooflineProfile)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +146,7 @@ def test_load_rejects_bad_files(tmp_path: Path, content: str, match: str) -> Non
 
 
 def test_both_kinds_are_latency_models() -> None:
-    def use(m: LatencyModel) -> float:
+    def use(m: StepTimeModel) -> float:
         return m.step_time([(256, 0), (1, 100)]) + m.transfer_time(256) + m.kv_capacity_tokens * 0
 
     assert use(TRUE) > 0 and use(H100_LLAMA3_8B) > 0
@@ -159,12 +157,11 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     worker. With --shared-host, A's steps that start during that prefill take decode_coactive_x
     times as long; on separate devices (the default) nothing changes."""
     import argparse
-    import dataclasses
 
     from pdserve.bench.workload import RequestSpec
     from pdserve.simulator.run import add_simulate_args, simulate
 
-    prof = dataclasses.replace(TRUE, name="shared", decode_coactive_x=2.0, prefill_coactive_x=1.5)
+    prof = Calibrated(TRUE, HostCalibration(decode_coactive_x=2.0, prefill_coactive_x=1.5))
     path = tmp_path / "p.json"
     path.write_text(prof.to_json())
     a = RequestSpec(0.0, tuple(range(1, 33)), 32, 200)
@@ -199,8 +196,21 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     assert len(slow) == pytest.approx(1.5 * b_prefill / (2 * itl), abs=2)
     assert shared["ttfts"][1] > alone["ttfts"][1] * 1.4  # type: ignore[index]
     with pytest.raises(ValueError, match="slowdowns"):
-        dataclasses.replace(TRUE, decode_coactive_x=0.5)
-    from pdserve.model_runtime.time_dilation import Dilated
-
+        HostCalibration(decode_coactive_x=0.5)
     stretched = Dilated(prof, 8.0)  # time dilation stretches durations, not their ratios
-    assert (stretched.decode_coactive_x, stretched.prefill_coactive_x) == (2.0, 1.5)
+    assert calibration_of(stretched) == prof.calibration
+    assert load_sim_profile(f"{path}@x8") == stretched
+
+
+def test_a_calibrated_profile_is_for_the_simulator_only(tmp_path: Path) -> None:
+    cal = Calibrated(TRUE, HostCalibration(prefill_x=1.2, decode_s=0.001, prefill_jitter=(0.9, 1.0, 1.3)))
+    path = tmp_path / "cal.json"
+    path.write_text(cal.to_json())
+    assert load_sim_profile(str(path)) == cal  # JSON lists back to tuples
+    with pytest.raises(ValueError, match="unknown kind 'calibrated'"):
+        load_profile(str(path))  # emulated workers and the router take engine profiles
+    data = json.loads(cal.to_json())
+    data["calibration"]["decode_x"] = 0.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="service factors"):
+        load_sim_profile(str(path))

@@ -4,14 +4,13 @@ the fit from a sequence of ratios, and the simulator drawing from a profile that
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import random
 import statistics
 
 import pytest
 
-from pdserve.model_runtime.latency import FittedProfile, load_profile
+from pdserve.simulator.calibration import Calibrated, HostCalibration, load_sim_profile
 from pdserve.simulator.jitter import (
     GRID,
     StepJitter,
@@ -21,6 +20,7 @@ from pdserve.simulator.jitter import (
     quantile_grid,
 )
 from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.steptime.fitted import FittedProfile
 
 CPU = FittedProfile("cpu", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 SKEW = (0.8, 0.9, 0.95, 1.0, 1.1, 1.3, 2.0)  # a right-skewed scatter, median 1
@@ -109,12 +109,16 @@ def sim(profile: str, seed: int) -> dict[str, object]:
 def test_the_simulator_draws_each_step_from_the_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
     plain, flat, skewed = tmp_path / "plain.json", tmp_path / "flat.json", tmp_path / "skewed.json"
     plain.write_text(CPU.to_json())
-    flat.write_text(dataclasses.replace(CPU, prefill_jitter=(1.0, 1.0), decode_jitter=(1.0, 1.0)).to_json())
-    skewed.write_text(
-        dataclasses.replace(CPU, prefill_jitter=SKEW, decode_jitter=SKEW, jitter_corr=0.6).to_json()
+    flat.write_text(
+        Calibrated(CPU, HostCalibration(prefill_jitter=(1.0, 1.0), decode_jitter=(1.0, 1.0))).to_json()
     )
-    loaded = load_profile(str(skewed))
-    assert isinstance(loaded, FittedProfile) and loaded.prefill_jitter == SKEW  # JSON lists back to tuples
+    skewed.write_text(
+        Calibrated(CPU, HostCalibration(prefill_jitter=SKEW, decode_jitter=SKEW, jitter_corr=0.6)).to_json()
+    )
+    loaded = load_sim_profile(str(skewed))
+    assert (
+        isinstance(loaded, Calibrated) and loaded.calibration.prefill_jitter == SKEW
+    )  # lists back to tuples
     base = sim(str(plain), 0)
     assert sim(str(flat), 3)["ttfts"] == base["ttfts"]  # a flat grid is the deterministic model
     a, b = sim(str(skewed), 0), sim(str(skewed), 1)
@@ -127,6 +131,6 @@ def test_the_simulator_draws_each_step_from_the_profile(tmp_path) -> None:  # ty
 
 def test_a_profile_refuses_a_grid_that_is_not_one() -> None:
     with pytest.raises(ValueError, match="decode_jitter"):
-        dataclasses.replace(CPU, decode_jitter=(1.0,))
+        HostCalibration(decode_jitter=(1.0,))
     with pytest.raises(ValueError, match="jitter_corr"):
-        dataclasses.replace(CPU, jitter_corr=-0.1)
+        HostCalibration(jitter_corr=-0.1)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model_runtime.latency import H100_LLAMA3_8B as P
-from pdserve.model_runtime.latency import load_profile
+from pdserve.steptime.load import load_profile
+from pdserve.steptime.roofline import H100_LLAMA3_8B as P
 
 
 def test_calibrated_on_published_h100_points() -> None:

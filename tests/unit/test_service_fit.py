@@ -10,8 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from pdserve.model_runtime.engine.step_log import StepRecord
-from pdserve.model_runtime.latency import FittedProfile
-from pdserve.simulator.service_fit import ServiceFit, apply_fit, at_speed, fit_line, fit_service, host_speed
+from pdserve.simulator.calibration import HostCalibration
+from pdserve.simulator.service_fit import ServiceFit, apply_fit, fit_line, fit_service, host_speed
+from pdserve.steptime.fitted import FittedProfile
 
 ENGINE = FittedProfile("engine", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)
 PX, DX, PCO, DCO = 1.15, 1.10, 1.2, 1.3  # the truth the logs are written from
@@ -52,17 +53,17 @@ def logs(
 
 def test_factors_come_back_from_the_logs() -> None:
     fit = fit_service(logs(), ENGINE)
-    assert fit.prefill_x == pytest.approx(PX) and fit.decode_x == pytest.approx(DX)
-    assert fit.prefill_coactive_x == pytest.approx(PCO)
+    assert fit.calibration.prefill_x == pytest.approx(PX) and fit.calibration.decode_x == pytest.approx(DX)
+    assert fit.calibration.prefill_coactive_x == pytest.approx(PCO)
     # the last decode step of each window sticks out past the prefill: only those wholly or
     # mostly inside count, and they all carry the same slowdown
-    assert fit.decode_coactive_x == pytest.approx(DCO)
+    assert fit.calibration.decode_coactive_x == pytest.approx(DCO)
     assert fit.prefill_steps == 8 and fit.decode_steps == 48 and fit.prefill_coactive_steps == 10
 
 
 def test_too_few_coactive_steps_leave_coactivity_at_one() -> None:
     fit = fit_service(logs(co_steps=2), ENGINE)
-    assert fit.prefill_coactive_x == 1.0 and fit.prefill_coactive_steps == 2
+    assert fit.calibration.prefill_coactive_x == 1.0 and fit.prefill_coactive_steps == 2
 
 
 def test_no_isolated_steps_of_a_kind_is_an_error() -> None:
@@ -72,7 +73,8 @@ def test_no_isolated_steps_of_a_kind_is_an_error() -> None:
 
 
 def test_applied_fit_scales_whole_steps_by_kind_and_sets_coactivity() -> None:
-    fit = ServiceFit(1.2, 1.1, 1.3, 1.05, 10, 10, 10, 10)
+    cal = HostCalibration(prefill_x=1.2, decode_x=1.1, prefill_coactive_x=1.3, decode_coactive_x=1.05)
+    fit = ServiceFit(cal, 10, 10, 10, 10)
     served = apply_fit(ENGINE, fit)
     prompt, decodes = [(200, 0)], [(1, 100), (1, 50)]
     assert served.step_time(prompt) == pytest.approx(ENGINE.step_time(prompt) * 1.2)
@@ -81,14 +83,15 @@ def test_applied_fit_scales_whole_steps_by_kind_and_sets_coactivity() -> None:
     # a mixed step was measured as a step with prefill work: the whole of it takes that factor
     assert served.step_time(prompt + decodes) == pytest.approx(ENGINE.step_time(prompt + decodes) * 1.2)
     # the worker's own per-step cost is added after, not scaled
-    over = dataclasses.replace(served, step_overhead_s=0.004)
+    over = served.with_calibration(dataclasses.replace(served.calibration, step_overhead_s=0.004))
     assert over.step_time(decodes) == pytest.approx(served.step_time(decodes) + 0.004)
-    assert (served.prefill_coactive_x, served.decode_coactive_x) == (1.3, 1.05)
+    assert (served.calibration.prefill_coactive_x, served.calibration.decode_coactive_x) == (1.3, 1.05)
     assert served.name == "engine+service"
-    unit = apply_fit(ENGINE, ServiceFit(1, 1, 1, 1, 5, 5, 0, 0))
-    assert dataclasses.replace(unit, name=ENGINE.name) == ENGINE
+    unit = apply_fit(ENGINE, ServiceFit(HostCalibration(), 5, 5, 0, 0))
+    for chunks in (prompt, decodes, prompt + decodes):
+        assert unit.step_time(chunks) == ENGINE.step_time(chunks)
     with pytest.raises(ValueError, match="service factors"):
-        dataclasses.replace(ENGINE, service_decode_x=0.0)
+        HostCalibration(decode_x=0.0)
 
 
 def test_fit_line_tells_a_constant_from_a_factor() -> None:
@@ -125,26 +128,32 @@ def test_a_batch_ladder_lets_the_fit_find_a_constant_per_step() -> None:
     prompts = [StepRecord(1e3 + i, 1e3 + i + ENGINE.step_time(((100 + 40 * i, 0),)), ((100 + 40 * i, 0),))
                for i in range(12)]  # fmt: skip
     fit = fit_service({"colocated-0": steps + prompts}, ENGINE)
-    assert fit.decode_s == pytest.approx(0.008, rel=0.02) and fit.decode_x == pytest.approx(1.05, rel=0.02)
+    assert fit.calibration.decode_s == pytest.approx(
+        0.008, rel=0.02
+    ) and fit.calibration.decode_x == pytest.approx(1.05, rel=0.02)
     served = apply_fit(ENGINE, fit)
     big = ((1, 300),) * 8
     assert served.step_time(big) == pytest.approx(0.008 + 1.05 * ENGINE.step_time(big), rel=0.02)
-    assert fit.prefill_s == pytest.approx(0.0, abs=1e-9) and fit.prefill_x == pytest.approx(1.0)
+    assert fit.calibration.prefill_s == pytest.approx(
+        0.0, abs=1e-9
+    ) and fit.calibration.prefill_x == pytest.approx(1.0)
 
 
 def test_the_fit_measures_how_steps_scatter_around_it() -> None:
     clean = fit_service(logs(), ENGINE)
-    inner = clean.decode_jitter[2:-2]  # the few decode steps sticking out of a prefill are the ends
+    inner = clean.calibration.decode_jitter[2:-2]  # the ends: decode steps sticking out of a prefill
     assert all(q == pytest.approx(1.0) for q in inner)
     # every other decode step 20 % slower, in runs of 5: a scatter of median 1 with a tail
     fit = fit_service(logs(slower_decode=lambda k: 1.2 if (k // 5) % 2 else 1.0), ENGINE)
-    lo, hi = fit.decode_jitter[2], fit.decode_jitter[-3]
+    lo, hi = fit.calibration.decode_jitter[2], fit.calibration.decode_jitter[-3]
     assert lo < 1.0 < hi and 1.15 < hi / lo < 1.45  # the 20 %, give or take the fit's own share
     # slow steps came in runs: correlated, unlike the same steps alternating
     alternating = fit_service(logs(slower_decode=lambda k: 1.2 if k % 2 else 1.0), ENGINE)
-    assert fit.jitter_corr > 0.3 and alternating.jitter_corr == 0.0  # anti-correlated: none
+    assert (
+        fit.calibration.jitter_corr > 0.3 and alternating.calibration.jitter_corr == 0.0
+    )  # anti-correlated: 0
     served = apply_fit(ENGINE, fit)
-    assert served.decode_jitter == fit.decode_jitter and served.jitter_corr == fit.jitter_corr
+    assert served.calibration == fit.calibration
 
 
 def test_host_speed_is_measured_against_the_calibrated_profile_and_applied_by_kind() -> None:
@@ -153,7 +162,7 @@ def test_host_speed_is_measured_against_the_calibrated_profile_and_applied_by_ki
     slower = logs(slower_prefill=1.15, slower_decode=lambda k: 1.05)
     prefill, decode = host_speed(slower, calibrated)
     assert prefill == pytest.approx(1.15) and decode == pytest.approx(1.05)
-    fast = at_speed(calibrated, prefill, decode)
+    fast = calibrated.with_calibration(calibrated.calibration.at_speed(prefill, decode))
     prompt, decodes = [(200, 0)], [(1, 100), (1, 50)]
     assert fast.step_time(prompt) == pytest.approx(calibrated.step_time(prompt) * 1.15)
     assert fast.step_time(decodes) == pytest.approx(calibrated.step_time(decodes) * 1.05)

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from pdserve.bench.workload import RequestSpec, arrival_times
-from pdserve.model_runtime.latency import H100_LLAMA3_8B as P
 from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.steptime.roofline import H100_LLAMA3_8B as P
 
 
 def args(*flags: str) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
     leak check (every pool empty at the end) passes."""
     import dataclasses
 
-    from pdserve.model_runtime.latency import PROFILES
+    from pdserve.steptime.roofline import PROFILES
 
     small = dataclasses.replace(
         P, name="tiny-memory", memory_bytes=P.weight_bytes + 40 * 1024 * P.kv_bytes_per_token
@@ -146,8 +146,8 @@ def test_work_bound_of_a_fitted_profile_by_hand() -> None:
     """DistServe's form: a prompt's marginal is b_p·l + c_p·l² (its own attention only), a
     decode token's b_d·(context + 1) + c_d; neither step base is charged. A prompt whose blocks
     are all cached still computes its last token."""
-    from pdserve.model_runtime.latency import FittedProfile
     from pdserve.simulator.bound import work_bound
+    from pdserve.steptime.fitted import FittedProfile
 
     f = FittedProfile(
         name="f", prefill_base_s=0.03, prefill_per_token_s=8e-4, prefill_per_token2_s=3e-7,

@@ -211,7 +211,7 @@ def test_target_after_prefill_and_aborts_of_unknown_ids(pair) -> None:
 def test_emulated_workers_take_the_profiles_time() -> None:
     """``emulated:h100-llama3-8b``: prefill, decode steps and the KV hand-off take the times the
     latency model predicts for an H100, while scheduling and transfers run for real."""
-    from pdserve.model_runtime.latency import H100_LLAMA3_8B as prof
+    from pdserve.steptime.roofline import H100_LLAMA3_8B as prof
 
     eng = EngineConfig(model="tiny", compute="emulated:h100-llama3-8b")
     tcfg = TransportConfig(backend="shm")

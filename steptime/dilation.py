@@ -16,10 +16,8 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdserve.model_runtime.latency import LatencyModel
+from pdserve.steptime.model import StepTimeModel
 
 _SUFFIX = re.compile(r"^(?P<base>.+)@x(?P<factor>\d+(?:\.\d+)?)$")
 
@@ -39,7 +37,7 @@ def split_dilation(name: str) -> tuple[str, float]:
 class Dilated:
     """``base`` with every duration multiplied by ``factor``; capacities unchanged."""
 
-    base: LatencyModel
+    base: StepTimeModel
     factor: float
 
     @property
@@ -57,14 +55,6 @@ class Dilated:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens
-
-    @property
-    def decode_coactive_x(self) -> float:  # ratios: stretching every duration leaves them as they are
-        return float(getattr(self.base, "decode_coactive_x", 1.0))
-
-    @property
-    def prefill_coactive_x(self) -> float:
-        return float(getattr(self.base, "prefill_coactive_x", 1.0))
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         return self.factor * self.base.step_time(chunks)

@@ -1,8 +1,8 @@
 """Per-worker latency predictions, corrected online from what the router observes (pure Python).
 
-Predictions start from a latency profile (``pdserve.model_runtime.latency``: the roofline built-ins,
-a ``pdserve profile`` fit of this machine, or any object with the same methods) and are scaled
-by one correction factor per (worker, phase) and per link. Each observation moves the factor
+``StepPredictor`` starts from a step-time model (``pdserve.steptime``: the roofline built-ins, a
+``pdserve profile`` fit, or any object with the same methods) and scales it by one correction
+factor per (worker, phase) and per inbound link. Each observation moves the factor
 toward ``observed / predicted`` with exponential decay — the ratio correction Dynamo's planner
 applies to its TTFT/ITL profiles — so a worker that runs slower than its profile (another
 tenant, a throttled GPU, a CPU run of a GPU profile) is predicted slower within a few requests,
@@ -24,20 +24,8 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class StepModel(Protocol):
-    """What the router needs of a latency profile (``LatencyProfile`` has it)."""
-
-    @property
-    def kv_bytes_per_token(self) -> int: ...
-
-    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float: ...
-
-    def decode_time(self, batch: int, total_context: int) -> float: ...
-
-    def transfer_time(self, tokens: int) -> float: ...
+from pdserve.steptime.model import StepTimeModel
 
 
 class Phase(enum.Enum):
@@ -61,18 +49,12 @@ class Correction:
         self.samples += 1
 
 
-@dataclass(frozen=True)
-class Link:
-    """A measured or configured link between two workers (overrides the profile's)."""
+class StepPredictor:
+    """Per-worker step, prefill, decode and transfer times, corrected online."""
 
-    bandwidth: float  # bytes/s
-    latency_s: float = 0.0
-
-
-class LatencyModel:
     def __init__(
         self,
-        profile: StepModel,
+        profile: StepTimeModel,
         decay: float = 0.2,
         bounds: tuple[float, float] = (1e-3, 1e4),
     ) -> None:
@@ -82,12 +64,7 @@ class LatencyModel:
         self.decay = decay
         self.bounds = bounds
         self._corr: dict[tuple[str, Phase], Correction] = {}
-        self._links: dict[tuple[str, str], Link] = {}
         self._prior: dict[Phase, tuple[int, float]] = {p: (0, 0.0) for p in Phase}  # (keys, factor sum)
-
-    # -- configuration -----------------------------------------------------------------------
-    def set_link(self, src: str, dst: str, link: Link) -> None:
-        self._links[(src, dst)] = link
 
     # -- predictions (seconds) ---------------------------------------------------------------
     def factor(self, key: str, phase: Phase) -> float:
@@ -111,12 +88,9 @@ class LatencyModel:
             return 0.0
         return self.profile.decode_time(batch, max(batch, total_context)) * self.factor(worker, Phase.DECODE)
 
-    def transfer_s(self, src: str, dst: str, tokens: int, corrected: bool = True) -> float:
-        """KV of ``tokens`` from ``src`` to ``dst``: a configured ``Link``, or the profile's link
-        scaled by what ``dst`` measured arriving (its transfer counters)."""
-        link = self._links.get((src, dst))
-        if link is not None:
-            return link.latency_s + tokens * self.profile.kv_bytes_per_token / link.bandwidth
+    def transfer_s(self, dst: str, tokens: int, corrected: bool = True) -> float:
+        """KV of ``tokens`` into ``dst``: the profile's link scaled by what ``dst`` measured
+        arriving (its transfer counters)."""
         base = self.profile.transfer_time(tokens)
         return base * self.factor(inbound(dst), Phase.TRANSFER) if corrected else base
 
