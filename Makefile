@@ -31,7 +31,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: setup
-	$(BIN)/python benchmarks/engine_roofline.py
+	$(BIN)/python -m benchmarks.engine_roofline
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

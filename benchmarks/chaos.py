@@ -17,8 +17,8 @@ router stops routing to the worker), recovery time (fault -> the last moved stre
 after that), KV transfers failed, and TTFT p50/p99 of the streams started before the fault and
 of a second wave of 8 started right after it (``router_term``: those must be refused).
 
-    .venv/bin/python benchmarks/chaos.py            # about 6 minutes on 2 cores
-    .venv/bin/python benchmarks/chaos.py --scenarios none,decode_kill
+    .venv/bin/python -m benchmarks.chaos            # about 6 minutes on 2 cores
+    .venv/bin/python -m benchmarks.chaos --scenarios none,decode_kill
 
 The final JSON line totals ``failed``, ``tokens_lost``, ``tokens_duplicated`` and
 ``blocks_leaked`` over all scenarios.
@@ -38,10 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit
 

@@ -12,7 +12,7 @@ real service, at two requests at a time, never from a load test's own points:
    so while it does: A's inter-token gaps that lie inside a B prefill against those outside any,
    and B's TTFT against its TTFT alone.
 
-    .venv/bin/python benchmarks/coactivity.py     # starts a 1P+1D `pdserve serve --model bench`
+    .venv/bin/python -m benchmarks.coactivity     # starts a 1P+1D `pdserve serve --model bench`
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.bench.client import PdserveGrpcBackend
 from pdserve.bench.workload import RequestSpec

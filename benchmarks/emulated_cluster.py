@@ -6,8 +6,8 @@ emulated:h100-llama3-8b``, then ``pdserve bench --sweep`` replays the Azure conv
 arrival pattern at bisected mean rates (the trace's own lengths, ``--num-prompts`` per point) and
 finds the highest rate with >= 90 % joint TTFT/TPOT attainment.
 
-    .venv/bin/python benchmarks/emulated_cluster.py        # ~15 minutes on 2 cores
-    .venv/bin/python benchmarks/emulated_cluster.py --layouts 4p4d --policies goodput,least_loaded,round_robin
+    .venv/bin/python -m benchmarks.emulated_cluster        # ~15 minutes on 2 cores
+    .venv/bin/python -m benchmarks.emulated_cluster --layouts 4p4d --policies goodput,least_loaded,round_robin
 
 The ceiling in the same run: each layout's attainment at the lowest rate (an unloaded cluster).
 Limits: router, workers' Python and client share this VM's 2 cores, which cap the serving path
@@ -27,8 +27,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.client import start_pdserve
 from benchmarks.common import emit

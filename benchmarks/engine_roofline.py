@@ -11,7 +11,7 @@ On the ``bench`` preset (about 100M parameters, float32):
   continuous batching) and through HF ``generate`` one at a time and in static padded batches
   of 8.
 
-Run: ``.venv/bin/python benchmarks/engine_roofline.py`` (about 5 minutes; ``--skip-hf`` for
+Run: ``.venv/bin/python -m benchmarks.engine_roofline`` (about 5 minutes; ``--skip-hf`` for
 the first two parts only). The last line of output is one JSON object.
 """
 
@@ -21,14 +21,11 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
 from pdserve.model_runtime.config import CacheConfig, ModelConfig

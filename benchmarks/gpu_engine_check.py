@@ -4,7 +4,7 @@
 2. ``engine_roofline.py --device cuda --skip-hf``: decode MBU and prefill MFU against the
    device's own bandwidth and bf16 matmul measured in the same run.
 
-Run: ``python benchmarks/gpu_engine_check.py``. The last line is one JSON object.
+Run: ``python -m benchmarks.gpu_engine_check``. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> int:
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/engine/test_gpu.py"], cwd=ROOT
     )
     bench = subprocess.run(
-        [sys.executable, "benchmarks/engine_roofline.py", "--device", "cuda", "--skip-hf"],
+        [sys.executable, "-m", "benchmarks.engine_roofline", "--device", "cuda", "--skip-hf"],
         cwd=ROOT,
         capture_output=True,
         text=True,

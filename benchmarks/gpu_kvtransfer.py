@@ -7,7 +7,7 @@
 * ``nccl``: the same between GPU 0 and GPU 1; NCCL refuses two ranks on one GPU, so with a single
   GPU it says so and skips.
 
-Run: ``python benchmarks/gpu_kvtransfer.py`` (under 5 minutes). The last line is one JSON object.
+Run: ``python -m benchmarks.gpu_kvtransfer`` (under 5 minutes). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPE = (12, 512, 2, 16, 4, 64)  # bench preset; 2,048 tokens = 128 blocks
 BLOCKS = 128

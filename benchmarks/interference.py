@@ -11,8 +11,8 @@ prefill worker's queue shows up in TTFT instead). DistServe's motivating experim
 The ceiling measured in the same run is each configuration alone: the median decode step
 with no prefill traffic (an idle-machine TPOT floor), so spikes read as ratios to it.
 
-    .venv/bin/python benchmarks/interference.py                 # ~4 minutes on 2 cores
-    .venv/bin/python benchmarks/interference.py --requests 24   # quicker, noisier
+    .venv/bin/python -m benchmarks.interference                 # ~4 minutes on 2 cores
+    .venv/bin/python -m benchmarks.interference --requests 24   # quicker, noisier
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.client import Server, start_pdserve
 from benchmarks.common import emit

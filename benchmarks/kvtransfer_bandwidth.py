@@ -12,7 +12,7 @@ For the KV of a 2,048-token request of the ``bench`` preset (12 layers x 128 blo
 * ``layerwise_prefill_overhead``: (prefill of 2,048 tokens on the ``bench`` engine + the time
   until the receiver holds every layer, streaming layer by layer over shm) / prefill alone.
 
-Run: ``.venv/bin/python benchmarks/kvtransfer_bandwidth.py`` (about 90 seconds). Last line: JSON.
+Run: ``.venv/bin/python -m benchmarks.kvtransfer_bandwidth`` (about 90 seconds). Last line: JSON.
 """
 
 from __future__ import annotations
@@ -23,16 +23,12 @@ import os
 import random
 import socket
 import statistics
-import sys
 import threading
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, median_time
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache

@@ -6,8 +6,8 @@ second node's raylet is SIGKILLed (what a crashed or unplugged machine looks lik
 head: no goodbye) and the time until the GCS reports the node dead is measured, with the
 time until a worker actor that lived there is reported dead.
 
-    .venv/bin/python benchmarks/node_loss.py              # about 20 seconds
-    .venv/bin/python benchmarks/node_loss.py --default    # Ray's defaults, for comparison
+    .venv/bin/python -m benchmarks.node_loss              # about 20 seconds
+    .venv/bin/python -m benchmarks.node_loss --default    # Ray's defaults, for comparison
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit
 

@@ -16,7 +16,7 @@ single decode worker then "serves" 36 req/s/GPU that it cannot sustain), so ever
 * ``overload``: twice the goodput rate of a layout, with and without ``--admission reject``:
   attainment over all requests, over admitted requests, and the share rejected.
 
-    .venv/bin/python benchmarks/routing_goodput.py --experiment all      # minutes on 2 cores
+    .venv/bin/python -m benchmarks.routing_goodput --experiment all      # minutes on 2 cores
 
 The ceiling measured in the same run is each configuration's attainment at its lowest rate.
 Final line: JSON with every result.
@@ -31,8 +31,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.bench.sweep import sweep
 from pdserve.simulator.run import add_simulate_args, simulate

@@ -11,7 +11,7 @@ client. With zero compute, pdserve's TTFT is entirely serving-path time (router,
 KV transfer, first-token relay), so ``router_added_ttft_ms_p50`` is its median at 1 stream minus
 the bare server's (what a user would see added in front of an engine).
 
-    .venv/bin/python benchmarks/serving_overhead.py            # ~1-2 minutes on 2 cores
+    .venv/bin/python -m benchmarks.serving_overhead            # ~1-2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 import httpx
@@ -185,11 +183,11 @@ def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str | None) 
     return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens))
 
 
-def measure_peer(args: argparse.Namespace, here: Path) -> dict[str, Any]:
+def measure_peer(args: argparse.Namespace, me: list[str], root: Path) -> dict[str, Any]:
     """vllm-router (Rust) proxying to the bare HTTP server: what a routing layer alone adds."""
     print(f"peer: {args.peer_router} in front of the bare HTTP server:", file=sys.stderr)
     bp, rp = free_port(), free_port()
-    bare = subprocess.Popen([sys.executable, str(here), "--bare", "http", "--port", str(bp)])
+    bare = subprocess.Popen([*me, "--bare", "http", "--port", str(bp)], cwd=root)
     router = None
     try:
         wait_ready(f"http://127.0.0.1:{bp}/health", bare)
@@ -229,14 +227,15 @@ def main() -> None:
         return
 
     results: dict[str, Any] = {}
-    here = Path(__file__).resolve()
+    root = Path(__file__).resolve().parents[1]
+    me = [sys.executable, "-m", "benchmarks.serving_overhead"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         print("bare frameworks (ceiling):", file=sys.stderr)
         hp, gp = free_port(), free_port()
         procs = [
-            subprocess.Popen([sys.executable, str(here), "--bare", "http", "--port", str(hp)]),
-            subprocess.Popen([sys.executable, str(here), "--bare", "grpc", "--port", str(gp)]),
+            subprocess.Popen([*me, "--bare", "http", "--port", str(hp)], cwd=root),
+            subprocess.Popen([*me, "--bare", "grpc", "--port", str(gp)], cwd=root),
         ]
         wait_ready(f"http://127.0.0.1:{hp}/docs", procs[0])
         time.sleep(1.0)
@@ -245,7 +244,7 @@ def main() -> None:
             pr.terminate()
             pr.wait(10)
         if args.peer_router:
-            results["peer"] = measure_peer(args, here)
+            results["peer"] = measure_peer(args, me, root)
         print("pdserve (zero compute, 1 prefill + 1 decode on Ray):", file=sys.stderr)
         server = start_pdserve(
             "--model", "tiny", "--compute", "zero", "--prefill", "1", "--decode", "1",

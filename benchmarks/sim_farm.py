@@ -9,7 +9,7 @@ every finished point. The last line printed is JSON: each point's attainment, ra
 Standard library plus the project's pure packages only, so it runs on any Python, e.g. a GPU
 host's many CPU cores:
 
-    python benchmarks/sim_farm.py --points POINTS.txt --out-dir DIR --jobs 16 --deadline-s 480
+    python -m benchmarks.sim_farm --points POINTS.txt --out-dir DIR --jobs 16 --deadline-s 480
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def compact(m: dict[str, Any], flags: list[str]) -> dict[str, Any]:
 
 
 def worker(name: str, out_dir: Path, flags: list[str]) -> int:
-    sys.path.insert(0, str(ROOT))
     from pdserve.simulator.run import add_simulate_args, simulate
 
     p = argparse.ArgumentParser(prog=f"point {name}")
@@ -80,15 +79,14 @@ def run_all(
     start: float,
 ) -> None:
     """Start points as slots free up; past the deadline stop the running ones, skip the rest."""
-    script = str(Path(__file__).resolve())
     while pending or running:
         late = time.monotonic() - start > args.deadline_s
         while pending and len(running) < args.jobs and not late:
             name, flags = pending.pop(0)
-            cmd = [sys.executable, script, "--worker", name, str(args.out_dir)]
+            cmd = [sys.executable, "-m", "benchmarks.sim_farm", "--worker", name, str(args.out_dir)]
             log = open(args.out_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
             running[name] = (
-                subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT),
+                subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT),
                 time.monotonic(),
             )
         for name, (proc, t0) in list(running.items()):

@@ -38,9 +38,9 @@ The host is a 2-core VM shared with other people's jobs: every measurement first
 minutes at most) for the rest of the host to be idle, and each point records how many cores
 other jobs used while it ran.
 
-    .venv/bin/python benchmarks/sim_validation.py --out-dir DIR              # ~1 hour on 2 cores
-    .venv/bin/python benchmarks/sim_validation.py --resume DIR/real.json     # finish an interrupted run
-    .venv/bin/python benchmarks/sim_validation.py --real-results DIR/real.json [--profile-2t P]  # re-simulate
+    .venv/bin/python -m benchmarks.sim_validation --out-dir DIR              # ~1 hour on 2 cores
+    .venv/bin/python -m benchmarks.sim_validation --resume DIR/real.json     # finish an interrupted run
+    .venv/bin/python -m benchmarks.sim_validation --real-results DIR/real.json [--profile-2t P]  # re-simulate
                                                   # (re-fitting the service from DIR/steps when it is there)
 """
 
@@ -59,8 +59,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import coactivity
 from benchmarks.client import Server, start_pdserve

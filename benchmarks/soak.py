@@ -13,8 +13,8 @@ every per-request map on every worker and in the router. Growth: the median of t
 minus the median of minute 2 (after warm-up), summed over the workers present. After the load
 stops, blocks in use and per-request state must be zero.
 
-    .venv/bin/python benchmarks/soak.py                 # 10 minutes of load
-    .venv/bin/python benchmarks/soak.py --minutes 3     # a quicker look
+    .venv/bin/python -m benchmarks.soak                 # 10 minutes of load
+    .venv/bin/python -m benchmarks.soak --minutes 3     # a quicker look
 
 The final JSON line has ``rss_growth_mib``, ``fd_growth``, ``threads_growth``,
 ``blocks_in_use_growth``, ``per_request_state_growth`` (router and workers), the same for the
@@ -35,8 +35,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.chaos import start
 from benchmarks.common import emit

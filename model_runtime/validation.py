@@ -35,9 +35,10 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, limits: 
     vocab = limits.vocab_size
     if not prompt_ids:
         raise InvalidRequestError("prompt", "must not be empty")
-    for t in prompt_ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-            raise InvalidRequestError("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+    # in C, not a Python loop a token: this runs for every request on every worker it visits
+    if not set(map(type, prompt_ids)) <= {int} or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
+        raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     params.validate(vocab, limits.max_logprobs)
     if limits.max_tokens_cap and params.max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pdserve.flags import add_block_size, add_model, add_scheduler, add_temperature
 from pdserve.model_runtime.errors import PdserveError
 
 DEMO_PROMPTS = (
@@ -18,14 +19,13 @@ DEMO_PROMPTS = (
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset name (tiny, bench) or Hugging Face directory")
+    add_model(p, "tiny")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    add_block_size(p, 16)
+    add_scheduler(p, max_num_batched_tokens=512, max_num_seqs=64)
 
 
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompts (default: a few demo prompts)")
     g.add_argument("--token-ids", action="store_true", help="prompts are comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
+    add_temperature(g)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)

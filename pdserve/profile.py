@@ -39,6 +39,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdserve.flags import add_block_size, add_model
+
 Shape = tuple[tuple[int, int], ...]  # (new tokens, cached tokens) per chunk of a step
 Point = tuple[Shape, float]
 
@@ -48,10 +50,10 @@ def _ints(text: str) -> list[int]:
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bench", help="preset name (tiny, bench) or Hugging Face directory")
+    add_model(p, "bench")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a worker's --cpus-per-worker)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
-    p.add_argument("--block-size", type=int, default=16)
+    add_block_size(p, 16)
     p.add_argument(
         "--kv-cache-mib",
         type=int,

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
+from pdserve.flags import add_layout, add_policy, colocated_count
 from pdserve.kvtransfer.transport import BACKENDS, TransportConfig
 from pdserve.model_runtime.config import CacheConfig
 from pdserve.model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
 from pdserve.model_runtime.presets import PRESETS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
-from pdserve.router.policy import POLICIES
 from pdserve.router.server import serve_until_signal
 from pdserve.router.slo import SloClass
 from pdserve.steptime.load import load_profile
@@ -39,23 +39,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument(
-        "--colocated",
-        type=int,
-        nargs="?",
-        const=-1,
-        default=0,
-        help="serve with N colocated engines instead (default N: prefill + decode, the same hardware)",
-    )
-    p.add_argument(
-        "--colocated-schedule",
-        choices=[c.value for c in ColocatedSchedule],
-        default=ColocatedSchedule.CHUNKED.value,
-        help="colocated engines: chunked prefill riding along decodes (default), or whole prompts "
-        "first (vLLM v0's schedule; `pdserve plan` says when it wins)",
-    )
+    add_layout(p)
     p.add_argument("--transport", choices=BACKENDS, default="auto", help="KV transfer backend")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a private one)")
     p.add_argument("--local", action="store_true", help="run workers as threads of this process (no Ray)")
@@ -63,7 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="goodput", help="routing policy")
+    add_policy(p, "goodput")
     p.add_argument(
         "--slo",
         action="append",
@@ -150,7 +134,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         compute=args.compute,
         step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
     )
-    colocated = args.colocated if args.colocated >= 0 else args.prefill + args.decode
+    colocated = colocated_count(args)
     spec = PoolSpec(
         prefill=args.prefill,
         decode=args.decode,

@@ -138,9 +138,10 @@ class PrefillEngine(RoleEngineBase):
         if self._pending_errors:
             deltas += self._pending_errors
             self._pending_errors = []
-        chunks, _ = self.scheduler.schedule()
-        if not chunks:
+        plan = self.scheduler.schedule()
+        if plan.empty:
             return deltas
+        chunks = plan.chunks
         unreachable: set[str] = set()
         pushes = []
         for c in chunks:
@@ -157,7 +158,7 @@ class PrefillEngine(RoleEngineBase):
                 self.transport.layer_ready(tid, i)
 
         result = self.rt.runner.execute(chunks, self._requests, on_layer if pushes else None)
-        update = self.scheduler.update(chunks, result.sampled)
+        update = self.scheduler.update(plan, result.sampled)
         for req in update.prefilled:
             if req.request_id in unreachable:
                 self.kv.free(req.request_id)

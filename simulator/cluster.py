@@ -1,204 +1,178 @@
-"""The simulated cluster: workers that step on a virtual clock, a router that dispatches.
+"""The simulated cluster: the real role engines on a virtual clock, a router that dispatches.
 
-A worker steps whenever it has work: it asks its real scheduler for a plan, the latency model
-for the plan's duration, and applies the plan when that time has passed (every sampled token is
-a fixed id; lengths come from the workload, and every request ignores EOS). The router's real
-dispatcher decides each request, with the same feedback the service gives it (first token,
-end, load reports). Remotely prefilled requests follow the service's path: the decode worker
-reserves blocks (waiting for room when full), the prefill worker computes and emits the first
-token, the KV takes the profile's link time, then the request joins the decode batch. Locally
-prefilled ones (colocated, or conditional disaggregation) join the decode worker's scheduler as
-new prompts; rejected ones end at once as failures.
+Each simulated worker runs the product's own engine — ``PrefillEngine``, or ``DecodeEngine``
+as a decode or colocated worker — with the virtual ports of ``pdserve.simulator.virtual``: a
+runner that computes nothing, a transport that takes the profile's link time, and the clock.
+So reservations and their headroom, admission, chunked prefill, prefix caching, preemption,
+recompute and the hand-off are the service's code, not a copy of it. A worker steps whenever
+it has work or a transfer finished: the engine's ``step()`` moves its state at the step's
+start, the step-time model says how long the step takes, and what the step reports (tokens,
+first tokens, reservations granted) reaches the router at its end. Commands reach an engine
+when the router sends them.
 
-A deployment whose workers share one host (``shared_host``: this CPU, where the workers' cores
-share caches and memory and the router runs beside them) slows steps by the profile's measured
-co-activity factors: a decode-only step that starts while another worker runs a prefill step,
-and a prefill step that starts while another worker steps. The state at a step's start decides
-it; steps are short against the prefills that cause most of the slowdown.
+The router side is the service's flow with the router's real dispatcher and the same
+feedback (first token, end, load reports): a remotely prefilled request reserves blocks on
+its decode worker (waiting for room when full) while its prompt goes to the prefill worker;
+the prefill worker reports the first token, the KV moves when both sides are ready, and the
+decode worker starts once it is in. Locally prefilled requests (colocated, or conditional
+disaggregation) go to the decode worker's engine whole; rejected ones end at once as failures.
+Every sampled token is a fixed id and every request ignores EOS: lengths come from the
+workload.
 
-A profile that measured how its steps scatter (``HostCalibration.prefill_jitter`` /
+A deployment whose workers share one host (``shared_host``: a CPU, where the workers' cores
+share caches and memory and the router runs beside them) slows steps by the profile's
+measured co-activity (``pdserve.simulator.calibration``): the state at a step's start decides
+it. A profile that measured how its steps scatter (``HostCalibration.prefill_jitter`` /
 ``decode_jitter`` / ``jitter_corr``) has each worker draw every step's factor from that
-distribution (``pdserve.simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so a run is
-reproducible and runs with other seeds show the spread; other profiles step deterministically.
+distribution (``pdserve.simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so
+a run is reproducible and runs with other seeds show the spread.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 import statistics
-from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pdserve.model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
-from pdserve.model_runtime.request import Request
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
-from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulePlan, SchedulerConfig
-from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.jitter import StepJitter
-from pdserve.steptime.model import StepTimeModel, is_decode_chunk
-from pdserve.worker.messages import WorkerLoad, WorkerRole
+from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
+from pdserve.steptime.model import StepTimeModel, has_prefill
+from pdserve.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
 
-TOKEN = 1  # every sampled token: content does not matter to scheduling
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn))
-
-    def run(self) -> None:
-        while self._events:
-            self.now, _, fn = heapq.heappop(self._events)
-            fn()
+FOREVER_S = 1e12  # a reservation waits for room as long as it takes (the router has no deadline here)
 
 
 @dataclass
 class SimRequest:
-    req: Request
+    work: WorkItem
     arrival: float
     token_times: list[float] = field(default_factory=list)
     prefill_worker: SimWorker | None = None
     decode_worker: SimWorker | None = None
-    twin: Request | None = None  # the prefill worker's copy (disaggregated)
-    reserved: bool = False
-    prefilled: bool = False
+    transfer_id: str = ""
+    granted: bool = False  # the decode worker reserved its blocks
+    first: tuple[int, int] | None = None  # the prefill worker's first token, cached prompt tokens
     done: bool = False
     rejected: bool = False
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.work.prompt_token_ids)
+
 
 class SimWorker:
+    """One worker: a real role engine, stepped on the clock."""
+
     def __init__(
-        self,
-        wid: str,
-        role: WorkerRole,
-        profile: StepTimeModel,
-        config: SchedulerConfig,
-        block_size: int,
-        clock: Clock,
-        cluster: Cluster,
-    ) -> None:
-        self.wid, self.role, self.profile, self.clock, self.cluster = wid, role, profile, clock, cluster
-        self.kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
-        self.sched: PrefillScheduler | ColocatedScheduler = (
-            PrefillScheduler(self.kv, config)
-            if role is WorkerRole.PREFILL
-            else ColocatedScheduler(self.kv, config)
-        )
-        self.requests: dict[str, SimRequest] = {}
+        self, wid: str, role: WorkerRole, profile: StepTimeModel, config: SchedulerConfig,
+        block_size: int, cluster: Cluster,
+    ) -> None:  # fmt: skip
+        self.wid, self.role, self.profile, self.cluster = wid, role, profile, cluster
+        kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
+        self.rt = SimRuntime(kv, block_size, profile.max_model_len)
+        self.transport: SimTransport | None = None
+        if role is not WorkerRole.COLOCATED:
+            self.transport = SimTransport(wid, cluster.link, self.kick)
+        self.engine: PrefillEngine | DecodeEngine
+        if role is WorkerRole.PREFILL:
+            assert self.transport is not None
+            self.engine = PrefillEngine(self.rt, self.transport, config, wid)
+        else:
+            self.engine = DecodeEngine(self.rt, self.transport, config, wid, role, clock=cluster.clock)
         self.busy = False
         self.prefilling = False  # the step in flight has prefill work
-        self.reservations: deque[SimRequest] = deque()  # decode: waiting for room
-        self.sending = 0  # prefill: requests whose KV is still being handed off
+        self._effects: list[Callable[[], None]] = []  # what the step in flight reports at its end
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
         self.jitter = cluster.jitter_for(wid)
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.rt.kv
+
+    @property
+    def prefill(self) -> PrefillEngine:
+        assert isinstance(self.engine, PrefillEngine)
+        return self.engine
+
+    @property
+    def decode(self) -> DecodeEngine:
+        assert isinstance(self.engine, DecodeEngine)
+        return self.engine
 
     # -- load, as the router's policy sees it --------------------------------------------------
     def load(self) -> WorkerLoad:
         if self._load is None:
-            self._load = self._compute_load()
+            self._load = self.engine.load()
         return self._load
 
     def changed(self) -> None:
         self._load = None
 
-    def _compute_load(self) -> WorkerLoad:
-        s = self.kv.stats()
-        if isinstance(self.sched, PrefillScheduler):
-            running, waiting = self.sched.num_running + self.sending, self.sched.num_waiting
+    def later(self, effect: Callable[[], None]) -> None:
+        """Run ``effect`` when the step in flight ends (now, if none is)."""
+        if self.busy:
+            self._effects.append(effect)
         else:
-            running, waiting = self.sched.num_running, self.sched.num_waiting + len(self.reservations)
-        return WorkerLoad(self.wid, self.role, "", running, waiting, s.total, s.free + s.cached, s.cached)
+            effect()
 
     # -- stepping --------------------------------------------------------------------------------
-    def has_work(self) -> bool:
-        if isinstance(self.sched, PrefillScheduler):
-            return bool(self.sched.num_waiting or self.sched.num_running)
-        return self.sched.has_work
-
     def kick(self) -> None:
+        """Step if there is anything to step for."""
         self._load = None  # every caller just changed this worker's state
-        if self.busy or not self.has_work():
+        if self.busy:
             return
-        plan: SchedulePlan | None = None
-        if isinstance(self.sched, PrefillScheduler):
-            chunks, _ = self.sched.schedule()
-        else:
-            plan = self.sched.schedule()
-            chunks = list(plan.chunks)
-        if not chunks:
+        if self.transport is not None:
+            self.transport.start_queued(self.cluster.clock.now)  # pushes commands started
+        io = self.transport is not None and self.transport.has_completions
+        if not (self.engine.has_work or io):
             return
         self.busy = True
-        dur = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
-        if self.cluster.shared_host or self.jitter is not None:  # the others skip classifying every step
-            self.prefilling = not all(is_decode_chunk(c.num_tokens, c.start_pos) for c in chunks)
-        if self.cluster.shared_host:  # only workers sharing a host read each other's step kind
-            dur *= self.cluster.coactivity(self)
-        if self.jitter is not None:
-            dur *= self.jitter.factor(self.prefilling)
-        self.clock.at(self.clock.now + dur, lambda: self._done(chunks, plan))
+        deltas = self.engine.step()
+        chunks = [(c.num_tokens, c.start_pos) for c in self.rt.runner.take()]
+        dur = self.profile.step_time(chunks) if chunks else 0.0
+        if dur > 0:
+            cluster = self.cluster
+            if cluster.shared_host or self.jitter is not None:  # the others skip classifying steps
+                self.prefilling = has_prefill(chunks)
+            if cluster.shared_host:  # only workers sharing a host read each other's step kind
+                dur *= cluster.coactivity(self)
+            if self.jitter is not None:
+                dur *= self.jitter.factor(self.prefilling)
+        end = self.cluster.clock.now + dur
+        if self.transport is not None:
+            self.transport.start_queued(end)  # pushes of the prompts this step completed
+        if dur > 0:
+            self.cluster.clock.at(end, lambda: self._done(deltas))
+        else:  # nothing to compute: only a command or a transfer can change that (they kick)
+            self._done(deltas, again=False)
 
-    def _done(self, chunks: list[ScheduledChunk], plan: SchedulePlan | None) -> None:
-        now = self.clock.now
-        sampled = {c.request_id: TOKEN for c in chunks if c.sample}
-        if isinstance(self.sched, PrefillScheduler):
-            update = self.sched.update(chunks, sampled)
-            for r in update.prefilled:
-                self.cluster.on_prefilled(self, self.requests[r.request_id])
-            for r in update.finished:  # the first token was the last (max_tokens = 1)
-                sr = self.requests.pop(r.request_id)
-                sr.token_times.append(now)
-                self.cluster.finish_before_decode(sr)
-        else:
-            assert plan is not None
-            update = self.sched.update(plan, sampled)
-            for rid in sampled:
-                running = self.requests.get(rid)
-                if running is not None:
-                    running.token_times.append(now)
-                    self.cluster.on_token(running)
-            for r in update.finished:
-                self.cluster.finish(self.requests.pop(r.request_id))
-            self.try_reserve()
+    def _done(self, deltas: list[TokenDelta], again: bool = True) -> None:
         self.busy = self.prefilling = False
-        self.kick()
+        self._load = None
+        effects, self._effects = self._effects, []
+        for effect in effects:
+            effect()
+        for d in deltas:
+            self.cluster.on_delta(self, d)
+        if again:
+            self.kick()
 
-    # -- decode side -----------------------------------------------------------------------------
-    def try_reserve(self) -> None:
-        while self.reservations:
-            sr = self.reservations[0]
-            n = sr.req.num_prompt_tokens
-            headroom = self.kv.num_free_blocks - blocks_needed(n, self.kv.block_size)
-            if headroom < self.sched.num_running or not self.kv.allocate_slots(sr.req, n):
-                return
-            self.reservations.popleft()
-            self._load = None
-            sr.reserved = True
-            self.cluster.maybe_transfer(sr)
-
-    def admit_decode(self, sr: SimRequest) -> None:
-        """The KV arrived: the request joins the batch with its first token."""
-        req = sr.req
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.append_token(TOKEN)
-        if req.check_token_stop():
-            self.kv.free(req.request_id)
-            self.cluster.finish(sr)
-            return
-        self.requests[req.request_id] = sr
-        assert isinstance(self.sched, ColocatedScheduler)
-        self.sched.decode.add(req)
+    def command(self, fn: Callable[[], object]) -> None:
+        """A router command: it reaches the engine now (a push it starts begins now, or when
+        the step in flight ends)."""
+        fn()
         self.kick()
 
 
@@ -220,12 +194,13 @@ class Cluster:
         self.clock = Clock()
         self.profile = profile
         self.calibration = calibration_of(profile)
+        self.link = Link(self.clock, profile)
         self.shared_host = shared_host
         self.jitter_seed = jitter_seed
         self.colocated = colocated > 0
 
         def mk(i: int, role: WorkerRole, cfg: SchedulerConfig) -> SimWorker:
-            return SimWorker(f"{role.value}-{i}", role, profile, cfg, block_size, self.clock, self)
+            return SimWorker(f"{role.value}-{i}", role, profile, cfg, block_size, self)
 
         if self.colocated:
             self.decoders = [mk(i, WorkerRole.COLOCATED, decode_config) for i in range(colocated)]
@@ -237,6 +212,7 @@ class Cluster:
         self.dispatcher = dispatcher
         self.slo = slo
         self.block_size = block_size
+        self.requests: dict[str, SimRequest] = {}  # in flight
         self.finished: list[SimRequest] = []
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
         self.max_model_len = profile.max_model_len
@@ -258,19 +234,20 @@ class Cluster:
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-        sr = SimRequest(Request(rid, prompt, params), arrival)
+        sr = SimRequest(WorkItem(rid, prompt, params), arrival)
         self.clock.at(arrival, lambda: self._arrive(sr))
         return sr
 
+    # -- the router ------------------------------------------------------------------------------
     def _arrive(self, sr: SimRequest) -> None:
-        req = sr.req
+        work = sr.work
+        rid = work.request_id
         route = RouteRequest(
-            req.num_prompt_tokens, req.params.max_tokens, request_id=req.request_id,
-            block_keys=block_keys(req.prompt_token_ids, self.block_size), slo=self.slo,
+            sr.num_prompt_tokens, work.params.max_tokens, request_id=rid,
+            block_keys=block_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
         )  # fmt: skip
-        now = self.clock.now
         decision = self.dispatcher.decide(
-            route, [w.load() for w in self.prefillers], [w.load() for w in self.decoders], now
+            route, [w.load() for w in self.prefillers], [w.load() for w in self.decoders], self.clock.now
         )
         key = f"{decision.outcome.value}/{decision.reason}"
         self.decisions[key] = self.decisions.get(key, 0) + 1
@@ -278,82 +255,105 @@ class Cluster:
             sr.rejected = True
             self.finish(sr)
             return
-        req.priority = decision.priority
+        if decision.priority:
+            sr.work = work = WorkItem(rid, work.prompt_token_ids, work.params, decision.priority)
+        self.requests[rid] = sr
         d = self.by_id[decision.decode_worker]
         sr.decode_worker = d
         if decision.prefill_worker is None:
-            d.requests[req.request_id] = sr
-            assert isinstance(d.sched, ColocatedScheduler)
-            d.sched.add_request(req)
-            d.kick()
+            d.command(lambda: d.decode.add_local(work))
             self.dispatcher.on_report(d.load())  # simulated loads are always fresh
             return
         p = self.by_id[decision.prefill_worker]
         sr.prefill_worker = p
-        # The prefill side works on its own copy of the request; decode reserves for the original.
-        twin = Request(req.request_id, req.prompt_token_ids, req.params, priority=decision.priority)
-        p.requests[twin.request_id] = sr
-        sr.twin = twin
-        assert isinstance(p.sched, PrefillScheduler)
-        p.sched.add(twin)
-        p.kick()
-        d.reservations.append(sr)
+        sr.transfer_id = f"kv-{rid}"
+        self.link.tokens[sr.transfer_id] = sr.num_prompt_tokens
+        reservation = d.decode.reserve(work, sr.transfer_id, timeout_s=FOREVER_S)
         d.changed()
-        d.try_reserve()
+        if reservation.done():
+            target = reservation.result()
+            sr.granted = True
+            p.command(lambda: p.prefill.add(work, target))
+        else:
+            p.command(lambda: p.prefill.add(work))
+            reservation.add_done_callback(lambda f: self._reserved(sr, f))
         self.dispatcher.on_report(d.load())
         self.dispatcher.on_report(p.load())
 
-    def on_token(self, sr: SimRequest) -> None:
-        """A decode worker sampled a token of ``sr`` (its ``token_times`` has it)."""
-        t = sr.token_times
-        if len(t) == 1:  # prefilled locally: that was the first token
-            self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, t[0] - sr.arrival)
-
-    def on_prefilled(self, p: SimWorker, sr: SimRequest) -> None:
-        sr.token_times.append(self.clock.now)  # the first token leaves now (TTFT)
-        self.dispatcher.on_first_token(sr.req.request_id, self.clock.now, self.clock.now - sr.arrival)
-        sr.prefilled = True
-        p.sending += 1
-        p.changed()
-        self.maybe_transfer(sr)
-
-    def maybe_transfer(self, sr: SimRequest) -> None:
-        if not (sr.prefilled and sr.reserved):
+    def _reserved(self, sr: SimRequest, fut: Future[KVTarget | None]) -> None:
+        """A waiting reservation was granted (in the decode worker's step: reported at its end)."""
+        d = sr.decode_worker
+        assert d is not None
+        target = fut.result()
+        if target is None or sr.done:  # given back: the request ended meanwhile
             return
-        t = self.profile.transfer_time(sr.req.num_prompt_tokens)
-        self.clock.at(self.clock.now + t, lambda: self._transferred(sr))
+        d.later(lambda: self._granted(sr, target))
 
-    def _transferred(self, sr: SimRequest) -> None:
-        p, d = sr.prefill_worker, sr.decode_worker
-        assert p is not None and d is not None
-        p.sending -= 1
-        p.kv.free(sr.req.request_id)
-        p.requests.pop(sr.req.request_id, None)
-        p.kick()
-        d.admit_decode(sr)
+    def _granted(self, sr: SimRequest, target: KVTarget) -> None:
+        """As the router does: name the blocks to the prefill worker, and start decoding once
+        the first token is known as well."""
+        p = sr.prefill_worker
+        assert p is not None
+        sr.granted = True
+        p.command(lambda: p.prefill.set_target(sr.work.request_id, target))
+        if sr.first is not None:
+            self._start(sr)
+
+    def _start(self, sr: SimRequest) -> None:
+        d = sr.decode_worker
+        assert d is not None and sr.first is not None
+        token, cached = sr.first
+        d.command(lambda: d.decode.start(sr.work.request_id, token, cached))
+
+    def on_delta(self, w: SimWorker, delta: TokenDelta) -> None:
+        sr = self.requests.get(delta.request_id)
+        if sr is None:
+            return
+        if delta.error:
+            raise AssertionError(f"{w.wid} failed {delta.request_id}: {delta.error}")
+        now = self.clock.now
+        rid = delta.request_id
+        decoder = sr.decode_worker
+        assert decoder is not None
+        if w.role is WorkerRole.PREFILL:
+            if delta.kv_lost:
+                decoder.command(lambda: decoder.decode.kv_lost(rid))
+                return
+            sr.token_times.append(now)  # the first token leaves now (TTFT)
+            self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+            if delta.finished:  # that token was the last: decode gives its reservation back
+                decoder.command(lambda: decoder.decode.abort(rid))
+                self.finish(sr)
+            elif delta.prefilled:
+                sr.first = (delta.token_ids[0], delta.num_cached_tokens)
+                if sr.granted:
+                    self._start(sr)
+            return
+        if not delta.token_ids and not delta.finished:
+            return
+        first = not sr.token_times
+        sr.token_times.extend([now] * len(delta.token_ids))
+        if first and sr.token_times:  # prefilled locally: that was the first token
+            self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+        if delta.finished:
+            self.finish(sr)
 
     def finish(self, sr: SimRequest) -> None:
         sr.done = True
+        self.requests.pop(sr.work.request_id, None)
+        self.link.tokens.pop(sr.transfer_id, None)
         self.finished.append(sr)
         t = sr.token_times
         gaps = [b - a for a, b in itertools.pairwise(t[1:])]  # without the hand-off gap
-        self.dispatcher.on_end(sr.req.request_id, self.clock.now, statistics.median(gaps) if gaps else None)
-
-    def finish_before_decode(self, sr: SimRequest) -> None:
-        """Prefill's first token ended the request: decode gives its reservation back."""
-        d = sr.decode_worker
-        assert d is not None
-        if sr.reserved:
-            d.kv.free(sr.req.request_id)
-            d.try_reserve()
-        elif sr in d.reservations:
-            d.reservations.remove(sr)
-        d.changed()
-        self.finish(sr)
+        self.dispatcher.on_end(sr.work.request_id, self.clock.now, statistics.median(gaps) if gaps else None)
 
     def run(self) -> None:
         self.clock.run()
-        for w in self.by_id.values():  # every scenario ends with every block back
-            stats = w.kv.check_integrity()
-            if stats.used:
-                raise AssertionError(f"{w.wid}: {stats.used} KV blocks still used after the run")
+        for w in self.by_id.values():  # every scenario ends with every request done and nothing held
+            if not w.engine.idle:
+                held = {k: v for k, v in w.engine.request_state().items() if v}
+                raise AssertionError(f"{w.wid}: requests left after the run: {held}")
+            try:
+                w.engine.check_integrity()
+            except AssertionError as e:
+                raise AssertionError(f"{w.wid}: {e}") from None

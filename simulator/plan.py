@@ -39,6 +39,7 @@ from typing import Any
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.sweep import run_search, search
+from pdserve.flags import add_sweep_steps, save_result
 from pdserve.simulator.run import add_simulate_args, simulate
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
@@ -144,7 +145,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help="prefill-priority colocation budgets ('' for none)",
     )
     p.add_argument("--prefill-budgets", type=_ints, default=list(PREFILL_BUDGETS))
-    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+    add_sweep_steps(p)
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
     p.add_argument(
@@ -339,8 +340,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }
         for pg, c, r in rows
     ]
-    if args.save_result:
-        args.save_result.write_text(json.dumps(summary))
-        print(f"saved {args.save_result}")
+    save_result(args, summary, f"plan-{args.gpus}gpus.json")
     print(json.dumps({k: v for k, v in summary.items() if k != "candidates"}, sort_keys=True))
     return 0

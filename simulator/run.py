@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 import time
@@ -15,9 +14,18 @@ from typing import Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
+from pdserve.flags import (
+    add_block_size,
+    add_goodput,
+    add_layout,
+    add_policy,
+    add_result,
+    add_scheduler,
+    colocated_count,
+    save_result,
+)
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.dispatchers import make_dispatcher
-from pdserve.router.policy import POLICIES
 from pdserve.router.slo import Admission, SloClass
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
@@ -29,11 +37,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sharegpt", type=Path, default=None, help="ShareGPT-style lengths CSV, Poisson/gamma arrivals"
     )
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--colocated", type=int, default=0, help="K colocated engines instead")
+    add_layout(p)
     p.add_argument("--profile", default="h100-llama3-8b", help="built-in name or JSON file")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded")
+    add_policy(p, "least_loaded")  # the static split; ``serve``'s goodput routing is --policy goodput
     p.add_argument(
         "--admission",
         choices=[a.value for a in Admission],
@@ -47,26 +53,14 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="goodput policy: never prefill on a decode worker (static disaggregation)",
     )
     add_workload_args(p)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill / colocated step budget")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    add_scheduler(p, max_num_batched_tokens=8192, max_num_seqs=256)
     p.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
         default=0,
         help="decode workers' step budget, which bounds their local prefill chunks (0: as above)",
     )
-    p.add_argument(
-        "--colocated-schedule",
-        choices=[s.value for s in ColocatedSchedule],
-        default=ColocatedSchedule.CHUNKED.value,
-        help="colocated engines: chunked prefill riding along decodes, or whole prompts first (vLLM v0)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=64,
-        help="KV block tokens (coarser than a GPU engine: 4x fewer blocks to track)",
-    )
+    add_block_size(p, 64, " (coarser than a GPU engine: 4x fewer blocks to track)")
     p.add_argument(
         "--shared-host",
         action="store_true",
@@ -79,8 +73,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="seed of the step-time variability a profile measured (HostCalibration.*_jitter); "
         "other seeds show the spread of a run",
     )
-    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS")
-    p.add_argument("--save-result", type=Path, default=None, help="JSON path")
+    add_goodput(p)
+    add_result(p)
 
 
 def workload(args: argparse.Namespace) -> list[RequestSpec]:
@@ -112,7 +106,8 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     # Decode workers of a split prefill only locally (conditional disaggregation): their own,
     # usually smaller, chunk budget keeps those chunks from stalling the batch.
     decode_budget = getattr(args, "decode_max_num_batched_tokens", 0) or args.max_num_batched_tokens
-    decode_cfg = cfg if args.colocated else replace(cfg, max_num_batched_tokens=decode_budget)
+    colocated = colocated_count(args)
+    decode_cfg = cfg if colocated else replace(cfg, max_num_batched_tokens=decode_budget)
     slo = Slo.parse(args.goodput)
     admission = Admission(getattr(args, "admission", "none"))
     slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
@@ -121,7 +116,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         local_step_tokens=decode_cfg.max_num_batched_tokens, prefill_step_tokens=cfg.max_num_batched_tokens,
     )  # fmt: skip
     cluster = Cluster(
-        profile, args.prefill, args.decode, args.colocated, dispatcher, cfg, decode_cfg, args.block_size,
+        profile, args.prefill, args.decode, colocated, dispatcher, cfg, decode_cfg, args.block_size,
         slo_class, shared_host=getattr(args, "shared_host", False),
         jitter_seed=getattr(args, "jitter_seed", 0),
     )  # fmt: skip
@@ -143,15 +138,15 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     for sr in tracked:
         t = sr.token_times
         if sr.rejected:
-            results.append(RequestResult(sr.req.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected"))
+            results.append(RequestResult(sr.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected"))
             continue
         if not sr.done or not t:
-            results.append(RequestResult(sr.req.num_prompt_tokens, error="not finished"))
+            results.append(RequestResult(sr.num_prompt_tokens, error="not finished"))
             continue
         end = max(end, t[-1])
         results.append(
             RequestResult(
-                prompt_len=sr.req.num_prompt_tokens,
+                prompt_len=sr.num_prompt_tokens,
                 success=True,
                 output_len=len(t),
                 ttft=t[0] - sr.arrival,
@@ -168,7 +163,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         if any(shed)
         else bound  # nothing shed: the same workload, no second pass over its prompts
     )
-    gpus = args.colocated or args.prefill + args.decode
+    gpus = colocated or args.prefill + args.decode
     finite = math.isfinite(args.request_rate)  # all at once: no load to speak of (None in the JSON)
     rate = args.request_rate if finite else 0.0
     m.update(
@@ -185,7 +180,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
             ),
             "simulated": True,
             "profile": profile.name,
-            "layout": f"{args.colocated} colocated" if args.colocated else f"{args.prefill}P+{args.decode}D",
+            "layout": f"{colocated} colocated" if colocated else f"{args.prefill}P+{args.decode}D",
             "policy": args.policy,
             "colocated_schedule": schedule.value,
             "admission": admission.value,
@@ -211,7 +206,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"work bound: {m['work_bound_rate_per_gpu']:.2f} req/s per GPU without shedding"
         + (f" (offered load {load:.2f}x of it, admitted {adm:.2f}x)" if load is not None else "")
     )
-    if args.save_result:
-        args.save_result.write_text(json.dumps(m))
-        print(f"saved {args.save_result}")
+    save_result(args, m, f"simulate-{m['layout'].replace(' ', '-').replace('+', '-')}.json")
     return 0

@@ -47,18 +47,14 @@ class ColocatedScheduler:
     def schedule(self) -> SchedulePlan:
         if self.config.colocated is ColocatedSchedule.PREFILL_PRIORITY:
             return self._schedule_prefill_priority()
-        decode_chunks, preempted = self.decode.schedule(self.config.max_num_seqs)
-        for req in preempted:
+        decode = self.decode.schedule(self.config.max_num_seqs)
+        for req in decode.preempted:
             self.prefill.add_preempted(req)
-        prefill_chunks, more = self.prefill.schedule(
-            self.config.max_num_batched_tokens - len(decode_chunks),
-            self.config.max_num_seqs - len(decode_chunks),
-        )
-        preempted += more
-        self.num_preemptions += len(preempted)
+        n = len(decode.chunks)
+        prefill = self.prefill.schedule(self.config.max_num_batched_tokens - n, self.config.max_num_seqs - n)
+        self.num_preemptions += len(decode.preempted) + len(prefill.preempted)
         return SchedulePlan(
-            chunks=(*decode_chunks, *prefill_chunks),
-            preempted=tuple(r.request_id for r in preempted),
+            chunks=(*decode.chunks, *prefill.chunks), preempted=(*decode.preempted, *prefill.preempted)
         )
 
     def _schedule_prefill_priority(self) -> SchedulePlan:
@@ -66,21 +62,21 @@ class ColocatedScheduler:
         else one decode token for every running request."""
         seqs = self.config.max_num_seqs - self.decode.num_running - self.prefill.num_running
         if seqs > 0 and (self.prefill.num_waiting or self.prefill.num_running):
-            chunks, preempted = self.prefill.schedule(self.config.max_num_batched_tokens, seqs, whole=True)
-            if chunks or preempted:
-                self.num_preemptions += len(preempted)
-                return SchedulePlan(chunks=tuple(chunks), preempted=tuple(r.request_id for r in preempted))
-        decode_chunks, preempted = self.decode.schedule(self.config.max_num_seqs)
-        for req in preempted:
+            plan = self.prefill.schedule(self.config.max_num_batched_tokens, seqs, whole=True)
+            if plan.chunks or plan.preempted:
+                self.num_preemptions += len(plan.preempted)
+                return plan
+        plan = self.decode.schedule(self.config.max_num_seqs)
+        for req in plan.preempted:
             self.prefill.add_preempted(req)
-        self.num_preemptions += len(preempted)
-        return SchedulePlan(chunks=tuple(decode_chunks), preempted=tuple(r.request_id for r in preempted))
+        self.num_preemptions += len(plan.preempted)
+        return plan
 
     def update(self, plan: SchedulePlan, sampled: Mapping[str, int]) -> StepUpdate:
-        decode_chunks = [c for c in plan.chunks if self.decode.is_scheduled(c.request_id)]
-        prefill_chunks = [c for c in plan.chunks if not self.decode.is_scheduled(c.request_id)]
-        out = self.decode.update(decode_chunks, sampled)
-        pre = self.prefill.update(prefill_chunks, sampled)
+        decode = tuple(c for c in plan.chunks if self.decode.is_scheduled(c.request_id))
+        prefill = tuple(c for c in plan.chunks if not self.decode.is_scheduled(c.request_id))
+        out = self.decode.update(SchedulePlan(decode), sampled)
+        pre = self.prefill.update(SchedulePlan(prefill), sampled)
         out.finished += pre.finished
         for req in pre.prefilled:
             self.decode.add(req)

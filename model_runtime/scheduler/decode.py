@@ -15,6 +15,7 @@ from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.request import Request, RequestStatus
 from pdserve.model_runtime.scheduler.plan import (
     ScheduledChunk,
+    SchedulePlan,
     SchedulerConfig,
     StepUpdate,
     allocate_or_preempt,
@@ -51,8 +52,8 @@ class DecodeScheduler:
     def remove(self, request_id: str) -> Request | None:
         return remove_running(self.kv, self.running, request_id)
 
-    def schedule(self, seq_budget: int | None = None) -> tuple[list[ScheduledChunk], list[Request]]:
-        """One decode token per running request, oldest first. Returns (chunks, preempted)."""
+    def schedule(self, seq_budget: int | None = None) -> SchedulePlan:
+        """One decode token per running request, oldest first (and the requests preempted)."""
         limit = self.config.max_num_seqs if seq_budget is None else seq_budget
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -64,11 +65,11 @@ class DecodeScheduler:
                 chunks.append(make_chunk(self.kv, req, 1))
                 self._scheduled[req.request_id] = req
                 idx += 1
-        return chunks, preempted
+        return SchedulePlan(tuple(chunks), tuple(preempted))
 
-    def update(self, chunks: list[ScheduledChunk], sampled: Mapping[str, int]) -> StepUpdate:
+    def update(self, plan: SchedulePlan, sampled: Mapping[str, int]) -> StepUpdate:
         out = StepUpdate()
-        for chunk in chunks:
+        for chunk in plan.chunks:
             req = self._scheduled.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.DECODING:
                 continue

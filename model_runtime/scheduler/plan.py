@@ -82,7 +82,7 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class SchedulePlan:
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...] = ()
+    preempted: tuple[Request, ...] = ()  # moved back to waiting to make room
 
     @property
     def num_tokens(self) -> int:

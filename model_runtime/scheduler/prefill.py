@@ -21,6 +21,7 @@ from pdserve.model_runtime.request import Request, RequestStatus
 from pdserve.model_runtime.scheduler.plan import (
     QueuePolicy,
     ScheduledChunk,
+    SchedulePlan,
     SchedulerConfig,
     StepUpdate,
     allocate_or_preempt,
@@ -94,8 +95,8 @@ class PrefillScheduler:
 
     def schedule(
         self, token_budget: int | None = None, seq_budget: int | None = None, whole: bool = False
-    ) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Plan this step's prefill chunks. Returns (chunks, requests preempted to make room).
+    ) -> SchedulePlan:
+        """Plan this step's prefill chunks (and the requests preempted to make room).
         ``whole``: whole prompts only (see the module docstring)."""
         budget = self.config.max_num_batched_tokens if token_budget is None else token_budget
         seqs = self.config.max_num_seqs if seq_budget is None else seq_budget
@@ -118,7 +119,7 @@ class PrefillScheduler:
         for victim in preempted:
             self.add_preempted(victim)
         if preempted:
-            return chunks, preempted
+            return SchedulePlan(tuple(chunks), tuple(preempted))
 
         while budget > 0 and seqs > 0:
             head = self._peek()
@@ -140,13 +141,13 @@ class PrefillScheduler:
             self._scheduled[req.request_id] = req
             budget -= n
             seqs -= 1
-        return chunks, preempted
+        return SchedulePlan(tuple(chunks), tuple(preempted))
 
-    def update(self, chunks: list[ScheduledChunk], sampled: Mapping[str, int]) -> StepUpdate:
+    def update(self, plan: SchedulePlan, sampled: Mapping[str, int]) -> StepUpdate:
         """Apply a step's results. Completed prompts leave this scheduler as ``prefilled`` (with
         their first token) or ``finished`` (that token already ended them; blocks freed)."""
         out = StepUpdate()
-        for chunk in chunks:
+        for chunk in plan.chunks:
             req = self._scheduled.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.PREFILLING:
                 continue  # removed (aborted) while the step ran

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import sys
@@ -26,6 +25,7 @@ from pdserve.bench.workload import (
     synthetic_requests,
     trace_requests,
 )
+from pdserve.flags import add_goodput, add_result, add_temperature, save_result
 
 if TYPE_CHECKING:
     from pdserve.bench.client import Backend
@@ -80,11 +80,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=256, help="token ids of random prompts stay below this")
     p.add_argument("--block-size", type=int, default=16, help="tokens per hash id in JSONL traces")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="e.g. ttft:250 tpot:100")
-    p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-dir", type=Path, default=Path("."))
-    p.add_argument("--result-filename", default=None)
+    add_temperature(p)
+    add_goodput(p)
+    add_result(p)
     p.add_argument("--disable-tqdm", action="store_true")
     add_sweep_args(p)
 
@@ -261,9 +259,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
     errors = [e for e in m["errors"] if e]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
-    if args.save_result:
-        name = args.result_filename or f"{args.backend}-{m['request_rate']}qps-{m['date']}.json"
-        path = args.result_dir / name
-        path.write_text(json.dumps(m))
-        print(f"saved {path}")
+    save_result(args, m, f"{args.backend}-{m['request_rate']}qps-{m['date']}.json")
     return 0

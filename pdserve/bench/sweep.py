@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.flags import add_sweep_steps
+
 PointFn = Callable[[float, int], Awaitable[dict[str, Any]]]
 
 
@@ -86,7 +88,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sweep-min-rate", type=float, default=0.5)
     p.add_argument("--sweep-max-doublings", type=int, default=10)
-    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+    add_sweep_steps(p)
     p.add_argument("--sweep-seeds", type=int, default=2)
     p.add_argument("--sweep-target", type=float, default=0.9, help="attainment that defines goodput")
     p.add_argument("--sweep-plot", type=Path, default=None, help="PNG path (default: next to the result)")

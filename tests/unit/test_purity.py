@@ -21,6 +21,8 @@ PURE = (
     "pdserve.model_runtime.kv_cache.manager",
     "pdserve.steptime.load",
     "pdserve.simulator.calibration",
+    "pdserve.simulator.cluster",
+    "pdserve.flags",
     "pdserve.worker.ports",
     "pdserve.prefill_worker.engine",
     "pdserve.decode_worker.engine",

@@ -40,3 +40,13 @@ def test_defaults_and_create_are_valid() -> None:
     p = SamplingParams.create(stop="x", stop_token_ids=[3], max_tokens=4)
     assert p.stop == ("x",) and p.stop_token_ids == (3,)
     p.validate(100)
+
+
+@pytest.mark.parametrize("bad", [-1, 1000, True, 3.0, "7", None, 2**64])
+def test_a_prompt_token_outside_the_vocabulary_is_named(bad: object) -> None:
+    from pdserve.model_runtime.validation import RequestLimits, validate_request
+
+    limits = RequestLimits(vocab_size=1000, max_model_len=4096, block_size=16, kv_capacity_blocks=1000)
+    validate_request((0, 5, 999), SamplingParams(max_tokens=4), limits)
+    with pytest.raises(InvalidRequestError, match=f"token id {bad!r} is outside the vocabulary"):
+        validate_request((1, 2, bad, 3), SamplingParams(max_tokens=4), limits)  # type: ignore[arg-type]

@@ -82,13 +82,15 @@ def test_prefill_budget_chunks_long_prompts_fcfs() -> None:
     a, b = make_req("a", 150, 4), make_req("b", 30, 4)
     s.add(a)
     s.add(b)
-    chunks, _ = s.schedule()
+    plan = s.schedule()
+    chunks = plan.chunks
     assert [(c.request_id, c.num_tokens) for c in chunks] == [("a", 100)]
-    s.update(chunks, {})
-    chunks, _ = s.schedule()
+    s.update(plan, {})
+    plan = s.schedule()
+    chunks = plan.chunks
     assert [(c.request_id, c.num_tokens, c.start_pos) for c in chunks] == [("a", 50, 100), ("b", 30, 0)]
     assert all(c.sample for c in chunks)
-    up = s.update(chunks, {"a": 1, "b": 2})
+    up = s.update(plan, {"a": 1, "b": 2})
     assert {r.request_id for r in up.prefilled} == {"a", "b"}
     assert all(r.status is RequestStatus.PREFILLED and r.output_token_ids for r in up.prefilled)
 
@@ -100,9 +102,10 @@ def test_priority_policy_orders_by_priority_then_arrival() -> None:
         s.add(make_req(rid, 10, 2, priority=prio))
     order = []
     for _ in range(4):
-        chunks, _ = s.schedule()
+        plan = s.schedule()
+        chunks = plan.chunks
         order += [c.request_id for c in chunks]
-        s.update(chunks, {c.request_id: 0 for c in chunks})
+        s.update(plan, {c.request_id: 0 for c in chunks})
     assert order == ["high", "high2", "mid", "low"]
 
 
@@ -114,7 +117,8 @@ def test_fcfs_head_of_line_is_not_overtaken() -> None:
     s.add(hog)
     s.add(big)
     s.add(small)
-    chunks, _ = s.schedule()
+    plan = s.schedule()
+    chunks = plan.chunks
     assert [c.request_id for c in chunks] == ["hog"]  # big does not fit yet; small must wait behind it
 
 
@@ -130,9 +134,10 @@ def test_decode_joins_and_leaves_every_step() -> None:
         r.num_computed_tokens = 5
         reqs[rid] = r
         d.add(r)
-    chunks, pre = d.schedule()
+    plan = d.schedule()
+    chunks, pre = plan.chunks, plan.preempted
     assert len(chunks) == 2 and not pre
-    up = d.update(chunks, {c.request_id: 7 for c in chunks})
+    up = d.update(plan, {c.request_id: 7 for c in chunks})
     assert [r.request_id for r in up.finished] == ["a"]
     assert d.num_running == 1 and not kv.holds("a")
 
@@ -149,10 +154,12 @@ def test_decode_preempts_newest_when_blocks_run_out() -> None:
         d.add(r)
         rs.append(r)
     # Both blocks are full after this token: the next step needs 2 new blocks, only 0 free.
-    chunks, pre = d.schedule()
+    plan = d.schedule()
+    chunks, pre = plan.chunks, plan.preempted
     assert [c.request_id for c in chunks] == ["old", "new"]
-    d.update(chunks, {"old": 2, "new": 3})
-    chunks, pre = d.schedule()
+    d.update(plan, {"old": 2, "new": 3})
+    plan = d.schedule()
+    chunks, pre = plan.chunks, plan.preempted
     assert [r.request_id for r in pre] == ["new"] and [c.request_id for c in chunks] == ["old"]
     assert pre[0].status is RequestStatus.WAITING and pre[0].num_computed_tokens == 0
     assert pre[0].output_token_ids == [1, 3]  # generated tokens survive preemption

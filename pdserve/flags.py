@@ -1,0 +1,111 @@
+"""Flags that more than one command takes, declared once (pure: argparse only).
+
+``serve`` and ``simulate`` share the deployment's shape and routing (a simulated layout is
+written the way it is served); ``generate``, ``serve``, ``profile`` and ``simulate`` the
+scheduler's budgets and the KV block; ``bench``, ``simulate`` and ``plan`` the SLO, the result
+file and the sweep. A command may choose its own default where the commands' worlds differ (a
+CPU engine's step budget is not an H100's), never its own meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
+from pdserve.router.policy import POLICIES
+
+
+def add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=-1,
+        default=0,
+        help="N colocated engines instead (default N: prefill + decode, the same hardware)",
+    )
+    p.add_argument(
+        "--colocated-schedule",
+        choices=[c.value for c in ColocatedSchedule],
+        default=ColocatedSchedule.CHUNKED.value,
+        help="colocated engines: chunked prefill riding along decodes (default), or whole prompts "
+        "first (vLLM v0's schedule; `pdserve plan` says when it wins)",
+    )
+
+
+def colocated_count(args: argparse.Namespace) -> int:
+    """``--colocated``'s engines: 0 for a split deployment."""
+    n = int(args.colocated)
+    return args.prefill + args.decode if n < 0 else n
+
+
+def add_policy(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--policy", choices=sorted(POLICIES), default=default, help=f"routing policy (default {default})"
+    )
+
+
+def add_scheduler(p: argparse.ArgumentParser, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=max_num_batched_tokens,
+        help=f"tokens a step computes at most (prefill / colocated budget; default {max_num_batched_tokens})",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=max_num_seqs,
+        help=f"requests a step holds at most (default {max_num_seqs})",
+    )
+
+
+def add_block_size(p: argparse.ArgumentParser, default: int, why: str = "") -> None:
+    p.add_argument(
+        "--block-size", type=int, default=default, help=f"KV block tokens{why} (default {default})"
+    )
+
+
+def add_model(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--model",
+        default=default,
+        help=f"preset name (tiny, bench) or Hugging Face directory (default {default})",
+    )
+
+
+def add_temperature(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+
+
+def add_goodput(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--goodput", nargs="+", default=[], metavar="METRIC:MS", help="the SLO, e.g. ttft:250 tpot:100"
+    )
+
+
+def add_result(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-result", action="store_true", help="write the result as JSON")
+    p.add_argument("--result-dir", type=Path, default=Path("."))
+    p.add_argument("--result-filename", default=None, help="default: named after the run")
+
+
+def save_result(args: argparse.Namespace, result: Any, default_name: str) -> Path | None:
+    """With ``--save-result``, write ``result`` to ``--result-dir``/``--result-filename`` (or
+    ``default_name``); the path written, else ``None``."""
+    if not args.save_result:
+        return None
+    path: Path = args.result_dir / (args.result_filename or default_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    print(f"saved {path}")
+    return path
+
+
+def add_sweep_steps(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
