@@ -41,7 +41,7 @@ from typing import Any
 from pdserve.simulator.jitter import quantile_grid_checked
 from pdserve.steptime.dilation import Dilated
 from pdserve.steptime.load import KINDS, Parser, build_fields, load_profile, parse_profile
-from pdserve.steptime.model import StepTimeModel, has_prefill
+from pdserve.steptime.model import StepTimeModel, Wrapper, has_prefill
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class HostCalibration:
 
 
 @dataclass(frozen=True)
-class Calibrated:
+class Calibrated(Wrapper):
     """``base`` as a serving worker on the calibrated host runs it; capacities unchanged."""
 
     base: StepTimeModel
@@ -106,18 +106,6 @@ class Calibrated:
     @property
     def name(self) -> str:
         return f"{self.base.name}+service"
-
-    @property
-    def max_model_len(self) -> int:
-        return self.base.max_model_len
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.base.kv_bytes_per_token
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.base.kv_capacity_tokens
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         cs = list(chunks)

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.model import StepTimeModel, Wrapper
 
 _SUFFIX = re.compile(r"^(?P<base>.+)@x(?P<factor>\d+(?:\.\d+)?)$")
 
@@ -34,7 +34,7 @@ def split_dilation(name: str) -> tuple[str, float]:
 
 
 @dataclass(frozen=True)
-class Dilated:
+class Dilated(Wrapper):
     """``base`` with every duration multiplied by ``factor``; capacities unchanged."""
 
     base: StepTimeModel
@@ -43,18 +43,6 @@ class Dilated:
     @property
     def name(self) -> str:
         return f"{self.base.name}@x{self.factor:g}"
-
-    @property
-    def max_model_len(self) -> int:
-        return self.base.max_model_len
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.base.kv_bytes_per_token
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.base.kv_capacity_tokens
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         return self.factor * self.base.step_time(chunks)

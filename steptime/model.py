@@ -40,6 +40,24 @@ class StepTimeModel(Protocol):
     def to_json(self) -> str: ...
 
 
+class Wrapper:
+    """A model that changes ``base``'s durations and keeps its capacities."""
+
+    base: StepTimeModel
+
+    @property
+    def max_model_len(self) -> int:
+        return self.base.max_model_len
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.base.kv_bytes_per_token
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens
+
+
 def is_decode_chunk(new: int, cached: int) -> bool:
     """A decode token: one new token after a cached context (the convention of every profile)."""
     return new == 1 and cached > 0
