@@ -118,8 +118,7 @@ def start(prefill: int, decode: int) -> tuple[Any, Any]:
 
     from pdserve.deploy.pools import PoolSpec
     from pdserve.deploy.service import Service, ServiceThread
-    from pdserve.model_runtime.config import CacheConfig
-    from pdserve.model_runtime.engine.runtime import EngineConfig
+    from pdserve.model_runtime.config import CacheConfig, EngineConfig
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
     from pdserve.router.config import Caps, RouterConfig
     from pdserve.v1 import inference_pb2_grpc as pb_grpc

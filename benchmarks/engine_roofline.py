@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
-from pdserve.model_runtime.config import CacheConfig, ModelConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.presets import preset_path
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig

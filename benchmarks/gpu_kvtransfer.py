@@ -36,8 +36,9 @@ def _digest(cache: Any, blocks: list[int]) -> str:
 def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
     import torch
 
+    from pdserve.kvtransfer.config import TransportConfig
     from pdserve.kvtransfer.states import TransferState
-    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
     torch.cuda.set_device(device)
@@ -61,7 +62,8 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
     import torch
 
     from benchmarks.common import median_time
-    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.kvtransfer.config import TransportConfig
+    from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
     secret = os.urandom(32)

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, median_time
+from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
 from pdserve.kvtransfer.states import TransferState
-from pdserve.kvtransfer.transport import KVTransport, TransportConfig
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.deploy.pools import worker_class
 from pdserve.router.workers import LocalCaller, WorkerHandle
-from pdserve.worker.host import WorkerSpec
+from pdserve.worker.spec import WorkerSpec
 
 _CALLS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
 

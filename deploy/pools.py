@@ -5,10 +5,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from pdserve.kvtransfer.transport import TransportConfig
-from pdserve.model_runtime.engine.runtime import EngineConfig
-from pdserve.worker.host import WorkerSpec
+from pdserve.kvtransfer.config import TransportConfig
+from pdserve.model_runtime.config import EngineConfig
 from pdserve.worker.messages import WorkerRole
+from pdserve.worker.spec import WorkerSpec
 
 
 @dataclass(frozen=True)

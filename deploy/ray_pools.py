@@ -24,7 +24,7 @@ from typing import Any
 
 from pdserve.deploy.pools import PoolSpec, worker_class
 from pdserve.router.workers import WorkerHandle
-from pdserve.worker.host import WorkerSpec
+from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 

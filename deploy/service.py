@@ -23,8 +23,8 @@ from pdserve.router.outputs import OutputListener
 from pdserve.router.server import Frontends, chat_template_for
 from pdserve.router.service import Router
 from pdserve.router.workers import WorkerHandle
-from pdserve.worker.host import WorkerSpec
 from pdserve.worker.messages import WorkerRole
+from pdserve.worker.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from pdserve.deploy.ray_pools import Placement

@@ -29,13 +29,13 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.kvtransfer.channel import Peering
+from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import CudaIpcPath, DataPath, ShmPath, TcpPath
 from pdserve.kvtransfer.nccl import make_nccl_path
 from pdserve.kvtransfer.receiver import Receiver
@@ -44,27 +44,6 @@ from pdserve.kvtransfer.states import CompletionQueue, Completions, TransferStat
 from pdserve.model_runtime.kv_cache.tensors import KVLayout
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "tcp", "shm", "cuda_ipc", "nccl")
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    backend: str = "auto"
-    host: str = "127.0.0.1"  # never 0.0.0.0 unless asked
-    port: int = 0
-    io_timeout_s: float = 5.0  # any single socket operation
-    connect_timeout_s: float = 3.0
-    lease_s: float = 30.0  # receiver: how long reserved blocks wait for their transfer
-    send_timeout_s: float = 30.0  # sender: whole-transfer deadline
-    fence_grace_s: float = 2.0  # direct-write receiver: lease end + this bounds an unconfirmed writer
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"unknown KV transfer backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
-            )
-
 
 def layout_of(cache: torch.Tensor) -> dict[str, Any]:
     """The fingerprint both ends must share, as plain values for the handshake."""

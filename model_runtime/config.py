@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.steptime.load import load_profile
+from pdserve.steptime.model import StepTimeModel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -178,3 +182,28 @@ class CacheConfig:
             return self.num_blocks
         per_block = model.kv_bytes_per_token(dtype_bytes) * self.block_size
         return max(1, self.memory_budget_bytes // per_block)
+
+
+COMPUTE_MODES = ("model", "zero", "emulated:<profile>")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # preset name or Hugging Face directory
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str | None = None  # None/auto: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=512))
+    max_logprobs: int = MAX_LOGPROBS_DEFAULT
+    compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
+    step_log: str = ""  # a directory: each worker logs its steps there (``engine.step_log``); "" off
+
+    def __post_init__(self) -> None:
+        if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
+            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
+        _ = self.profile  # an unknown profile fails here, before any worker starts
+
+    @property
+    def profile(self) -> StepTimeModel | None:
+        return load_profile(self.compute.split(":", 1)[1]) if self.compute.startswith("emulated:") else None

@@ -29,8 +29,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdserve.model_runtime.config import CacheConfig
-    from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.model_runtime.config import CacheConfig, EngineConfig
+    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
     return LLMEngine(

@@ -243,9 +243,10 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
         return args.link_latency_us * 1e-6, args.link_gbps * 1e9, f"given: {args.link_gbps} GB/s"
     import torch
 
+    from pdserve.kvtransfer.config import TransportConfig
     from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
     from pdserve.kvtransfer.states import TransferState
-    from pdserve.kvtransfer.transport import KVTransport, TransportConfig
+    from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
     from pdserve.steptime.fitted import fit_relative
 
@@ -311,8 +312,8 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     """Measure, fit, print; returns the profile and what it was fitted on."""
     import torch
 
-    from pdserve.model_runtime.config import CacheConfig
-    from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from pdserve.model_runtime.config import CacheConfig, EngineConfig
+    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape
     from pdserve.model_runtime.model.loader import resolve_dtype
     from pdserve.steptime.fitted import FittedProfile

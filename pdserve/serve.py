@@ -13,9 +13,8 @@ from pathlib import Path
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_layout, add_policy, colocated_count
-from pdserve.kvtransfer.transport import BACKENDS, TransportConfig
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.runtime import COMPUTE_MODES, EngineConfig
+from pdserve.kvtransfer.config import BACKENDS, TransportConfig
+from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import PRESETS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig

@@ -24,39 +24,23 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from pdserve.kvtransfer.emulated_link import EmulatedLink
-from pdserve.kvtransfer.transport import KVTransport, TransportConfig
-from pdserve.model_runtime.engine.runtime import EngineConfig, Runtime, build_runtime
+from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
 from pdserve.worker.commands import Abort, Answer, Command, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
+from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    worker_id: str
-    role: WorkerRole
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
-    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
-    router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish
-    drain_on_sigterm: bool = False  # install the SIGTERM drain (own worker processes only)
-
-    def __post_init__(self) -> None:
-        if not self.drain_timeout_s >= 0:  # NaN too
-            raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +60,7 @@ def _shared_cache_allocator(spec: WorkerSpec, receives: bool) -> tuple[Any, list
     paths: list[Path] = []
     if not receives or spec.transport.backend not in ("auto", "shm"):
         return None, paths
-    if spec.engine.torch_device().type != "cpu":
+    if torch_device(spec.engine).type != "cpu":
         return None, paths
     from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from pdserve.model_runtime.config import EngineConfig
 from pdserve.model_runtime.engine.output import OutputTracker, RequestOutput
-from pdserve.model_runtime.engine.runtime import EngineConfig, build_runtime
+from pdserve.model_runtime.engine.runtime import build_runtime
 from pdserve.model_runtime.errors import InvalidRequestError, TokenizerUnavailableError
 from pdserve.model_runtime.kv_cache.manager import check_idle
 from pdserve.model_runtime.request import FinishReason, Request

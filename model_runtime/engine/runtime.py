@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from pdserve.model_runtime.config import CacheConfig, ModelConfig
+from pdserve.model_runtime.config import EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.engine.runner import StepResult
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
@@ -28,46 +28,21 @@ from pdserve.model_runtime.model.loader import load_eos_ids, load_model, resolve
 from pdserve.model_runtime.platform import tune_malloc
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.request import Request
-from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
-from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits
-from pdserve.steptime.load import load_profile
 from pdserve.steptime.model import StepTimeModel
 
 log = logging.getLogger(__name__)
-
-COMPUTE_MODES = ("model", "zero", "emulated:<profile>")
 
 # (shape, dtype, device) -> cache tensor; lets a worker place its cache in shared memory.
 CacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "tiny"  # preset name or Hugging Face directory
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str | None = None  # None/auto: float32 on CPU, bfloat16 on CUDA
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=512))
-    max_logprobs: int = MAX_LOGPROBS_DEFAULT
-    compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
-    step_log: str = ""  # a directory: each worker logs its steps there (``engine.step_log``); "" off
-
-    def __post_init__(self) -> None:
-        if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
-            raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
-        _ = self.profile  # an unknown profile fails here, before any worker starts
-
-    @property
-    def profile(self) -> StepTimeModel | None:
-        return load_profile(self.compute.split(":", 1)[1]) if self.compute.startswith("emulated:") else None
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+def torch_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
 
 
 class StepRunner(Protocol):
@@ -181,7 +156,7 @@ class Runtime:
 
 
 def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = None) -> Runtime:
-    device = config.torch_device()
+    device = torch_device(config)
     if device.type == "cpu":
         tune_malloc()
     dtype = resolve_dtype(config.dtype, device)

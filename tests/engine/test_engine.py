@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.request import FinishReason
 from pdserve.model_runtime.sampling_params import SamplingParams

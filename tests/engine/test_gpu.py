@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from tests.engine.hf_models import hf_greedy, make_hf_model
 

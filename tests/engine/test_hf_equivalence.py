@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.engine.batch import build_batch
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
 from tests.engine.hf_models import VOCAB, hf_greedy, make_hf_model

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.errors import InvalidRequestError, ModelLoadError
 from pdserve.model_runtime.model.loader import load_model, resolve_dtype
 from pdserve.model_runtime.presets import PRESETS, materialize, preset_path

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from pdserve.kvtransfer.channel import Connection, client_handshake
+from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
-from pdserve.kvtransfer.transport import KVTransport, TransportConfig, layout_of
+from pdserve.kvtransfer.transport import KVTransport, layout_of
 from pdserve.model_runtime.kv_cache.block_pool import BlockPool
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 

@@ -12,9 +12,8 @@ import httpx
 
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Endpoints, Service, ServiceThread
-from pdserve.kvtransfer.transport import TransportConfig
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.runtime import EngineConfig
+from pdserve.kvtransfer.config import TransportConfig
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.slo import SloClass

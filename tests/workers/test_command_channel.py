@@ -15,9 +15,8 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from pdserve.decode_worker.actor import DecodeWorker
-from pdserve.kvtransfer.transport import TransportConfig
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.runtime import EngineConfig
+from pdserve.kvtransfer.config import TransportConfig
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, VERSION, decode_hello, encode_welcome
@@ -29,8 +28,8 @@ from pdserve.worker.commands import (
     decode_from_worker,
     encode_command,
 )
-from pdserve.worker.host import WorkerSpec
 from pdserve.worker.messages import OutputBatch, WorkerRole, WorkItem
+from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"channel-test-secret-0123"
 TCP = TransportConfig(backend="tcp")

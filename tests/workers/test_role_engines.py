@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.decode_worker.actor import DecodeWorker
-from pdserve.kvtransfer.transport import TransportConfig
-from pdserve.model_runtime.config import CacheConfig
-from pdserve.model_runtime.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.kvtransfer.config import TransportConfig
+from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.engine.step_log import read_steps
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.actor import PrefillWorker
-from pdserve.worker.host import WorkerSpec
 from pdserve.worker.loop import WorkerFailed
 from pdserve.worker.messages import TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"worker-test-secret-0123"
 ENGINE = EngineConfig(

@@ -10,12 +10,12 @@ import time
 import pytest
 
 from pdserve.deploy.pool_worker import PoolWorker
-from pdserve.kvtransfer.transport import TransportConfig
+from pdserve.kvtransfer.config import TransportConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.worker.commands import Prefill, UnsupportedCommand
-from pdserve.worker.host import WorkerSpec
 from pdserve.worker.messages import WorkerRole, WorkItem
+from pdserve.worker.spec import WorkerSpec
 from tests.workers.test_role_engines import ENGINE, SECRET, prompts, run_disaggregated
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

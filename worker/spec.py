@@ -1,0 +1,28 @@
+"""What one worker process is told to be (pure data): its id and role, engine and transport
+settings, the cluster secret, and where its router listens. ``pdserve.worker.host`` builds the
+process from it; deployments (``pdserve.deploy``) write it without loading the model stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.kvtransfer.config import TransportConfig
+from pdserve.model_runtime.config import EngineConfig
+from pdserve.worker.messages import WorkerRole
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    role: WorkerRole
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
+    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish
+    drain_on_sigterm: bool = False  # install the SIGTERM drain (own worker processes only)
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:  # NaN too
+            raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
