@@ -338,5 +338,8 @@ class DecodeEngine(RoleEngineBase):
         return delta_for(req, since, logprobs)
 
     def counts(self) -> tuple[int, int]:
-        waiting = self.scheduler.num_waiting + len(self._reserved) + len(self._pending)
-        return self.scheduler.num_running, waiting
+        # A granted reservation holds its blocks and joins the batch when its KV is in: it is
+        # running work, not a request queued for room (which the goodput policy charges as a
+        # wait on every request routed here). Pending reservations do wait for room.
+        running = self.scheduler.num_running + len(self._reserved)
+        return running, self.scheduler.num_waiting + len(self._pending)
