@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.planner import Bounds
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
 
@@ -109,3 +110,21 @@ def save_result(args: argparse.Namespace, result: Any, default_name: str) -> Pat
 
 def add_sweep_steps(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+
+
+def add_autoscale(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="resize the prefill and decode pools with the SLO planner (needs TTFT and TPOT targets)",
+    )
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--min-{role}", type=int, default=1, help=f"with --autoscale: fewest {role} workers")
+        p.add_argument(f"--max-{role}", type=int, default=8, help=f"with --autoscale: most {role} workers")
+    p.add_argument(
+        "--autoscale-interval", type=float, default=30.0, help="seconds between the planner's decisions"
+    )
+
+
+def planner_bounds(args: argparse.Namespace) -> Bounds:
+    return Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode)

@@ -31,6 +31,7 @@ a run is reproducible and runs with other seeds show the spread.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -64,6 +65,7 @@ class SimRequest:
     transfer_id: str = ""
     granted: bool = False  # the decode worker reserved its blocks
     first: tuple[int, int] | None = None  # the prefill worker's first token, cached prompt tokens
+    cached: int = 0  # prompt tokens a prefix cache served
     done: bool = False
     rejected: bool = False
 
@@ -79,23 +81,32 @@ class SimWorker:
         self, wid: str, role: WorkerRole, profile: StepTimeModel, config: SchedulerConfig,
         block_size: int, cluster: Cluster,
     ) -> None:  # fmt: skip
-        self.wid, self.role, self.profile, self.cluster = wid, role, profile, cluster
+        self.wid, self.profile, self.cluster = wid, profile, cluster
         kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
         self.rt = SimRuntime(kv, block_size, profile.max_model_len)
         self.transport: SimTransport | None = None
         if role is not WorkerRole.COLOCATED:
             self.transport = SimTransport(wid, cluster.link, self.kick)
-        self.engine: PrefillEngine | DecodeEngine
-        if role is WorkerRole.PREFILL:
-            assert self.transport is not None
-            self.engine = PrefillEngine(self.rt, self.transport, config, wid)
-        else:
-            self.engine = DecodeEngine(self.rt, self.transport, config, wid, role, clock=cluster.clock)
+        self.become(role, config)
+        self.retiring = False  # routed nothing new; leaves (or switches role) once idle
+        self.on_idle: Callable[[], None] | None = None
         self.busy = False
         self.prefilling = False  # the step in flight has prefill work
         self._effects: list[Callable[[], None]] = []  # what the step in flight reports at its end
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
         self.jitter = cluster.jitter_for(wid)
+
+    def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
+        """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
+        self.role = role
+        self.engine: PrefillEngine | DecodeEngine
+        if role is WorkerRole.PREFILL:
+            assert self.transport is not None
+            self.engine = PrefillEngine(self.rt, self.transport, config, self.wid)
+        else:
+            clock = self.cluster.clock
+            self.engine = DecodeEngine(self.rt, self.transport, config, self.wid, role, clock=clock)
+        self._load = None
 
     @property
     def kv(self) -> KVCacheManager:
@@ -168,12 +179,19 @@ class SimWorker:
             self.cluster.on_delta(self, d)
         if again:
             self.kick()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.on_idle is not None and not self.busy and self.engine.idle:
+            fn, self.on_idle = self.on_idle, None
+            fn()
 
     def command(self, fn: Callable[[], object]) -> None:
         """A router command: it reaches the engine now (a push it starts begins now, or when
         the step in flight ends)."""
         fn()
         self.kick()
+        self._check_idle()
 
 
 class Cluster:
@@ -199,19 +217,24 @@ class Cluster:
         self.jitter_seed = jitter_seed
         self.colocated = colocated > 0
 
-        def mk(i: int, role: WorkerRole, cfg: SchedulerConfig) -> SimWorker:
-            return SimWorker(f"{role.value}-{i}", role, profile, cfg, block_size, self)
-
+        self.block_size = block_size
+        self.configs = {WorkerRole.PREFILL: prefill_config, WorkerRole.DECODE: decode_config,
+                        WorkerRole.COLOCATED: decode_config}  # fmt: skip
+        self._ids = itertools.count()
+        self.by_id: dict[str, SimWorker] = {}  # every worker ever started (the leak check reads all)
+        self.prefillers: list[SimWorker] = []  # routable now
+        self.decoders: list[SimWorker] = []
+        self.lifetimes: dict[str, list[float]] = {}  # worker id -> [started, stopped (or open)]
         if self.colocated:
-            self.decoders = [mk(i, WorkerRole.COLOCATED, decode_config) for i in range(colocated)]
-            self.prefillers: list[SimWorker] = []
+            for _ in range(colocated):
+                self.add_worker(WorkerRole.COLOCATED)
         else:
-            self.prefillers = [mk(i, WorkerRole.PREFILL, prefill_config) for i in range(prefill)]
-            self.decoders = [mk(i, WorkerRole.DECODE, decode_config) for i in range(decode)]
-        self.by_id = {w.wid: w for w in (*self.prefillers, *self.decoders)}
+            for _ in range(prefill):
+                self.add_worker(WorkerRole.PREFILL)
+            for _ in range(decode):
+                self.add_worker(WorkerRole.DECODE)
         self.dispatcher = dispatcher
         self.slo = slo
-        self.block_size = block_size
         self.requests: dict[str, SimRequest] = {}  # in flight
         self.finished: list[SimRequest] = []
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
@@ -231,6 +254,57 @@ class Cluster:
         other workers run."""
         others = [o for o in self.by_id.values() if o is not w and o.busy]
         return self.calibration.coactivity(w.prefilling, bool(others), any(o.prefilling for o in others))
+
+    # -- membership ------------------------------------------------------------------------------
+    def pool(self, role: WorkerRole) -> list[SimWorker]:
+        return self.prefillers if role is WorkerRole.PREFILL else self.decoders
+
+    def add_worker(self, role: WorkerRole, ready_in_s: float = 0.0) -> SimWorker:
+        """Start a worker; it takes requests ``ready_in_s`` from now (its start-up: a GPU is
+        held, and counted, from now)."""
+        w = SimWorker(f"{role.value}-{next(self._ids)}", role, self.profile, self.configs[role],
+                      self.block_size, self)  # fmt: skip
+        self.by_id[w.wid] = w
+        self.lifetimes[w.wid] = [self.clock.now, math.inf]
+        if ready_in_s > 0:
+            self.clock.at(self.clock.now + ready_in_s, lambda: self.pool(role).append(w))
+        else:
+            self.pool(role).append(w)
+        return w
+
+    def retire(self, w: SimWorker, then: Callable[[], None] | None = None) -> None:
+        """Route nothing new to ``w``; once it holds nothing, stop it (or run ``then``)."""
+        self.pool(w.role).remove(w)
+        w.retiring = True
+
+        def idle() -> None:
+            if then is not None:
+                then()
+            else:
+                self.lifetimes[w.wid][1] = self.clock.now
+
+        w.on_idle = idle
+        w._check_idle()
+
+    def switch(
+        self, w: SimWorker, role: WorkerRole, switch_s: float, on_join: Callable[[], object] | None = None
+    ) -> None:
+        """Drain ``w``, then run it as ``role`` (same KV pool) after ``switch_s``."""
+
+        def swap() -> None:
+            def join() -> None:
+                w.become(role, self.configs[role])
+                w.retiring = False
+                self.pool(role).append(w)
+                if on_join is not None:
+                    on_join()
+
+            self.clock.at(self.clock.now + switch_s, join)
+
+        self.retire(w, then=swap)
+
+    def worker_seconds(self, until: float) -> float:
+        return sum(min(end, until) - start for start, end in self.lifetimes.values() if start < until)
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -320,6 +394,7 @@ class Cluster:
                 decoder.command(lambda: decoder.decode.kv_lost(rid))
                 return
             sr.token_times.append(now)  # the first token leaves now (TTFT)
+            sr.cached = delta.num_cached_tokens
             self.dispatcher.on_first_token(rid, now, now - sr.arrival)
             if delta.finished:  # that token was the last: decode gives its reservation back
                 decoder.command(lambda: decoder.decode.abort(rid))
@@ -334,6 +409,7 @@ class Cluster:
         first = not sr.token_times
         sr.token_times.extend([now] * len(delta.token_ids))
         if first and sr.token_times:  # prefilled locally: that was the first token
+            sr.cached = delta.num_cached_tokens
             self.dispatcher.on_first_token(rid, now, now - sr.arrival)
         if delta.finished:
             self.finish(sr)

@@ -14,7 +14,9 @@ from typing import Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
+from pdserve.deploy.planner import Planner, PlannerConfig
 from pdserve.flags import (
+    add_autoscale,
     add_block_size,
     add_goodput,
     add_layout,
@@ -22,14 +24,17 @@ from pdserve.flags import (
     add_result,
     add_scheduler,
     colocated_count,
+    planner_bounds,
     save_result,
 )
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.slo import Admission, SloClass
+from pdserve.simulator.autoscale import AutoscaleConfig, SimAutoscaler
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.cluster import Cluster
+from pdserve.simulator.cluster import Cluster, SimRequest
+from pdserve.steptime.model import StepTimeModel
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +80,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     )
     add_goodput(p)
     add_result(p)
+    add_autoscale(p)
+    p.add_argument(
+        "--worker-start-s",
+        type=float,
+        default=20.0,
+        help="with --autoscale: a new worker's start-up before it serves (it holds its GPU meanwhile)",
+    )
 
 
 def workload(args: argparse.Namespace) -> list[RequestSpec]:
@@ -86,6 +98,7 @@ def workload(args: argparse.Namespace) -> list[RequestSpec]:
         dataset_path=args.trace or getattr(args, "sharegpt", None),
         time_scale=args.time_scale,
         trace_start=getattr(args, "trace_start", 0),
+        rate_curve=getattr(args, "rate_curve", None),
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         random_input_len=args.random_input_len,
@@ -131,6 +144,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
             continue
         tracked.append(cluster.submit(s.arrival_s, f"r{i}", prompt, s.output_len))
         submitted.append(RequestSpec(s.arrival_s, prompt, s.prompt_len, s.output_len))
+    scaler = autoscaler(args, profile, slo, colocated, cluster, tracked)
     t0 = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - t0
@@ -188,9 +202,28 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
             "num_prompts": len(specs),
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "simulation_wall_s": wall,
+            # GPU-seconds held: every worker from its start to its stop (or the last token)
+            "worker_seconds": cluster.worker_seconds(end),
         }
     )
+    if scaler is not None:
+        m["autoscale"] = scaler.summary(end)
     return m
+
+
+def autoscaler(
+    args: argparse.Namespace, profile: StepTimeModel, slo: Slo, colocated: int, cluster: Cluster,
+    tracked: list[SimRequest],
+) -> SimAutoscaler | None:  # fmt: skip
+    if not getattr(args, "autoscale", False):
+        return None
+    if colocated:
+        raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
+    if not (slo.ttft_ms and slo.tpot_ms):
+        raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
+    planner = Planner(profile, PlannerConfig(slo.ttft_ms / 1000, slo.tpot_ms / 1000, planner_bounds(args)))
+    config = AutoscaleConfig(args.autoscale_interval, args.worker_start_s)
+    return SimAutoscaler(cluster, planner, config, tracked)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

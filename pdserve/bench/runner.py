@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import random
 import sys
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
+    RateCurve,
     RequestSpec,
     WorkloadError,
     arrival_times,
@@ -53,6 +55,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--rate-curve",
+        default=None,
+        metavar="T:X,...",
+        help="the rate over time as multipliers of --request-rate, piecewise linear "
+        "(e.g. 0:1,600:4,1200:1: a 4x peak at 10 minutes)",
+    )
+    p.add_argument(
         "--trace-start",
         type=int,
         default=0,
@@ -87,15 +96,36 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_sweep_args(p)
 
 
+def rate_curve(args: argparse.Namespace) -> RateCurve | None:
+    text = getattr(args, "rate_curve", None)
+    if not text:
+        return None
+    if not math.isfinite(args.request_rate):
+        raise WorkloadError("--rate-curve shapes --request-rate: give a finite rate")
+    return RateCurve.parse(text)
+
+
 def num_prompts(args: argparse.Namespace) -> int:
-    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate."""
+    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate
+    (along ``--rate-curve``, if given)."""
     duration = getattr(args, "duration", 0.0) or 0.0
     if duration > 0 and math.isfinite(args.request_rate):
-        return max(int(args.num_prompts), math.ceil(args.request_rate * duration))
+        curve = rate_curve(args)
+        seconds = curve.integral(duration) if curve else duration
+        return max(int(args.num_prompts), math.ceil(args.request_rate * seconds))
     return int(args.num_prompts)
 
 
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
+    """The requests of ``args``, their arrivals along ``--rate-curve`` if one is given."""
+    specs = _constant_rate_workload(args)
+    curve = rate_curve(args)
+    if curve is None:
+        return specs
+    return [dataclasses.replace(s, arrival_s=curve.warp(s.arrival_s)) for s in specs]
+
+
+def _constant_rate_workload(args: argparse.Namespace) -> list[RequestSpec]:
     rng = random.Random(args.seed)
     n = num_prompts(args)
     if args.dataset_name == "trace":

@@ -10,6 +10,7 @@ Mooncake style); equal ids become equal token blocks, so prefix caches see the s
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import random
@@ -192,3 +193,63 @@ def synthetic_requests(
         RequestSpec(t, random_prompt(i, vocab, rng), i, o)
         for (i, o), t in zip(lengths, arrivals, strict=True)
     ]
+
+
+class RateCurve:
+    """A piecewise-linear multiplier of the mean rate over the run: ``"0:1,600:4,1200:1"`` is
+    the rate, 4x the rate at 10 minutes, the rate again at 20 (flat after the last point).
+
+    ``warp`` moves arrivals drawn at the constant rate (Poisson, gamma or a trace's own
+    pattern) onto the curve: an arrival at ``τ`` goes to the ``t`` where the multiplier's
+    integral reaches ``τ``, so bursts keep their shape and the rate follows the curve.
+    """
+
+    def __init__(self, points: Sequence[tuple[float, float]]) -> None:
+        pts = sorted(points)
+        if not pts or pts[0][0] != 0:
+            raise WorkloadError("a rate curve starts at time 0")
+        if any(not (math.isfinite(t) and math.isfinite(x) and x > 0) for t, x in pts):
+            raise WorkloadError("rate-curve multipliers must be finite and > 0")
+        if len({t for t, _ in pts}) != len(pts):
+            raise WorkloadError("rate-curve times must differ")
+        self.points = pts
+
+    @classmethod
+    def parse(cls, text: str) -> RateCurve:
+        try:
+            pts = [(float(t), float(x)) for t, x in (p.split(":") for p in text.split(",") if p.strip())]
+        except ValueError:
+            raise WorkloadError(f"rate curve {text!r}: expected T:MULTIPLIER[,T:MULTIPLIER...]") from None
+        return cls(pts)
+
+    def multiplier(self, t: float) -> float:
+        pts = self.points
+        for (t0, x0), (t1, x1) in itertools.pairwise(pts):
+            if t < t1:
+                return x0 + (x1 - x0) * (t - t0) / (t1 - t0)
+        return pts[-1][1]
+
+    def integral(self, t: float) -> float:
+        """∫₀ᵗ multiplier."""
+        total, pts = 0.0, self.points
+        for (t0, x0), (t1, _) in itertools.pairwise(pts):
+            if t <= t0:
+                return total
+            end = min(t, t1)
+            total += (end - t0) * (x0 + self.multiplier(end)) / 2
+            if t <= t1:
+                return total
+        return total + (t - pts[-1][0]) * pts[-1][1] if t > pts[-1][0] else total
+
+    def warp(self, tau: float) -> float:
+        """The ``t`` with ``integral(t) == tau``."""
+        pts, done = self.points, 0.0
+        for (t0, x0), (t1, x1) in itertools.pairwise(pts):
+            seg = (t1 - t0) * (x0 + x1) / 2
+            if tau <= done + seg:
+                # solve x0·u + (x1 − x0)/(2h)·u² = tau − done for u in [0, h]
+                h, need, k = t1 - t0, tau - done, (x1 - x0) / (2 * (t1 - t0))
+                u = need / x0 if abs(k) < 1e-15 else (-x0 + math.sqrt(x0 * x0 + 4 * k * need)) / (2 * k)
+                return t0 + min(h, max(0.0, u))
+            done += seg
+        return pts[-1][0] + (tau - done) / pts[-1][1]

@@ -24,6 +24,8 @@ PURE = (
     "pdserve.simulator.cluster",
     "pdserve.flags",
     "pdserve.deploy.pools",
+    "pdserve.deploy.planner",
+    "pdserve.simulator.autoscale",
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
     "pdserve.model_runtime.config",

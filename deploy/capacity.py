@@ -1,0 +1,111 @@
+"""What a disaggregated layout would deliver for a measured workload (pure, microseconds).
+
+The planner asks this for every candidate (P prefill, D decode workers) each interval, so it
+is closed-form queueing on the step-time model (``pdserve.steptime``), not a simulation:
+
+- **prefill**: each request needs ``s = prefill_time(new prompt tokens)`` of a prefill worker,
+  ``new = prompt · (1 − prefix hit share)``; with arrivals at ``λ`` spread over P workers the
+  utilization is ``ρ = λ s / P``. Queueing is M/D/1 a worker: the M/M/1 waiting-time tail
+  ``P(W > t) = ρ e^{−(1−ρ) t / s}`` halved (Pollaczek–Khinchine: deterministic service waits
+  half as long), so the quantile ``q`` of TTFT is ``s + max(0, ln(ρ / (1 − q))) · s / (2(1 − ρ))``
+  plus the KV hand-off;
+- **decode**: by Little's law each decode worker holds ``B = (λ / D) · output · TPOT(B)``
+  requests, and ``TPOT(B)`` is the step time of a batch of ``B`` at the mean context
+  (``prompt + output / 2``); the fixed point is found by bisection, and there is none when the
+  batch would outgrow the worker (``a · TPOT(B) > B`` for every ``B`` up to what its KV pool
+  holds).
+
+``factors`` scale the model's prefill and decode times by what the router measured (its
+corrected predictor's factors), so a profile that is off for this hardware is corrected before
+the planner trusts it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.steptime.model import StepTimeModel
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the router measured over a window."""
+
+    rate: float  # arrivals per second
+    prompt_tokens: float  # mean
+    output_tokens: float  # mean
+    cached_share: float = 0.0  # of prompt tokens served from prefix caches
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "prompt_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if not 0 <= self.cached_share <= 1:
+            raise ValueError(f"cached_share must be in [0, 1], got {self.cached_share}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_s: float  # at the quantile asked for; inf when prefill is overloaded
+    tpot_s: float  # mean; inf when decode cannot keep up
+    prefill_util: float
+    decode_batch: float  # requests a decode worker holds
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.ttft_s) and math.isfinite(self.tpot_s)
+
+
+def predict(
+    model: StepTimeModel,
+    load: Workload,
+    prefill: int,
+    decode: int,
+    quantile: float = 0.9,
+    factors: tuple[float, float] = (1.0, 1.0),
+) -> Prediction:
+    if prefill < 1 or decode < 1:
+        raise ValueError("a disaggregated layout needs at least one worker of each role")
+    if not 0 < quantile < 1:
+        raise ValueError("quantile must be in (0, 1)")
+    pf, df = factors
+    if load.rate == 0:  # nothing arrives: an unloaded worker's times
+        s = model.prefill_time(max(1, round(load.prompt_tokens or 1))) * pf
+        ctx = max(1, round(load.prompt_tokens + load.output_tokens / 2))
+        return Prediction(s, model.decode_time(1, ctx) * df, 0.0, 0.0)
+    new = max(1, round(load.prompt_tokens * (1 - load.cached_share)))
+    s = model.prefill_time(new) * pf
+    rho = load.rate * s / prefill
+    if rho >= 1:
+        ttft = math.inf
+    else:
+        wait = max(0.0, math.log(rho / (1 - quantile))) * s / (2 * (1 - rho)) if rho > 0 else 0.0
+        ttft = s + wait + model.transfer_time(round(load.prompt_tokens))
+    tpot, batch = _decode(model, load, decode, df)
+    return Prediction(ttft, tpot, rho, batch)
+
+
+def _decode(model: StepTimeModel, load: Workload, decode: int, factor: float) -> tuple[float, float]:
+    """(TPOT, batch) at the fixed point of Little's law on one decode worker."""
+    ctx = load.prompt_tokens + load.output_tokens / 2
+    a = load.rate / decode * max(1.0, load.output_tokens)  # tokens a second the worker must emit
+
+    def tpot(b: float) -> float:
+        n = max(1, math.ceil(b))
+        return model.decode_time(n, max(n, round(n * ctx))) * factor
+
+    if a == 0:
+        return tpot(1), 0.0
+    cap = max(1.0, model.kv_capacity_tokens / max(1.0, load.prompt_tokens + load.output_tokens))
+    if a * tpot(cap) > cap:  # even a full pool's batch emits too slowly
+        return math.inf, cap
+    lo, hi = 0.0, cap  # f(b) = a·tpot(b) − b: > 0 at 0, <= 0 at cap
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if a * tpot(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return tpot(hi), hi

@@ -1,0 +1,239 @@
+"""The pool planner: every interval, the smallest layout predicted to meet the SLO (pure).
+
+``Planner.decide(observation)`` returns where the pools should be and why. It predicts each
+candidate (P prefill, D decode) within the bounds with ``pdserve.deploy.capacity`` on the
+step-time model, corrected twice by what the router measured: the model's prefill and decode
+factors (the router's online corrections), and the ratio of the measured TTFT / TPOT tails to
+what was predicted for the layout that produced them. Then::
+
+    current layout misses (measured or predicted)   -> the smallest layout that meets, at once
+                                                       (SCALE_UP; a worker moved between the
+                                                       pools instead when that is enough: SWITCH)
+    fewer workers meet with margin in each of
+    the last ``down_after`` intervals               -> the largest of those intervals' smallest
+                                                       such layouts (SCALE_DOWN: workers stop,
+                                                       none switches)
+    otherwise                                        -> HOLD
+
+Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
+deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
+predicted tails at most ``margin`` × the targets) for several intervals, and no scale-down
+follows a change within ``cooldown`` intervals. Nothing arriving is not a reason to panic or
+to divide by zero: the prediction of an empty window is an unloaded worker's, so the pools
+step down to their minimum. Measurements from workers still warming up are the caller's to
+leave out (``Observation.warming``: the layout is held while any is).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.deploy.capacity import Prediction, Workload, predict
+from pdserve.steptime.model import StepTimeModel
+
+
+class Reason(enum.Enum):
+    HOLD = "hold"
+    SCALE_UP = "scale_up"  # the current layout misses: grow at once
+    SWITCH = "switch"  # move workers between the pools (same total)
+    SCALE_DOWN = "scale_down"  # a smaller layout has met the SLO with margin for a while
+    OVERLOADED = "overloaded"  # nothing within the bounds meets: the largest layout
+    WARMING = "warming"  # new workers still warming up: their steps do not count yet
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_prefill: int = 1
+    max_prefill: int = 8
+    min_decode: int = 1
+    max_decode: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_prefill <= self.max_prefill or not 1 <= self.min_decode <= self.max_decode:
+            raise ValueError(f"pool bounds need 1 <= min <= max for each pool, got {self}")
+
+    def clamp(self, layout: Layout) -> Layout:
+        return Layout(
+            min(self.max_prefill, max(self.min_prefill, layout.prefill)),
+            min(self.max_decode, max(self.min_decode, layout.decode)),
+        )
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    prefill: int
+    decode: int
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    ttft_s: float  # the SLO's targets (a quantile of each, ``quantile``)
+    tpot_s: float
+    bounds: Bounds = field(default_factory=Bounds)
+    quantile: float = 0.9  # the attainment target, and the TTFT quantile that must meet it
+    margin: float = 0.75  # a smaller layout must predict at most this share of each target
+    down_after: int = 3  # intervals in a row a smaller layout must qualify (and the window of floors)
+    cooldown: int = 2  # intervals after a change before the next scale-down
+    min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ValueError("the planner needs both a TTFT and a TPOT target (> 0)")
+        if not 0 < self.margin <= 1 or not 0 < self.quantile < 1:
+            raise ValueError("margin must be in (0, 1] and quantile in (0, 1)")
+        if self.down_after < 1 or self.cooldown < 0:
+            raise ValueError("down_after must be >= 1 and cooldown >= 0")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval as the router saw it."""
+
+    t: float
+    layout: Layout  # the workers serving now
+    load: Workload
+    requests: int = 0  # ended in the window (attainment's sample)
+    attainment: float = math.nan  # share of them that met the SLO
+    ttft_s: float = math.nan  # measured at the planner's quantile
+    tpot_s: float = math.nan  # measured median
+    factors: tuple[float, float] = (1.0, 1.0)  # the router's prefill and decode corrections
+    warming: bool = False  # a worker joined recently: its first steps are not the steady state
+
+
+@dataclass(frozen=True)
+class Decision:
+    t: float
+    reason: Reason
+    layout: Layout  # where the pools go (== the current layout for HOLD)
+    predicted: Prediction
+    detail: str = ""
+
+    @property
+    def changes(self) -> bool:
+        return self.reason in (Reason.SCALE_UP, Reason.SWITCH, Reason.SCALE_DOWN, Reason.OVERLOADED)
+
+
+def _finite(x: float, default: float) -> float:
+    return x if math.isfinite(x) and x > 0 else default
+
+
+class Planner:
+    def __init__(self, model: StepTimeModel, config: PlannerConfig) -> None:
+        self.model = model
+        self.config = config
+        self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
+        self._floors: deque[int] = deque(maxlen=config.down_after)  # smallest total that met, an interval
+        self._since_change = config.cooldown
+        self.history: list[Decision] = []
+
+    def predict(self, obs: Observation, layout: Layout) -> Prediction:
+        c = self.config
+        p = predict(self.model, obs.load, layout.prefill, layout.decode, c.quantile, obs.factors)
+        return Prediction(
+            p.ttft_s * self.correction[0], p.tpot_s * self.correction[1], p.prefill_util, p.decode_batch
+        )
+
+    def _meets(self, p: Prediction, share: float) -> bool:
+        return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
+
+    def _learn(self, obs: Observation) -> None:
+        """Fold the window's measured tails into the correction (only with enough requests)."""
+        if obs.requests < self.config.min_requests or obs.warming:
+            return
+        raw = predict(
+            self.model, obs.load, obs.layout.prefill, obs.layout.decode, self.config.quantile, obs.factors
+        )
+        new = []
+        for measured, predicted, old in ((obs.ttft_s, raw.ttft_s, self.correction[0]),
+                                         (obs.tpot_s, raw.tpot_s, self.correction[1])):  # fmt: skip
+            if not (math.isfinite(measured) and math.isfinite(predicted) and predicted > 0):
+                new.append(old)
+                continue
+            ratio = min(4.0, max(0.5, measured / predicted))
+            new.append(0.5 * old + 0.5 * ratio)  # half the way: one noisy window moves it half
+        self.correction = (new[0], new[1])
+
+    def candidates(self) -> list[Layout]:
+        b = self.config.bounds
+        return [
+            Layout(p, d)
+            for p in range(b.min_prefill, b.max_prefill + 1)
+            for d in range(b.min_decode, b.max_decode + 1)
+        ]
+
+    def decide(self, obs: Observation) -> Decision:
+        c = self.config
+        current = c.bounds.clamp(obs.layout)
+        self._since_change += 1
+        self._learn(obs)
+        now_pred = self.predict(obs, current)
+        if obs.warming:
+            return self._record(
+                Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
+            )
+        measured_miss = obs.requests >= c.min_requests and _finite(obs.attainment, 1.0) < c.quantile
+        if current != obs.layout:  # outside the bounds (they changed, or a worker was lost)
+            up = current.workers > obs.layout.workers
+            return self._change(
+                obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
+            )
+        ranked = sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
+        predicted_ok = self._meets(now_pred, 1.0)
+        if measured_miss or not predicted_ok:
+            # a miss the model does not see (yet) calls for more workers, not another split
+            least = current.workers + (1 if predicted_ok else 0)
+            need = next((l for l in ranked if l.workers >= least and l != current
+                         and self._meets(self.predict(obs, l), 1.0)), None)  # fmt: skip
+            why = (
+                f"attainment {obs.attainment:.2f} < {c.quantile}"
+                if measured_miss
+                else f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms"
+            )
+            if need is None:
+                top = Layout(c.bounds.max_prefill, c.bounds.max_decode)
+                if top == current:
+                    return self._record(
+                        Decision(obs.t, Reason.HOLD, current, now_pred, f"at the bounds; {why}")
+                    )
+                return self._change(obs, Reason.OVERLOADED, top, self.predict(obs, top), why)
+            reason = Reason.SWITCH if need.workers == current.workers else Reason.SCALE_UP
+            return self._change(obs, reason, need, self.predict(obs, need), why)
+        # Down: only by stopping workers, to the largest of the last intervals' smallest
+        # layouts that met with margin (the most cautious of them), never within the cooldown.
+        fits = [
+            l
+            for l in ranked
+            if l.prefill <= current.prefill
+            and l.decode <= current.decode
+            and l.workers < current.workers
+            and self._meets(self.predict(obs, l), c.margin)
+        ]
+        self._floors.append(min((l.workers for l in fits), default=current.workers))
+        floor = max(self._floors)
+        if len(self._floors) == c.down_after and floor < current.workers and self._since_change > c.cooldown:
+            at_floor = [l for l in fits if l.workers == floor]
+            best = min(at_floor, key=lambda l: (abs(l.prefill - current.prefill), l), default=None)
+            if best is not None:
+                return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best),
+                                    f"{best.prefill}P+{best.decode}D met the SLO with margin {c.margin} "
+                                    f"for {c.down_after} intervals")  # fmt: skip
+        return self._record(Decision(obs.t, Reason.HOLD, current, now_pred))
+
+    def _change(
+        self, obs: Observation, reason: Reason, to: Layout, pred: Prediction, detail: str
+    ) -> Decision:
+        self._since_change = 0
+        self._floors.clear()
+        return self._record(Decision(obs.t, reason, to, pred, detail))
+
+    def _record(self, d: Decision) -> Decision:
+        self.history.append(d)
+        del self.history[:-1000]
+        return d

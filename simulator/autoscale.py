@@ -1,0 +1,154 @@
+"""``pdserve simulate --autoscale``: the live planner's own code resizing the simulated pools.
+
+Every ``interval_s`` of simulated time the autoscaler measures what the router would (arrivals,
+their mean prompt and output lengths and prefix hits; the requests that ended, against the
+SLO) over the last interval, asks ``pdserve.deploy.planner.Planner`` for a decision and carries
+it out as ``pdserve serve --autoscale`` does: a worker moved between the pools is drained and
+switched in place (``switch_s``); a new worker holds its GPU from the start and takes requests
+``start_s`` later; a retired worker is drained (nothing new routed to it, its requests finish)
+and then stopped. Workers still starting count toward the layout, and their start-up is the
+warm-up the planner waits out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from pdserve.deploy.capacity import Workload
+from pdserve.deploy.planner import Decision, Layout, Observation, Planner
+from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
+from pdserve.worker.messages import WorkerRole
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    interval_s: float = 30.0
+    start_s: float = 20.0  # a new worker's start-up (node, process, weights) before it serves
+    switch_s: float = 1.0  # a drained worker's change of role
+
+    def __post_init__(self) -> None:
+        if not (self.interval_s > 0 and self.start_s >= 0 and self.switch_s >= 0):
+            raise ValueError("autoscale interval must be > 0, start-up and switch times >= 0")
+
+
+@dataclass
+class Timeline:
+    decisions: list[Decision] = field(default_factory=list)
+    layouts: list[tuple[float, int, int]] = field(
+        default_factory=list
+    )  # (t, prefill, decode) after each tick
+
+
+class SimAutoscaler:
+    def __init__(
+        self, cluster: Cluster, planner: Planner, config: AutoscaleConfig, submitted: list[SimRequest]
+    ) -> None:
+        self.cluster = cluster
+        self.planner = planner
+        self.config = config
+        self.submitted = sorted(submitted, key=lambda sr: sr.arrival)
+        self.last_arrival = self.submitted[-1].arrival if submitted else 0.0
+        self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (or switching) into
+        self.timeline = Timeline()
+        cluster.clock.at(config.interval_s, self.tick)
+
+    # -- measuring -------------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        c = self.cluster
+        extra = {r: sum(1 for role in self.starting.values() if role is r) for r in WorkerRole}
+        return Layout(
+            len(c.prefillers) + extra[WorkerRole.PREFILL], len(c.decoders) + extra[WorkerRole.DECODE]
+        )
+
+    def observe(self, now: float) -> Observation:
+        span = self.config.interval_s
+        c, cfg = self.cluster, self.planner.config
+        arrived = [sr for sr in self.submitted if now - span < sr.arrival <= now and not sr.rejected]
+        prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
+        output = statistics.fmean(sr.work.params.max_tokens for sr in arrived) if arrived else 0.0
+        firsts = [sr for sr in arrived if sr.token_times]
+        tokens = sum(sr.num_prompt_tokens for sr in firsts)
+        cached = sum(sr.cached for sr in firsts) / tokens if tokens else 0.0
+        ended = [sr for sr in c.finished if sr.token_times and now - span < sr.token_times[-1] <= now]
+        ended += [sr for sr in c.finished if sr.rejected and now - span < sr.arrival <= now]
+        ttfts, tpots, good = [], [], 0
+        for sr in ended:
+            if sr.rejected or not sr.token_times:
+                continue
+            t = sr.token_times
+            ttft = t[0] - sr.arrival
+            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+            ttfts.append(ttft)
+            tpots.append(tpot)
+            good += ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
+        q = cfg.quantile
+        return Observation(
+            t=now,
+            layout=self.layout(),
+            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached)),
+            requests=len(ended),
+            attainment=good / len(ended) if ended else math.nan,
+            ttft_s=sorted(ttfts)[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else math.nan,
+            tpot_s=statistics.median(tpots) if tpots else math.nan,
+            warming=bool(self.starting),
+        )
+
+    # -- acting ----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        c = self.cluster
+        now = c.clock.now
+        d = self.planner.decide(self.observe(now))
+        self.timeline.decisions.append(d)
+        if d.changes:
+            self.apply(d.layout)
+        lay = self.layout()
+        self.timeline.layouts.append((now, lay.prefill, lay.decode))
+        if now < self.last_arrival or c.requests:
+            c.clock.at(now + self.config.interval_s, self.tick)
+
+    def apply(self, target: Layout) -> None:
+        have = self.layout()
+        need = {
+            WorkerRole.PREFILL: target.prefill - have.prefill,
+            WorkerRole.DECODE: target.decode - have.decode,
+        }
+        for src, dst in ((WorkerRole.DECODE, WorkerRole.PREFILL), (WorkerRole.PREFILL, WorkerRole.DECODE)):
+            while need[dst] > 0 and need[src] < 0 and len(self.cluster.pool(src)) > 1:
+                self._switch(self._idlest(src), dst)
+                need[dst] -= 1
+                need[src] += 1
+        for role, n in need.items():
+            for _ in range(n):
+                self._start(role)
+            for _ in range(-n):
+                if len(self.cluster.pool(role)) > 1:
+                    self.cluster.retire(self._idlest(role))
+
+    def _idlest(self, role: WorkerRole) -> SimWorker:
+        return min(self.cluster.pool(role), key=lambda w: (sum(w.engine.counts()), w.wid))
+
+    def _start(self, role: WorkerRole) -> None:
+        w = self.cluster.add_worker(role, ready_in_s=self.config.start_s)
+        self.starting[w.wid] = role
+        self.cluster.clock.at(self.cluster.clock.now + self.config.start_s, lambda: self._started(w.wid))
+
+    def _started(self, wid: str) -> None:
+        """``wid`` joined its pool (started, or switched)."""
+        self.starting.pop(wid, None)
+
+    def _switch(self, w: SimWorker, role: WorkerRole) -> None:
+        self.starting[w.wid] = role
+        self.cluster.switch(w, role, self.config.switch_s, on_join=lambda: self._started(w.wid))
+
+    def summary(self, until: float) -> dict[str, object]:
+        changes = [d for d in self.timeline.decisions if d.changes]
+        return {
+            "interval_s": self.config.interval_s,
+            "decisions": len(self.timeline.decisions),
+            "changes": len(changes),
+            "worker_seconds": self.cluster.worker_seconds(until),
+            "layouts": self.timeline.layouts,
+            "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
+        }

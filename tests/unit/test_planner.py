@@ -1,0 +1,125 @@
+"""The pool planner: closed-form capacity against the step-time model, up at once, down slowly
+and one worker at a time, switches when the total suffices, no NaNs on an empty window, and no
+flapping at a steady load."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from pdserve.deploy.capacity import Workload, predict
+from pdserve.deploy.planner import Bounds, Layout, Observation, Planner, PlannerConfig, Reason
+from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
+
+CONV = (1263.0, 209.0)  # mean prompt and output tokens of a conversation trace
+SLO = PlannerConfig(ttft_s=0.25, tpot_s=0.1, bounds=Bounds(1, 8, 1, 8))
+
+
+def obs(t: float, layout: Layout, rate: float, lens: tuple[float, float] = CONV, **kw: object) -> Observation:
+    return Observation(t, layout, Workload(rate, *lens), **kw)  # type: ignore[arg-type]
+
+
+def test_capacity_grows_with_workers_and_fails_past_saturation() -> None:
+    load = Workload(100.0, *CONV)
+    few, more = predict(H100, load, 2, 2), predict(H100, load, 6, 6)
+    assert not few.feasible and more.feasible
+    assert more.ttft_s < 0.25 and more.tpot_s < 0.1
+    light = predict(H100, Workload(1.0, *CONV), 1, 1)
+    assert light.ttft_s == pytest.approx(H100.prefill_time(1263) + H100.transfer_time(1263), rel=0.01)
+    # prefix hits take work off prefill: utilization falls with the cached share
+    hit = predict(H100, Workload(100.0, *CONV, cached_share=0.5), 4, 4)
+    assert hit.prefill_util < predict(H100, load, 4, 4).prefill_util
+    with pytest.raises(ValueError):
+        Workload(math.nan, 1, 1)
+    with pytest.raises(ValueError):
+        predict(H100, load, 0, 1)
+
+
+def test_a_load_step_scales_up_at_once_then_down_after_several_intervals() -> None:
+    plan = Planner(H100, SLO)
+    layout = Layout(1, 1)
+    d = plan.decide(obs(0, layout, 5.0))
+    assert d.reason is Reason.HOLD
+    d = plan.decide(obs(30, layout, 100.0))  # a step: decided in the same interval
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > 2
+    assert d.predicted.ttft_s <= 0.25 and d.predicted.tpot_s <= 0.1
+    layout = d.layout
+    reasons = []
+    for i in range(30):  # the load falls back
+        d = plan.decide(obs(60 + 30 * i, layout, 5.0))
+        reasons.append(d.reason)
+        if d.reason is Reason.SCALE_DOWN:  # only stops workers, each pool within what it had
+            assert d.layout.prefill <= layout.prefill and d.layout.decode <= layout.decode
+            assert d.layout.workers < layout.workers
+        layout = d.layout
+    assert layout == Layout(1, 1)
+    first_down = reasons.index(Reason.SCALE_DOWN)
+    assert first_down >= SLO.down_after - 1  # not on the first quiet interval
+    downs = [i for i, r in enumerate(reasons) if r is Reason.SCALE_DOWN]
+    assert all(b - a > SLO.cooldown for a, b in itertools.pairwise(downs))
+
+
+def test_steady_load_does_not_flap() -> None:
+    plan = Planner(H100, SLO)
+    layout = Layout(1, 1)
+    changes = []
+    for i in range(40):
+        rate = 60.0 * (1 + 0.05 * math.sin(i))  # steady, with noise
+        d = plan.decide(obs(30 * i, layout, rate, requests=1000, attainment=0.97, ttft_s=0.12, tpot_s=0.02))
+        if d.changes:
+            changes.append(i)
+        layout = d.layout
+    settled = [i for i in changes if i >= 10]
+    assert len(settled) <= 1  # at most one change once settled (2 -> 1 -> 2 is what it must not do)
+
+
+def test_zero_traffic_goes_to_the_minimum_without_nans() -> None:
+    plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(2, 6, 1, 6)))
+    layout = Layout(6, 6)
+    for i in range(80):
+        d = plan.decide(obs(30 * i, layout, 0.0, lens=(0.0, 0.0)))
+        assert math.isfinite(d.predicted.ttft_s) and math.isfinite(d.predicted.tpot_s)
+        layout = d.layout
+    assert layout == Layout(2, 1)
+
+
+def test_a_shift_toward_long_prompts_switches_a_worker_instead_of_adding_one() -> None:
+    plan = Planner(H100, SLO)
+    layout = Layout(2, 6)
+    d = plan.decide(obs(0, layout, 40.0, lens=(600.0, 400.0)))
+    assert d.reason is Reason.HOLD
+    d = plan.decide(obs(30, layout, 40.0, lens=(2500.0, 60.0)))  # long prompts, short answers
+    assert d.reason is Reason.SWITCH and d.layout.workers == 8 and d.layout.prefill > 2
+
+
+def test_measured_misses_grow_the_pools_even_when_the_model_is_optimistic() -> None:
+    plan = Planner(H100, SLO)
+    layout = Layout(4, 4)
+    d = plan.decide(obs(0, layout, 20.0, requests=500, attainment=0.6, ttft_s=0.9, tpot_s=0.05))
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > 8 - 0
+    assert plan.correction[0] > 1.0  # it learned the model was optimistic about TTFT
+
+
+def test_warming_workers_hold_the_layout_and_teach_nothing() -> None:
+    plan = Planner(H100, SLO)
+    d = plan.decide(obs(0, Layout(2, 2), 30.0, requests=500, attainment=0.2, ttft_s=5.0, warming=True))
+    assert d.reason is Reason.WARMING and d.layout == Layout(2, 2) and plan.correction == (1.0, 1.0)
+
+
+def test_nothing_fits_goes_to_the_bounds_once() -> None:
+    plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(1, 2, 1, 2)))
+    d = plan.decide(obs(0, Layout(1, 1), 500.0))
+    assert d.reason is Reason.OVERLOADED and d.layout == Layout(2, 2)
+    d = plan.decide(obs(30, d.layout, 500.0))
+    assert d.reason is Reason.HOLD and "at the bounds" in d.detail
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Bounds(2, 1, 1, 1)
+    with pytest.raises(ValueError):
+        PlannerConfig(0.0, 0.1)
+    with pytest.raises(ValueError):
+        PlannerConfig(0.25, 0.1, margin=0.0)
