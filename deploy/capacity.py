@@ -25,25 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the router measured over a window."""
-
-    rate: float  # arrivals per second
-    prompt_tokens: float  # mean
-    output_tokens: float  # mean
-    cached_share: float = 0.0  # of prompt tokens served from prefix caches
-
-    def __post_init__(self) -> None:
-        for name in ("rate", "prompt_tokens", "output_tokens"):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
-        if not 0 <= self.cached_share <= 1:
-            raise ValueError(f"cached_share must be in [0, 1], got {self.cached_share}")
 
 
 @dataclass(frozen=True)

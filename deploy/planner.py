@@ -31,7 +31,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.deploy.capacity import Prediction, Workload, predict
+from pdserve.deploy.capacity import Prediction, predict
+from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
 
 

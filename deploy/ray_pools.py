@@ -167,3 +167,12 @@ def shutdown_ray() -> None:
     import ray
 
     ray.shutdown()
+
+
+def request_capacity(spec: PoolSpec, workers: int) -> None:
+    """Ask Ray's autoscaler for room for ``workers`` workers of ``spec`` now, ahead of the
+    placement groups that will need it (a standing request: the latest replaces the last; a
+    cluster without an autoscaler ignores it)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[Placement.of(spec).bundle] * max(0, workers))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import threading
 from concurrent.futures import Future
@@ -28,6 +29,9 @@ from pdserve.worker.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from pdserve.deploy.ray_pools import Placement
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,18 @@ class Service:
         timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         await asyncio.gather(*(router.retire(w.worker_id, timeout) for w in surplus))
         self.handles = [h for h in self.handles if h not in surplus]
+
+    def request_capacity(self, workers: int) -> None:
+        """On a Ray cluster, ask its autoscaler for room for ``workers`` workers ahead of need
+        (best effort: a cluster without an autoscaler, or no Ray at all, needs nothing)."""
+        if not self.use_ray:
+            return
+        from pdserve.deploy.ray_pools import request_capacity
+
+        try:
+            request_capacity(self.spec, workers)
+        except Exception as e:  # an autoscaler hint must never stop a resize
+            log.debug("no autoscaler request: %s", e)
 
     async def switch_role(
         self, worker_id: str, role: WorkerRole, drain_timeout_s: float | None = None

@@ -10,16 +10,18 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.deploy.autoscale import PoolAutoscaler
+from pdserve.deploy.planner import Planner, PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
-from pdserve.flags import add_layout, add_policy, colocated_count
+from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_bounds
 from pdserve.kvtransfer.config import BACKENDS, TransportConfig
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import PRESETS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.server import serve_until_signal
-from pdserve.router.slo import SloClass
+from pdserve.router.slo import SloBook, SloClass
 from pdserve.steptime.load import load_profile
 
 
@@ -47,6 +49,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
     add_policy(p, "goodput")
+    add_autoscale(p)
     p.add_argument(
         "--slo",
         action="append",
@@ -170,6 +173,22 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     return spec, config
 
 
+def planner_config(args: argparse.Namespace, config: RouterConfig) -> PlannerConfig | None:
+    """``--autoscale``'s planner settings: the bounds, and the default SLO class's targets."""
+    if not args.autoscale:
+        return None
+    if colocated_count(args):
+        raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
+    slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
+    target = slos.resolve()
+    if not (target.ttft_ms and target.tpot_ms):
+        raise ValueError(
+            "--autoscale sizes the pools for an SLO: give the default class both targets "
+            "(--slo NAME:ttft=MS,tpot=MS)"
+        )
+    return PlannerConfig(target.ttft_ms / 1000, target.tpot_ms / 1000, planner_bounds(args))
+
+
 def _emulated(compute: str) -> str:
     return compute.partition(":")[2] if compute.startswith("emulated:") else ""
 
@@ -182,7 +201,9 @@ def failure_reason(e: BaseException) -> str:
     return own[-1] if own else (lines[-1] if lines else type(e).__name__)
 
 
-async def _run(service: Service, started: float) -> bool:
+async def _run(
+    service: Service, started: float, plan: PlannerConfig | None = None, interval_s: float = 30.0
+) -> bool:
     spec = service.spec
     shape = (
         f"{spec.colocated} colocated"
@@ -208,9 +229,24 @@ async def _run(service: Service, started: float) -> bool:
         "  Ctrl-C drains and stops.",
         flush=True,
     )
+    scaler = None
+    if plan is not None:
+        profile = service.config.latency_profile
+        assert profile is not None
+        scaler = PoolAutoscaler(service, Planner(profile, plan), interval_s, warmup_s=interval_s)
+        scaler.start()
+        b = plan.bounds
+        print(
+            f"  autoscale    every {interval_s:g} s: prefill {b.min_prefill}-{b.max_prefill}, "
+            f"decode {b.min_decode}-{b.max_decode}, for TTFT {plan.ttft_s * 1e3:g} ms "
+            f"/ TPOT {plan.tpot_s * 1e3:g} ms",
+            flush=True,
+        )
     try:
         clean = await serve_until_signal(service.router, service.frontends, service.config.drain_timeout_s)
     finally:
+        if scaler is not None:
+            await scaler.stop()
         service.frontends = None  # already stopped by the drain
         service.router = None
         await service.stop()
@@ -222,6 +258,7 @@ def serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         spec, config = build(args)
+        plan = planner_config(args, config)
     except ValueError as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -234,5 +271,5 @@ def serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    clean = asyncio.run(_run(service, started))
+    clean = asyncio.run(_run(service, started, plan, args.autoscale_interval))
     return 0 if clean else 1

@@ -22,6 +22,7 @@ from pdserve.router.policy import Decision
 from pdserve.router.predictor import Phase
 from pdserve.router.slo import SloBook, SloClass, SloResult, SloTracker
 from pdserve.router.stream import RequestStream, Timing
+from pdserve.router.workload_window import WorkloadWindow
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Accounting:
     ) -> None:
         self.slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
         self.tracker = SloTracker()
+        self.window = WorkloadWindow()  # what the pool planner sizes the pools for
         self.metrics = RouterMetrics(loads, self.slos, self.tracker)
         self.dispatcher = make_dispatcher(
             config.policy, config.latency_profile, block_size, config.local_prefill,
@@ -79,6 +81,10 @@ class Accounting:
         itls = stream.itls[1:] if stream.prefill_worker else stream.itls  # less the hand-off gap
         self.dispatcher.on_end(stream.request_id, now, statistics.median(itls) if itls else None)
         if stream.final_event is not None:
+            usage = stream.final_event.usage
+            self.window.ended(
+                time.monotonic(), usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+            )
             self.metrics.observe(stream.final_event, stream.itls)
             if stream.final_event.finish_reason != "abort":
                 self.judge(slo, stream.final_event.timing)

@@ -14,6 +14,7 @@ is reused for ``CACHE_S`` whoever asks (several open pages cost one computation)
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import asdict
@@ -79,6 +80,26 @@ def dashboard_data(router: Router, horizon_s: float, step_s: float) -> dict[str,
             for c in sorted({*book, *tracker.classes()})
         },
         "workers": workers,
+        "planner": _planner(router, series, now),
+    }
+
+
+def _planner(router: Router, series: list[WindowStats], now: float) -> dict[str, Any] | None:
+    """The pool planner's targets at each point of the series, and its recent changes (``None``
+    when it is not running)."""
+    plans = list(router.accounting.metrics.plans)
+    if not plans:
+        return None
+    times = [p[0] for p in plans]
+    at = [plans[i - 1] if (i := bisect.bisect_right(times, w.t)) else None for w in series]
+    changes = [p for p in plans if p[1] not in ("hold", "warming")][-20:]
+    return {
+        "prefill": [p[2] if p else None for p in at],
+        "decode": [p[3] if p else None for p in at],
+        "changes": [
+            {"t": round(t - now, 1), "reason": r, "prefill": pf, "decode": dc, "detail": detail}
+            for t, r, pf, dc, detail in reversed(changes)
+        ],
     }
 
 
@@ -177,6 +198,8 @@ PAGE = """<!doctype html>
       <div class="legend" id="l-ttft"></div></div>
     <div class="panel"><h2>TPOT (ms)</h2><svg class="chart" id="c-tpot"></svg>
       <div class="legend" id="l-tpot"></div></div>
+    <div class="panel" id="p-pools" hidden><h2>Pools (planner's target workers)</h2>
+      <svg class="chart" id="c-pools"></svg><div class="legend" id="l-pools"></div></div>
   </section>
   <section class="tables">
     <div class="panel"><h2>SLO classes (last 60 s)</h2>
@@ -186,6 +209,9 @@ PAGE = """<!doctype html>
     <div class="panel"><h2>Workers</h2>
       <table><thead><tr><th>worker</th><th>role</th><th>health</th><th>running</th><th>waiting</th>
         <th>KV usage</th></tr></thead><tbody id="workers"></tbody></table></div>
+    <div class="panel" id="p-changes" hidden><h2>Planner changes</h2>
+      <table><thead><tr><th>when</th><th>change</th><th>to</th><th>why</th></tr></thead>
+        <tbody id="changes"></tbody></table></div>
   </section>
 </main>
 <script>
@@ -318,6 +344,19 @@ function render(d) {
     classes.append(row([name, target, String(s.requests), String(s.good), num(s.goodput_rps, 2),
                         pct(s.attainment), pair(s.ttft_p50_ms, s.ttft_p99_ms),
                         pair(s.tpot_p50_ms, s.tpot_p99_ms)]));
+  }
+  const plan = d.planner;
+  $("p-pools").hidden = $("p-changes").hidden = !plan;
+  if (plan) {
+    chart("pools", xs, [{name: "prefill", color: v("--c1"), values: plan.prefill},
+                        {name: "decode", color: v("--c2"), values: plan.decode}],
+          {fmt: (y) => y.toFixed(0)});
+    const changes = $("changes");
+    changes.replaceChildren();
+    for (const c of plan.changes) {
+      const to = c.prefill + "P+" + c.decode + "D";
+      changes.append(row([Math.round(-c.t) + " s ago", c.reason, to, c.detail]));
+    }
   }
   const workers = $("workers");
   workers.replaceChildren();

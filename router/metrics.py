@@ -17,9 +17,10 @@ phase, ``kv_handoff_seconds``, and ``kv_transfer_*`` per worker.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -174,6 +175,12 @@ class RouterMetrics:
         for name in slos.classes:  # every class shows from the first scrape, at zero
             for counter in (self.slo_requests, self.slo_ttft_met, self.slo_tpot_met, self.slo_met):
                 counter.labels(slo_class=name)
+        self.planner_workers = Gauge(P + "planner_target_workers", "Workers the pool planner aims for",
+                                     ["role"], registry=r)  # fmt: skip
+        why = "Pool planner decisions (hold, scale_up, switch, scale_down, overloaded, warming)"
+        self.planner_decisions = Counter(P + "planner_decisions", why, ["reason"], registry=r)
+        # (monotonic t, reason, prefill, decode, detail): what /dashboard shows of the planner
+        self.plans: deque[tuple[float, str, int, int, str]] = deque(maxlen=2000)
         r.register(_Workers(loads))
         r.register(_Slo(slos, tracker or SloTracker(), lambda: self.corrections()))
 
@@ -204,6 +211,12 @@ class RouterMetrics:
                 self.slo_tpot_met.labels(slo_class=r.slo_class).inc()
             if r.good:
                 self.slo_met.labels(slo_class=r.slo_class).inc()
+
+    def planned(self, reason: str, prefill: int, decode: int, detail: str = "") -> None:
+        self.planner_decisions.labels(reason=reason).inc()
+        self.planner_workers.labels(role="prefill").set(prefill)
+        self.planner_workers.labels(role="decode").set(decode)
+        self.plans.append((time.monotonic(), reason, prefill, decode, detail))
 
     def decided(self, policy: str, outcome: str, reason: str) -> None:
         self.decisions.labels(policy=policy, outcome=outcome, reason=reason).inc()

@@ -246,6 +246,7 @@ class Router(Membership):
         """Check a request, route it and take it in (raises ``RouterError`` before anything is
         sent: INVALID_ARGUMENT, UNAVAILABLE, or RESOURCE_EXHAUSTED with ``retry_after_s``)."""
         rid, ids = self.prepare(inp)
+        self.accounting.window.arrived(time.monotonic(), len(ids), inp.params.max_tokens)
         if self.draining:
             raise RouterError(Code.UNAVAILABLE, "the server is draining")
         if len(self._streams) >= self.config.max_inflight:

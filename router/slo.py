@@ -195,5 +195,17 @@ class SloTracker:
         n = max(1, int(horizon_s // step_s))
         return [_stats(outs, times, now - (n - 1 - i) * step_s, step_s, None) for i in range(n)]
 
+    def tails(self, now: float, span_s: float, q: float) -> tuple[int, float, float, float]:
+        """``(requests, attainment, TTFT at quantile q, median TPOT)`` over the requests that
+        ended in ``(now - span_s, now]`` (seconds; NaN for what an empty window cannot say)."""
+        outs = list(self._outcomes)
+        times = [o.t for o in outs]
+        picked = outs[bisect.bisect_right(times, now - span_s) : bisect.bisect_right(times, now)]
+        ok = [o for o in picked if o.ok]
+        ttft = sorted(o.ttft_ms for o in ok)
+        tpot = sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
+        attainment = sum(o.good for o in picked) / len(picked) if picked else math.nan
+        return len(picked), attainment, _pct(ttft, q) / 1000, _pct(tpot, 0.5) / 1000
+
     def classes(self) -> list[str]:
         return sorted({o.slo_class for o in self._outcomes})

@@ -16,8 +16,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from pdserve.deploy.capacity import Workload
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner
+from pdserve.router.workload_window import Workload
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 

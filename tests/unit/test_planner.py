@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from pdserve.deploy.capacity import Workload, predict
+from pdserve.deploy.capacity import predict
 from pdserve.deploy.planner import Bounds, Layout, Observation, Planner, PlannerConfig, Reason
+from pdserve.router.workload_window import Workload
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
 CONV = (1263.0, 209.0)  # mean prompt and output tokens of a conversation trace

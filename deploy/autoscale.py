@@ -1,0 +1,147 @@
+"""``pdserve serve --autoscale``: the pool planner driving a running deployment.
+
+Every interval it reads the router's own windowed measurements — the workload
+(``Router.accounting.window``), the SLO tails (``SloTracker.tails``) and the router's
+corrections of the step-time model — asks ``pdserve.deploy.planner.Planner`` where the pools
+should be, and carries it out through ``Service``: a worker moved between the pools is
+switched in place (``Service.switch_role``: a drain, well under a second); surplus workers are
+retired (drained, what is left migrated, stopped); missing ones started (they take requests
+once ready). On a Ray cluster the autoscaler is asked for the target's resources as soon as
+the target is known, so nodes start while the workers are being placed. Workers that joined
+less than ``warmup_s`` ago make the window a warm-up (the planner holds). Every decision is
+logged, counted in the router's metrics and kept for ``/dashboard``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pdserve.deploy.planner import Decision, Layout, Observation, Planner
+from pdserve.router.predictor import Phase
+from pdserve.worker.messages import WorkerRole
+
+if TYPE_CHECKING:
+    from pdserve.deploy.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class PoolAutoscaler:
+    def __init__(
+        self,
+        service: Service,
+        planner: Planner,
+        interval_s: float = 30.0,
+        warmup_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval_s > 0 or not warmup_s >= 0:
+            raise ValueError("the autoscale interval must be > 0 and the warm-up >= 0")
+        self.service = service
+        self.planner = planner
+        self.interval_s = interval_s
+        self.warmup_s = warmup_s
+        self.clock = clock
+        self.joined: dict[str, float] = {}  # worker id -> when it joined (or switched role)
+        self.decisions: list[Decision] = []
+        self._task: asyncio.Task[None] | None = None
+
+    # -- measuring -------------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        router = self.service.router
+        assert router is not None
+        live = [w for w in router.workers.values() if w.alive and not w.retiring]
+        return Layout(
+            sum(w.role is WorkerRole.PREFILL for w in live), sum(w.role is WorkerRole.DECODE for w in live)
+        )
+
+    def observe(self) -> Observation:
+        router = self.service.router
+        assert router is not None
+        now = self.clock()
+        acc = router.accounting
+        q = self.planner.config.quantile
+        requests, attainment, ttft, tpot = acc.tracker.tails(now, self.interval_s, q)
+        model = getattr(acc.dispatcher, "model", None)
+        factors = (1.0, 1.0)
+        if model is not None:  # the router's corrections of the same profile, over all workers
+            factors = (model.factor("", Phase.PREFILL), model.factor("", Phase.DECODE))
+        first = not self.joined  # the deployment's own workers were there before the planner
+        for wid in [w for w in router.workers if w not in self.joined]:
+            self.joined[wid] = -math.inf if first else now
+        warming = any(now - t < self.warmup_s for w, t in self.joined.items() if w in router.workers)
+        return Observation(
+            t=now,
+            layout=self.layout(),
+            load=acc.window.workload(now, self.interval_s),
+            requests=requests,
+            attainment=attainment,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            factors=factors,
+            warming=warming,
+        )
+
+    # -- acting ----------------------------------------------------------------------------------
+    async def tick(self) -> Decision:
+        d = self.planner.decide(self.observe())
+        self.decisions.append(d)
+        del self.decisions[:-500]
+        router = self.service.router
+        if router is not None:
+            router.accounting.metrics.planned(d.reason.value, d.layout.prefill, d.layout.decode, d.detail)
+        if d.changes:
+            log.warning(
+                "planner: %s to %dP+%dD (%s)", d.reason.value, d.layout.prefill, d.layout.decode, d.detail
+            )
+            await self.apply(d.layout)
+        else:
+            log.info("planner: %s at %dP+%dD %s", d.reason.value, d.layout.prefill, d.layout.decode, d.detail)
+        return d
+
+    async def apply(self, target: Layout) -> None:
+        router = self.service.router
+        assert router is not None
+        self.service.request_capacity(target.workers)
+        have = self.layout()
+        need = {
+            WorkerRole.PREFILL: target.prefill - have.prefill,
+            WorkerRole.DECODE: target.decode - have.decode,
+        }
+        for src, dst in ((WorkerRole.DECODE, WorkerRole.PREFILL), (WorkerRole.PREFILL, WorkerRole.DECODE)):
+            while need[dst] > 0 and need[src] < 0:
+                pool = [w for w in router.workers.values() if w.role is src and w.routable]
+                if len(pool) <= (0 if src is WorkerRole.PREFILL else 1):
+                    break
+                w = min(pool, key=lambda h: (len(h.inflight), h.worker_id))
+                if not await self.service.switch_role(w.worker_id, dst):
+                    break
+                self.joined[w.worker_id] = self.clock()
+                need[dst] -= 1
+                need[src] += 1
+        for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            if need[role]:
+                live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
+                await self.service.resize(role, len(live) + need[role])
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a failed change is retried by the next interval's decision
+                log.exception("planner: the change failed")
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="pool-autoscaler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -1,0 +1,78 @@
+"""The workload the router is seeing, over a trailing window (pure): what the pool planner
+sizes the pools for.
+
+Arrivals are counted when a request is offered (refused ones too: they are load the pools did
+not carry); output lengths and prefix hits are known only when a request ends, so they come
+from the requests that ended in the window (the requested ``max_tokens`` of the arrivals
+stands in while none has).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the router measured over a window."""
+
+    rate: float  # arrivals per second
+    prompt_tokens: float  # mean
+    output_tokens: float  # mean
+    cached_share: float = 0.0  # of prompt tokens served from prefix caches
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "prompt_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if not 0 <= self.cached_share <= 1:
+            raise ValueError(f"cached_share must be in [0, 1], got {self.cached_share}")
+
+
+class WorkloadWindow:
+    def __init__(self, horizon_s: float = 600.0, max_entries: int = 200_000) -> None:
+        self.horizon_s = horizon_s
+        self._arrivals: deque[tuple[float, int, int]] = deque(maxlen=max_entries)  # (t, prompt, max_tokens)
+        self._ends: deque[tuple[float, int, int, int]] = deque(
+            maxlen=max_entries
+        )  # (t, prompt, cached, output)
+
+    def arrived(self, t: float, prompt_tokens: int, max_tokens: int) -> None:
+        self._arrivals.append((t, prompt_tokens, max_tokens))
+        self._trim(self._arrivals, t)
+
+    def ended(self, t: float, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+        self._ends.append((t, prompt_tokens, cached_tokens, output_tokens))
+        self._trim(self._ends, t)
+
+    def _trim(
+        self, q: deque[tuple[float, int, int]] | deque[tuple[float, int, int, int]], now: float
+    ) -> None:
+        while q and q[0][0] < now - self.horizon_s:
+            q.popleft()
+
+    def workload(self, now: float, span_s: float) -> Workload:
+        """Arrival rate and mean lengths over ``(now - span_s, now]``; zeros (never NaN) when
+        nothing arrived."""
+        if span_s <= 0:
+            raise ValueError("the window must be > 0 s")
+        arrivals = _since(list(self._arrivals), now - span_s, now)
+        ends = _since(list(self._ends), now - span_s, now)
+        prompt = statistics.fmean(a[1] for a in arrivals) if arrivals else 0.0
+        if ends:
+            output = statistics.fmean(e[3] for e in ends)
+        else:
+            output = statistics.fmean(a[2] for a in arrivals) if arrivals else 0.0
+        tokens = sum(e[1] for e in ends)
+        cached = sum(e[2] for e in ends) / tokens if tokens else 0.0
+        return Workload(len(arrivals) / span_s, prompt, output, min(1.0, cached))
+
+
+def _since(rows: list[tuple[float, ...]], lo: float, hi: float) -> list[tuple[float, ...]]:
+    times = [r[0] for r in rows]
+    return rows[bisect.bisect_right(times, lo) : bisect.bisect_right(times, hi)]
