@@ -31,8 +31,12 @@ DistServe measured against.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import math
+import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +150,19 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefill-budgets", type=_ints, default=list(PREFILL_BUDGETS))
     add_sweep_steps(p)
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="candidates simulated at once (default: all cores)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds: past it no new candidate starts and running bisections stop (0: none); "
+        "what was not measured is listed",
+    )
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
     p.add_argument(
@@ -162,11 +179,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def goodput(
     c: Candidate,
     args: argparse.Namespace,
     bound: float = 0.0,
     progress: Callable[[str], None] | None = None,
+    deadline: float = math.inf,
 ) -> dict[str, Any]:
     """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
     × GPUs until a miss, then ``--sweep-steps`` bisections. Stops as soon as the bracket's
@@ -194,7 +216,7 @@ def goodput(
             args.min_rate_per_gpu * c.gpus,
             12,
             args.sweep_steps,
-            stop=lambda hi, mid: hi <= bound or mid < floor,
+            stop=lambda hi, mid: hi <= bound or mid < floor or time.monotonic() >= deadline,
         ),
         attainment,
     )
@@ -229,9 +251,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    def run(c: Candidate) -> None:
-        bound = best.get(c.family, 0.0) if args.prune else 0.0
-        res = goodput(c, args, bound, progress)
+    deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else math.inf
+    skipped: list[str] = []
+    jobs = max(1, args.jobs)
+    pool = concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else None
+
+    def run_all(cs: list[Candidate]) -> None:
+        """Measure ``cs`` (``--jobs`` at a time), each pruned against its family's best so far."""
+        todo = list(cs)
+        running: dict[concurrent.futures.Future[dict[str, Any]], Candidate] = {}
+        while todo or running:
+            while todo and len(running) < jobs:
+                c = todo.pop(0)
+                if time.monotonic() >= deadline:
+                    skipped.append(c.label)
+                    continue
+                bound = best.get(c.family, 0.0) if args.prune else 0.0
+                if pool is None:
+                    record(c, goodput(c, args, bound, progress, deadline))
+                    continue
+                running[pool.submit(goodput, c, args, bound, _progress, deadline)] = c
+            if running:
+                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for f in done:
+                    record(running.pop(f), f.result())
+
+    def record(c: Candidate, res: dict[str, Any]) -> None:
         per_gpu = res["goodput_rate"] / c.gpus
         rows.append((per_gpu, c, res))
         best[c.family] = max(best.get(c.family, 0.0), res["goodput_rate"])
@@ -247,25 +292,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     first = candidates(
         args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
     )
-    for c in first:
-        run(c)
+    run_all(first)
     tried = {(c.prefill, c.budget) for c in first if not c.colocated}
     coarse = splits(args.gpus, args.max_splits)
     step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
     while step >= 1:  # local search around the best split: halve the step each round
         top = max((r for r in rows if not r[1].colocated), key=lambda r: r[0])[1].prefill
+        near = []
         for p in (top - step, top + step):
             for b in args.prefill_budgets:
                 if 0 < p < args.gpus and (p, b) not in tried:
                     tried.add((p, b))
-                    run(Candidate(p, args.gpus - p, 0, b))
+                    near.append(Candidate(p, args.gpus - p, 0, b))
+        run_all(near)
         step //= 2
     if args.conditional:
         chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=lambda r: r[0], default=None)
         budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
-        run(Candidate(0, 0, args.gpus, budget, conditional=True))
-        for p in coarse:
-            run(Candidate(p, args.gpus - p, 0, budget, conditional=True))
+        run_all([Candidate(0, 0, args.gpus, budget, conditional=True)]
+                + [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse])  # fmt: skip
+    if pool is not None:
+        pool.shutdown()
+    if not rows:
+        print("pdserve plan: error: the time budget ended before any candidate was measured", file=sys.stderr)
+        return 1
     rows.sort(key=lambda r: -r[0])
     # Every family is deployable (prefill-priority with --colocated-schedule); ties keep the
     # earlier family in the search order: chunked colocation first.
@@ -284,7 +334,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "goodput_slo": " ".join(args.goodput),
         "recommended": rec.label,
         "recommended_per_gpu": round(best_per_gpu, 3),
+        "not_measured": skipped,  # past --time-budget
     }
+    if skipped:
+        print(f"  not measured (time budget): {', '.join(skipped)}")
     # The bound of the workload the recommendation was measured on (its highest passing point).
     passing = [p for p in rec_result["points"] if p["rate"] <= rec_result["goodput_rate"]]
     if passing:

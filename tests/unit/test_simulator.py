@@ -164,3 +164,30 @@ def test_work_bound_of_a_fitted_profile_by_hand() -> None:
     again = work_bound(f, [RequestSpec(0.0, prompt, l, o)] * 2)  # 512 = 32 whole blocks, all cached
     last = 5e-6 * l + 1e-3  # one token after 511 cached: charged as a decode token, as every profile does
     assert again.prefill_s == pytest.approx((prefill + last) / 2, rel=1e-6)
+
+
+def test_plan_in_parallel_recommends_what_the_sequential_search_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--jobs 2`` measures the same candidates as one job at a time (prune bounds may differ,
+    the recommendation does not); a spent ``--time-budget`` lists what it did not measure."""
+    from pdserve.simulator.plan import add_plan_args, cmd_plan
+
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    base = ["--gpus", "3", "--num-prompts", "60", "--random-input-len", "500", "--random-output-len", "40",
+            "--goodput", "ttft:250", "tpot:100", "--sweep-steps", "2", "--colocated-budgets", "2048",
+            "--priority-budgets", "", "--prefill-budgets", "4096", "--no-prune"]  # fmt: skip
+
+    def summary(*extra: str) -> dict[str, object]:
+        assert cmd_plan(p.parse_args([*base, *extra])) == 0
+        out = capsys.readouterr().out
+        result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+        return result
+
+    one, two = summary("--jobs", "1"), summary("--jobs", "2")
+    assert one["recommended"] == two["recommended"]
+    assert one["recommended_per_gpu"] == two["recommended_per_gpu"]
+    assert one["not_measured"] == two["not_measured"] == []
+    short = summary("--jobs", "1", "--time-budget", "1")
+    assert short["not_measured"]  # the first candidate ran (its bisection cut short), the rest did not
