@@ -87,7 +87,7 @@ def dashboard_data(router: Router, horizon_s: float, step_s: float) -> dict[str,
 def _planner(router: Router, series: list[WindowStats], now: float) -> dict[str, Any] | None:
     """The pool planner's targets at each point of the series, and its recent changes (``None``
     when it is not running)."""
-    plans = list(router.accounting.metrics.plans)
+    plans = list(router.plans)
     if not plans:
         return None
     times = [p[0] for p in plans]

@@ -150,6 +150,7 @@ class Router(Membership):
         self.dispatcher = self.accounting.dispatcher
         self.slos = self.accounting.slos
         self.slo_tracker = self.accounting.tracker
+        self.plans = self.accounting.metrics.plans  # the pool planner's decisions (``/dashboard``)
         name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.model = ModelInfo(
             model_id=name,

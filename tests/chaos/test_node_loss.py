@@ -13,12 +13,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "node_loss.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_dead_node_is_declared_dead_within_8_s() -> None:
-    cmd = [sys.executable, str(SCRIPT)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    cmd = [sys.executable, "-m", "benchmarks.node_loss"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True, cwd=ROOT)
     result = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert result["settings"] == "pdserve"
     assert result["node_dead_s"] is not None and result["node_dead_s"] <= 8.0, result

@@ -38,6 +38,7 @@ def fake_router(tracker: Any) -> Any:
     return SimpleNamespace(
         slos=SloBook.of(SloClass("chat", ttft_ms=250, tpot_ms=100), SloClass("batch", ttft_ms=2000)),
         slo_tracker=tracker,
+        plans=[],
         workers={w.worker_id: w for w in workers},
         model=SimpleNamespace(model_id="tiny", vocab_size=256),
         config=SimpleNamespace(caps=Caps()),
@@ -88,6 +89,33 @@ def test_data_json_nan_is_null_and_behind_the_key() -> None:
          "kv_usage": 0.0},
     ]  # fmt: skip
     assert client.get("/dashboard/data", params={"step_s": 0}, headers=auth).status_code == 400
+    assert d["planner"] is None  # no planner running: no pools panel
+
+
+def test_data_json_shows_the_planners_pools_and_changes() -> None:
+    from pdserve.router.chat import ChatTemplate
+    from pdserve.router.openai_api import build_http_app
+    from pdserve.router.slo import SloTracker
+
+    router = fake_router(SloTracker())
+    now = time.monotonic()
+    router.plans = [
+        (now - 95, "hold", 1, 1, ""),
+        (now - 55, "scale_up", 3, 2, "attainment 0.7 < 0.9"),
+        (now - 25, "hold", 3, 2, ""),
+        (now - 5, "scale_down", 2, 2, "met with margin"),
+    ]
+    client = TestClient(build_http_app(router, ChatTemplate(None)))
+    d = client.get("/dashboard/data", params={"horizon_s": 120, "step_s": 10}).json()
+    plan = d["planner"]
+    assert plan["prefill"][:2] == [None, None] and plan["prefill"][3] == 1  # before the first decision
+    assert plan["prefill"][-1] == 2 and plan["decode"][-1] == 2 and plan["prefill"][-4] == 3
+    assert [c["reason"] for c in plan["changes"]] == [
+        "scale_down",
+        "scale_up",
+    ]  # newest first, holds left out
+    assert plan["changes"][1] | {"t": 0} == {"t": 0, "reason": "scale_up", "prefill": 3, "decode": 2,
+                                              "detail": "attainment 0.7 < 0.9"}  # fmt: skip
 
 
 def chromium(binary: str, tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:

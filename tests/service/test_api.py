@@ -318,12 +318,13 @@ def test_api_key_on_every_route() -> None:
 
 
 def blocked_by_a_full_decode_worker(s: Any, prompt: list[int]) -> tuple[Any, Any, Any]:
-    """On a 40-block decode worker: a long stream holding 37-38 blocks, and a request for
+    """On a 40-block decode worker: a long stream holding 32 or more blocks (and with 100 tokens
+    to go, so that it does not end and free them while the test looks), and a request for
     ``prompt`` (more than the rest) that prefill served but decode has no room for yet; its
     first message."""
     hog = s.Generate(grpc_request([7] * 300, 300, stream=True))
     got = 0
-    while got < 290:
+    while got < 200:
         got += len(next(hog).chunk.token_ids)
     blocked = s.Generate(grpc_request(prompt, 8, stream=True))
     first = next(blocked)
@@ -479,7 +480,8 @@ def test_cancel_reaches_a_reservation_still_waiting_for_room() -> None:
             state: dict[str, int] = st.run(decode.call("request_state", timeout_s=5))
             return state["pending_reservations"]
 
-        assert pending() == 1
+        # the first token can reach the client before decode has queued the reservation
+        wait_for(lambda: pending() == 1, 2.0, "the reservation waiting for room")
         blocked.cancel()
         took = wait_for(lambda: pending() == 0, 1.0, "the waiting reservation dropped")
         assert took < 1.0

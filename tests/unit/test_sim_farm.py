@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.sim_farm import compact, parse_points
 
-FARM = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_farm.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_points_file_parsing() -> None:
@@ -47,9 +47,9 @@ def test_farm_runs_points_in_parallel_and_stops_at_the_deadline(tmp_path: Path) 
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "slow.json").write_text('{"slo_attainment": 1.0}')  # from an earlier run
     out = subprocess.run(
-        [sys.executable, str(FARM), "--points", str(pts), "--out-dir", str(tmp_path / "o"), "--jobs", "2",
-         "--deadline-s", "15"],
-        capture_output=True, text=True, timeout=120, check=True,
+        [sys.executable, "-m", "benchmarks.sim_farm", "--points", str(pts), "--out-dir", str(tmp_path / "o"),
+         "--jobs", "2", "--deadline-s", "15"],
+        capture_output=True, text=True, timeout=120, check=True, cwd=ROOT,
     )  # fmt: skip
     summary = json.loads(out.stdout.strip().splitlines()[-1])["points"]
     assert summary["quick"]["status"] == "ok" and summary["quick"]["completed"] == 20
