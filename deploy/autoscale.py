@@ -74,7 +74,9 @@ class PoolAutoscaler:
         first = not self.joined  # the deployment's own workers were there before the planner
         for wid in [w for w in router.workers if w not in self.joined]:
             self.joined[wid] = -math.inf if first else now
-        warming = any(now - t < self.warmup_s for w, t in self.joined.items() if w in router.workers)
+        for gone in [w for w in self.joined if w not in router.workers]:
+            del self.joined[gone]
+        warming = any(now - t < self.warmup_s for t in self.joined.values())
         return Observation(
             t=now,
             layout=self.layout(),

@@ -3,8 +3,8 @@
 Why not ``torch`` here: a CPU ``copy_`` of one 12-layer block (hundreds of KiB) opens its own
 OpenMP parallel region, so copying 128 scattered blocks means 128 fork/joins of a team. From a
 transport thread, beside the engine thread's own OpenMP team, those fork/joins contend for the
-same cores: 128 blocks moved at 5-7 GB/s where one plain copy of the same bytes ran at 20-27
-(measured on the 2-core CI host, ``benchmarks/kvtransfer_bandwidth.py``). ``numpy.copyto``
+same cores: scattered blocks move at a fraction of one plain copy's speed (``BENCHMARKS.md``,
+KV transfer). ``numpy.copyto``
 releases the GIL and uses no thread team, so a fixed pool of plain threads, each taking the
 next block until none is left, runs at the memcpy ceiling without touching the process-wide
 torch thread settings (which ``torch.set_num_threads`` from another thread would change).
@@ -46,8 +46,8 @@ class BlockCopier:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
         # Every thread takes the next piece from one shared iterator (a list iterator's next is
-        # atomic under the GIL): a helper thread that wakes late (~0.1 ms on a busy 2-core
-        # host) simply copies fewer pieces instead of finishing last with a fixed share.
+        # atomic under the GIL): a helper thread that wakes late (a busy host) simply copies
+        # fewer pieces instead of finishing last with a fixed share.
         work = iter(pairs)
         futures = [self._pool.submit(_run, work) for _ in range(self.threads - 1)]
         try:

@@ -1,7 +1,7 @@
 """SLO classes and the router's live attainment/goodput window (pure Python).
 
-A request is judged once, when it ends, against its SLO class (joint TTFT and TPOT, field notes
-§2): a failed or rejected request is a miss. ``SloTracker`` keeps the outcomes of the last few
+A request is judged once, when it ends, against its SLO class (joint TTFT and TPOT, as
+goodput is defined): a failed or rejected request is a miss. ``SloTracker`` keeps the outcomes of the last few
 minutes so the router can export attainment and goodput as gauges and draw ``/dashboard``
 without a Prometheus server; the cumulative counters go to ``/metrics`` as well.
 """

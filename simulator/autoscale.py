@@ -36,9 +36,9 @@ class AutoscaleConfig:
 @dataclass
 class Timeline:
     decisions: list[Decision] = field(default_factory=list)
-    layouts: list[tuple[float, int, int]] = field(
-        default_factory=list
-    )  # (t, prefill, decode) after each tick
+    # (t, prefill, decode) after each tick; (t, attainment, requests that ended) of each interval
+    layouts: list[tuple[float, int, int]] = field(default_factory=list)
+    windows: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 class SimAutoscaler:
@@ -99,7 +99,9 @@ class SimAutoscaler:
     def tick(self) -> None:
         c = self.cluster
         now = c.clock.now
-        d = self.planner.decide(self.observe(now))
+        obs = self.observe(now)
+        self.timeline.windows.append((now, obs.attainment, obs.requests))
+        d = self.planner.decide(obs)
         self.timeline.decisions.append(d)
         if d.changes:
             self.apply(d.layout)
@@ -150,5 +152,6 @@ class SimAutoscaler:
             "changes": len(changes),
             "worker_seconds": self.cluster.worker_seconds(until),
             "layouts": self.timeline.layouts,
+            "attainment_by_interval": self.timeline.windows,  # NaN: no request ended in it
             "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
         }
