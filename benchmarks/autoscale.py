@@ -3,7 +3,7 @@
 timing; the planner is the code ``pdserve serve --autoscale`` runs).
 
     .venv/bin/python -m benchmarks.autoscale                 # about 10 minutes on 2 cores
-    .venv/bin/python -m benchmarks.autoscale --quick         # a shorter trace, fewer layouts
+    .venv/bin/python -m benchmarks.autoscale --quick         # a 400 s trace
 
 Workload: the Azure conversation trace's requests and arrival pattern at ``--rate`` req/s,
 shaped by ``--curve`` (default: steady, then a step to 4x, 4x for a while, a step back down).
@@ -50,22 +50,22 @@ def workload(args: argparse.Namespace) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=10.0, help="the curve's base rate (req/s)")
-    ap.add_argument("--curve", default="0:1,150:1,160:4,450:4,460:1", help="--rate-curve of the run")
-    ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--step-at", type=float, default=160.0, help="where the curve reaches its peak")
-    ap.add_argument("--steady", default="250:450", help="the peak's steady stretch, for the change count")
+    ap.add_argument("--curve", default="0:1,200:1,210:4,450:4,460:1", help="--rate-curve of the run")
+    ap.add_argument("--duration", type=float, default=900.0)
+    ap.add_argument("--step-at", type=float, default=210.0, help="where the curve reaches its peak")
+    ap.add_argument("--steady", default="300:450", help="the peak's steady stretch, for the change count")
     ap.add_argument("--max-prefill", type=int, default=6)
     ap.add_argument("--max-decode", type=int, default=4)
     ap.add_argument("--interval", type=float, default=30.0)
     ap.add_argument("--start-s", type=float, default=20.0, help="a new worker's start-up")
-    ap.add_argument("--quick", action="store_true", help="a 300 s trace, the step at 80 s")
+    ap.add_argument("--quick", action="store_true", help="a 400 s trace, the step at 100 s")
     args = ap.parse_args()
     if args.quick:
         args.curve, args.duration, args.step_at, args.steady = (
-            "0:1,70:1,80:4,230:4,240:1",
-            300.0,
-            80.0,
-            "140:230",
+            "0:1,90:1,100:4,220:4,230:1",
+            400.0,
+            100.0,
+            "160:220",
         )
     t0 = time.perf_counter()
     base = workload(args)
@@ -86,9 +86,22 @@ def main() -> int:
     print(
         f"best static: {best['prefill']}P+{best['decode']}D, attainment {best['attainment']:.3f}", flush=True
     )
-    auto = run([*base, "--prefill", "1", "--decode", "1", "--policy", "least_loaded", "--autoscale",
-                "--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode),
-                "--autoscale-interval", str(args.interval), "--worker-start-s", str(args.start_s)])  # fmt: skip
+    bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
+    timing = ["--autoscale-interval", str(args.interval), "--worker-start-s", str(args.start_s)]
+    auto = run(
+        [
+            *base,
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--policy",
+            "least_loaded",
+            "--autoscale",
+            *bounds,
+            *timing,
+        ]
+    )
     a = auto["autoscale"]
     windows = [(t, att) for t, att, n in a["attainment_by_interval"] if n]
     back = next((t for t, att in windows if t > args.step_at and att >= 0.9 and any(
@@ -99,7 +112,7 @@ def main() -> int:
     steady_changes = [r for r in a["reasons"] if lo <= r[0] <= hi]
     intervals = (hi - lo) / args.interval
     result = {
-        "workload": f"Azure conversation trace at {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
+        "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
         "slo": "ttft:250 tpot:100 at 90 %",
         "best_static": f"{best['prefill']}P+{best['decode']}D",
         "static_attainment": round(best["attainment"], 4),

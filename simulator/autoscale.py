@@ -27,10 +27,19 @@ class AutoscaleConfig:
     interval_s: float = 30.0
     start_s: float = 20.0  # a new worker's start-up (node, process, weights) before it serves
     switch_s: float = 1.0  # a drained worker's change of role
+    warmup_s: float | None = (
+        None  # after a join, windows are a warm-up (the planner holds); None: one interval
+    )
 
     def __post_init__(self) -> None:
-        if not (self.interval_s > 0 and self.start_s >= 0 and self.switch_s >= 0):
-            raise ValueError("autoscale interval must be > 0, start-up and switch times >= 0")
+        if self.warmup_s is None:
+            object.__setattr__(self, "warmup_s", self.interval_s)
+        if not (self.interval_s > 0 and self.start_s >= 0 and self.switch_s >= 0 and self.warmup >= 0):
+            raise ValueError("autoscale interval must be > 0, start-up, switch and warm-up times >= 0")
+
+    @property
+    def warmup(self) -> float:
+        return self.interval_s if self.warmup_s is None else self.warmup_s
 
 
 @dataclass
@@ -50,7 +59,8 @@ class SimAutoscaler:
         self.config = config
         self.submitted = sorted(submitted, key=lambda sr: sr.arrival)
         self.last_arrival = self.submitted[-1].arrival if submitted else 0.0
-        self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (or switching) into
+        self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
+        self.last_join = -math.inf  # the window after a join still holds the backlog it was for
         self.timeline = Timeline()
         cluster.clock.at(config.interval_s, self.tick)
 
@@ -92,7 +102,7 @@ class SimAutoscaler:
             attainment=good / len(ended) if ended else math.nan,
             ttft_s=sorted(ttfts)[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else math.nan,
             tpot_s=statistics.median(tpots) if tpots else math.nan,
-            warming=bool(self.starting),
+            warming=bool(self.starting) or now - self.last_join < self.config.warmup,
         )
 
     # -- acting ----------------------------------------------------------------------------------
@@ -139,6 +149,7 @@ class SimAutoscaler:
     def _started(self, wid: str) -> None:
         """``wid`` joined its pool (started, or switched)."""
         self.starting.pop(wid, None)
+        self.last_join = self.cluster.clock.now
 
     def _switch(self, w: SimWorker, role: WorkerRole) -> None:
         self.starting[w.wid] = role
