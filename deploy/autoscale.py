@@ -15,6 +15,7 @@ logged, counted in the router's metrics and kept for ``/dashboard``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -39,9 +40,11 @@ class PoolAutoscaler:
         interval_s: float = 30.0,
         warmup_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        checks: int = 3,
     ) -> None:
-        if not interval_s > 0 or not warmup_s >= 0:
-            raise ValueError("the autoscale interval must be > 0 and the warm-up >= 0")
+        if not interval_s > 0 or not warmup_s >= 0 or checks < 1:
+            raise ValueError("the autoscale interval must be > 0, the warm-up >= 0 and checks >= 1")
+        self.checks = checks  # looks an interval: the last decides, the others may only scale up
         self.service = service
         self.planner = planner
         self.interval_s = interval_s
@@ -60,13 +63,14 @@ class PoolAutoscaler:
             sum(w.role is WorkerRole.PREFILL for w in live), sum(w.role is WorkerRole.DECODE for w in live)
         )
 
-    def observe(self) -> Observation:
+    def observe(self, span_s: float | None = None) -> Observation:
         router = self.service.router
         assert router is not None
         now = self.clock()
         acc = router.accounting
         q = self.planner.config.quantile
-        requests, attainment, ttft, tpot = acc.tracker.tails(now, self.interval_s, q)
+        span = self.interval_s if span_s is None else span_s
+        requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
         model = getattr(acc.dispatcher, "model", None)
         factors = (1.0, 1.0)
         if model is not None:  # the router's corrections of the same profile, over all workers
@@ -80,7 +84,7 @@ class PoolAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=acc.window.workload(now, self.interval_s),
+            load=acc.window.workload(now, span),
             requests=requests,
             attainment=attainment,
             ttft_s=ttft,
@@ -90,8 +94,13 @@ class PoolAutoscaler:
         )
 
     # -- acting ----------------------------------------------------------------------------------
-    async def tick(self) -> Decision:
-        d = self.planner.decide(self.observe())
+    async def tick(self, up_only: bool = False) -> Decision:
+        """One look: the interval's decision, or (``up_only``) a check between decisions on a
+        shorter window that may only grow the pools."""
+        span = self.interval_s / self.checks if up_only else None
+        d = self.planner.decide(self.observe(span), up_only=up_only)
+        if up_only and not d.changes:
+            return d
         self.decisions.append(d)
         del self.decisions[:-500]
         router = self.service.router
@@ -132,10 +141,10 @@ class PoolAutoscaler:
                 await self.service.resize(role, len(live) + need[role])
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
+        for n in itertools.count(1):
+            await asyncio.sleep(self.interval_s / self.checks)
             try:
-                await self.tick()
+                await self.tick(up_only=n % self.checks != 0)
             except Exception:  # a failed change is retried by the next interval's decision
                 log.exception("planner: the change failed")
 

@@ -20,7 +20,8 @@ deliberately narrower than the way up: a smaller layout must meet the SLO with `
 predicted tails at most ``margin`` × the targets) for several intervals, and no scale-down
 follows a change within ``cooldown`` intervals. Nothing arriving is not a reason to panic or
 to divide by zero: the prediction of an empty window is an unloaded worker's, so the pools
-step down to their minimum. Measurements from workers still warming up are the caller's to
+step down to their minimum (whatever the corrections learned under load say of an idle worker).
+Measurements from workers still warming up are the caller's to
 leave out (``Observation.warming``: the layout is held while any is).
 """
 
@@ -169,24 +170,32 @@ class Planner:
             for d in range(b.min_decode, b.max_decode + 1)
         ]
 
-    def decide(self, obs: Observation) -> Decision:
+    def decide(self, obs: Observation, up_only: bool = False) -> Decision:
+        """The decision for ``obs``. ``up_only``: a check between decisions, on a shorter
+        window — it may grow the pools (a load step should not wait for the next decision) but
+        learns nothing, counts no interval and never shrinks them."""
         c = self.config
         current = c.bounds.clamp(obs.layout)
-        self._since_change += 1
-        self._learn(obs)
+        if not up_only:
+            self._since_change += 1
+            self._learn(obs)
         now_pred = self.predict(obs, current)
         if obs.warming:
             return self._record(
                 Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
             )
         measured_miss = obs.requests >= c.min_requests and _finite(obs.attainment, 1.0) < c.quantile
-        if current != obs.layout:  # outside the bounds (they changed, or a worker was lost)
+        if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
+            # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
             return self._change(
                 obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
             )
         ranked = sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
-        predicted_ok = self._meets(now_pred, 1.0)
+        # Nothing arrived and nothing ended: there is no load to size for, and the corrections
+        # (learned under load, queueing included) would price an idle worker as a busy one.
+        idle = obs.load.rate == 0 and obs.requests == 0
+        predicted_ok = idle or self._meets(now_pred, 1.0)
         if measured_miss or not predicted_ok:
             # a miss the model does not see (yet) calls for more workers, not another split
             least = current.workers + (1 if predicted_ok else 0)
@@ -206,6 +215,8 @@ class Planner:
                 return self._change(obs, Reason.OVERLOADED, top, self.predict(obs, top), why)
             reason = Reason.SWITCH if need.workers == current.workers else Reason.SCALE_UP
             return self._change(obs, reason, need, self.predict(obs, need), why)
+        if up_only:
+            return self._record(Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions"))
         # Down: only by stopping workers, to the largest of the last intervals' smallest
         # layouts that met with margin (the most cautious of them), never within the cooldown.
         fits = [
@@ -214,7 +225,7 @@ class Planner:
             if l.prefill <= current.prefill
             and l.decode <= current.decode
             and l.workers < current.workers
-            and self._meets(self.predict(obs, l), c.margin)
+            and (idle or self._meets(self.predict(obs, l), c.margin))
         ]
         self._floors.append(min((l.workers for l in fits), default=current.workers))
         floor = max(self._floors)

@@ -27,6 +27,7 @@ class AutoscaleConfig:
     interval_s: float = 30.0
     start_s: float = 20.0  # a new worker's start-up (node, process, weights) before it serves
     switch_s: float = 1.0  # a drained worker's change of role
+    checks: int = 3  # looks an interval: the last is the decision, the others may only scale up
     warmup_s: float | None = (
         None  # after a join, windows are a warm-up (the planner holds); None: one interval
     )
@@ -34,7 +35,10 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         if self.warmup_s is None:
             object.__setattr__(self, "warmup_s", self.interval_s)
-        if not (self.interval_s > 0 and self.start_s >= 0 and self.switch_s >= 0 and self.warmup >= 0):
+        if (
+            not (self.interval_s > 0 and self.start_s >= 0 and self.switch_s >= 0 and self.warmup >= 0)
+            or self.checks < 1
+        ):
             raise ValueError("autoscale interval must be > 0, start-up, switch and warm-up times >= 0")
 
     @property
@@ -62,7 +66,8 @@ class SimAutoscaler:
         self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
         self.last_join = -math.inf  # the window after a join still holds the backlog it was for
         self.timeline = Timeline()
-        cluster.clock.at(config.interval_s, self.tick)
+        self._ticks = 0
+        cluster.clock.at(config.interval_s / config.checks, self.tick)
 
     # -- measuring -------------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -72,8 +77,8 @@ class SimAutoscaler:
             len(c.prefillers) + extra[WorkerRole.PREFILL], len(c.decoders) + extra[WorkerRole.DECODE]
         )
 
-    def observe(self, now: float) -> Observation:
-        span = self.config.interval_s
+    def observe(self, now: float, span: float | None = None) -> Observation:
+        span = self.config.interval_s if span is None else span
         c, cfg = self.cluster, self.planner.config
         arrived = [sr for sr in self.submitted if now - span < sr.arrival <= now and not sr.rejected]
         prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
@@ -107,18 +112,25 @@ class SimAutoscaler:
 
     # -- acting ----------------------------------------------------------------------------------
     def tick(self) -> None:
-        c = self.cluster
+        c, cfg = self.cluster, self.config
         now = c.clock.now
-        obs = self.observe(now)
-        self.timeline.windows.append((now, obs.attainment, obs.requests))
-        d = self.planner.decide(obs)
-        self.timeline.decisions.append(d)
+        self._ticks += 1
+        full = self._ticks % cfg.checks == 0
+        if full:
+            obs = self.observe(now)
+            self.timeline.windows.append((now, obs.attainment, obs.requests))
+            d = self.planner.decide(obs)
+        else:  # between decisions: a shorter window, up only
+            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
+        if full or d.changes:
+            self.timeline.decisions.append(d)
         if d.changes:
             self.apply(d.layout)
-        lay = self.layout()
-        self.timeline.layouts.append((now, lay.prefill, lay.decode))
+        if full:
+            lay = self.layout()
+            self.timeline.layouts.append((now, lay.prefill, lay.decode))
         if now < self.last_arrival or c.requests:
-            c.clock.at(now + self.config.interval_s, self.tick)
+            c.clock.at(now + cfg.interval_s / cfg.checks, self.tick)
 
     def apply(self, target: Layout) -> None:
         have = self.layout()

@@ -42,13 +42,15 @@ def test_a_burst_grows_the_pools_and_the_quiet_shrinks_them() -> None:
         assert grew.layout.prefill > 1
         assert scaler.layout() == grew.layout  # the workers started and joined
         reasons = []
+        details: list[object] = []
         for _ in range(12):  # the quiet: down to the minimum, never below it
             time.sleep(1.0)
             d = st.run(scaler.tick())
             reasons.append(d.reason)
+            details.append((d.reason.value, d.layout, d.detail, round(d.predicted.ttft_s, 3), round(d.predicted.tpot_s, 4)))
             if scaler.layout() == Layout(1, 1):
                 break
-        assert scaler.layout() == Layout(1, 1), reasons
+        assert scaler.layout() == Layout(1, 1), details
         assert Reason.SCALE_DOWN in reasons
         metrics = httpx.get(f"{ep.http}/metrics", timeout=10).text
         assert 'pdserve:planner_decisions_total{reason="scale_down"}' in metrics
