@@ -51,7 +51,6 @@ class PoolAutoscaler:
         self.warmup_s = warmup_s
         self.clock = clock
         self.joined: dict[str, float] = {}  # worker id -> when it joined (or switched role)
-        self.decisions: list[Decision] = []
         self._task: asyncio.Task[None] | None = None
 
     # -- measuring -------------------------------------------------------------------------------
@@ -101,8 +100,6 @@ class PoolAutoscaler:
         d = self.planner.decide(self.observe(span), up_only=up_only)
         if up_only and not d.changes:
             return d
-        self.decisions.append(d)
-        del self.decisions[:-500]
         router = self.service.router
         if router is not None:
             router.accounting.metrics.planned(d.reason.value, d.layout.prefill, d.layout.decode, d.detail)

@@ -122,10 +122,6 @@ class Decision:
         return self.reason in (Reason.SCALE_UP, Reason.SWITCH, Reason.SCALE_DOWN, Reason.OVERLOADED)
 
 
-def _finite(x: float, default: float) -> float:
-    return x if math.isfinite(x) and x > 0 else default
-
-
 class Planner:
     def __init__(self, model: StepTimeModel, config: PlannerConfig) -> None:
         self.model = model
@@ -133,11 +129,12 @@ class Planner:
         self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
         self._floors: deque[int] = deque(maxlen=config.down_after)  # smallest total that met, an interval
         self._since_change = config.cooldown
-        self.history: list[Decision] = []
 
-    def predict(self, obs: Observation, layout: Layout) -> Prediction:
-        c = self.config
-        p = predict(self.model, obs.load, layout.prefill, layout.decode, c.quantile, obs.factors)
+    def predict(self, obs: Observation, layout: Layout, corrected: bool = True) -> Prediction:
+        """``layout``'s prediction for ``obs``'s workload, with the measured correction or not."""
+        p = predict(self.model, obs.load, layout.prefill, layout.decode, self.config.quantile, obs.factors)
+        if not corrected:
+            return p
         return Prediction(
             p.ttft_s * self.correction[0], p.tpot_s * self.correction[1], p.prefill_util, p.decode_batch
         )
@@ -149,9 +146,7 @@ class Planner:
         """Fold the window's measured tails into the correction (only with enough requests)."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
-        raw = predict(
-            self.model, obs.load, obs.layout.prefill, obs.layout.decode, self.config.quantile, obs.factors
-        )
+        raw = self.predict(obs, obs.layout, corrected=False)
         new = []
         for measured, predicted, old in ((obs.ttft_s, raw.ttft_s, self.correction[0]),
                                          (obs.tpot_s, raw.tpot_s, self.correction[1])):  # fmt: skip
@@ -181,10 +176,8 @@ class Planner:
             self._learn(obs)
         now_pred = self.predict(obs, current)
         if obs.warming:
-            return self._record(
-                Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
-            )
-        measured_miss = obs.requests >= c.min_requests and _finite(obs.attainment, 1.0) < c.quantile
+            return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
+        measured_miss = obs.requests >= c.min_requests and obs.attainment < c.quantile  # False for NaN
         if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
             # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
@@ -209,14 +202,12 @@ class Planner:
             if need is None:
                 top = Layout(c.bounds.max_prefill, c.bounds.max_decode)
                 if top == current:
-                    return self._record(
-                        Decision(obs.t, Reason.HOLD, current, now_pred, f"at the bounds; {why}")
-                    )
+                    return Decision(obs.t, Reason.HOLD, current, now_pred, f"at the bounds; {why}")
                 return self._change(obs, Reason.OVERLOADED, top, self.predict(obs, top), why)
             reason = Reason.SWITCH if need.workers == current.workers else Reason.SCALE_UP
             return self._change(obs, reason, need, self.predict(obs, need), why)
         if up_only:
-            return self._record(Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions"))
+            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
         # Down: only by stopping workers, to the largest of the last intervals' smallest
         # layouts that met with margin (the most cautious of them), never within the cooldown.
         fits = [
@@ -236,16 +227,11 @@ class Planner:
                 return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best),
                                     f"{best.prefill}P+{best.decode}D met the SLO with margin {c.margin} "
                                     f"for {c.down_after} intervals")  # fmt: skip
-        return self._record(Decision(obs.t, Reason.HOLD, current, now_pred))
+        return Decision(obs.t, Reason.HOLD, current, now_pred)
 
     def _change(
         self, obs: Observation, reason: Reason, to: Layout, pred: Prediction, detail: str
     ) -> Decision:
         self._since_change = 0
         self._floors.clear()
-        return self._record(Decision(obs.t, reason, to, pred, detail))
-
-    def _record(self, d: Decision) -> Decision:
-        self.history.append(d)
-        del self.history[:-1000]
-        return d
+        return Decision(obs.t, reason, to, pred, detail)

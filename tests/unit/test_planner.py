@@ -104,6 +104,12 @@ def test_measured_misses_grow_the_pools_even_when_the_model_is_optimistic() -> N
     assert plan.correction[0] > 1.0  # it learned the model was optimistic about TTFT
 
 
+def test_a_window_where_every_request_missed_is_a_miss() -> None:
+    plan = Planner(H100, SLO)
+    d = plan.decide(obs(0, Layout(4, 4), 20.0, requests=500, attainment=0.0, ttft_s=3.0, tpot_s=0.05))
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > 8
+
+
 def test_warming_workers_hold_the_layout_and_teach_nothing() -> None:
     plan = Planner(H100, SLO)
     d = plan.decide(obs(0, Layout(2, 2), 30.0, requests=500, attainment=0.2, ttft_s=5.0, warming=True))
