@@ -12,6 +12,7 @@ warm-up the planner waits out.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -62,7 +63,8 @@ class SimAutoscaler:
         self.planner = planner
         self.config = config
         self.submitted = sorted(submitted, key=lambda sr: sr.arrival)
-        self.last_arrival = self.submitted[-1].arrival if submitted else 0.0
+        self.arrivals = [sr.arrival for sr in self.submitted]
+        self.last_arrival = self.arrivals[-1] if submitted else 0.0
         self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
         self.last_join = -math.inf  # the window after a join still holds the backlog it was for
         self.timeline = Timeline()
@@ -80,14 +82,18 @@ class SimAutoscaler:
     def observe(self, now: float, span: float | None = None) -> Observation:
         span = self.config.interval_s if span is None else span
         c, cfg = self.cluster, self.planner.config
-        arrived = [sr for sr in self.submitted if now - span < sr.arrival <= now and not sr.rejected]
+        # both lists are in time order: each window is a slice (a look is not a pass over the run)
+        window = self.submitted[
+            bisect.bisect_right(self.arrivals, now - span) : bisect.bisect_right(self.arrivals, now)
+        ]
+        arrived = [sr for sr in window if not sr.rejected]
         prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
         output = statistics.fmean(sr.work.params.max_tokens for sr in arrived) if arrived else 0.0
         firsts = [sr for sr in arrived if sr.token_times]
         tokens = sum(sr.num_prompt_tokens for sr in firsts)
         cached = sum(sr.cached for sr in firsts) / tokens if tokens else 0.0
-        ended = [sr for sr in c.finished if sr.token_times and now - span < sr.token_times[-1] <= now]
-        ended += [sr for sr in c.finished if sr.rejected and now - span < sr.arrival <= now]
+        lo, hi = bisect.bisect_right(c.end_times, now - span), bisect.bisect_right(c.end_times, now)
+        ended = c.finished[lo:hi]  # served ones end with their last token, refused ones on arrival
         ttfts, tpots, good = [], [], 0
         for sr in ended:
             if sr.rejected or not sr.token_times:

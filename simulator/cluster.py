@@ -64,7 +64,7 @@ class SimRequest:
     decode_worker: SimWorker | None = None
     transfer_id: str = ""
     granted: bool = False  # the decode worker reserved its blocks
-    first: tuple[int, int] | None = None  # the prefill worker's first token, cached prompt tokens
+    first: int | None = None  # the prefill worker's first token
     cached: int = 0  # prompt tokens a prefix cache served
     done: bool = False
     rejected: bool = False
@@ -98,7 +98,6 @@ class SimWorker:
 
     def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
         """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
-        self.role = role
         self.engine: PrefillEngine | DecodeEngine
         if role is WorkerRole.PREFILL:
             assert self.transport is not None
@@ -107,6 +106,11 @@ class SimWorker:
             clock = self.cluster.clock
             self.engine = DecodeEngine(self.rt, self.transport, config, self.wid, role, clock=clock)
         self._load = None
+
+    @property
+    def role(self) -> WorkerRole:
+        """The role it runs now: its engine's."""
+        return self.engine.role
 
     @property
     def kv(self) -> KVCacheManager:
@@ -215,8 +219,6 @@ class Cluster:
         self.link = Link(self.clock, profile)
         self.shared_host = shared_host
         self.jitter_seed = jitter_seed
-        self.colocated = colocated > 0
-
         self.block_size = block_size
         self.configs = {WorkerRole.PREFILL: prefill_config, WorkerRole.DECODE: decode_config,
                         WorkerRole.COLOCATED: decode_config}  # fmt: skip
@@ -225,7 +227,7 @@ class Cluster:
         self.prefillers: list[SimWorker] = []  # routable now
         self.decoders: list[SimWorker] = []
         self.lifetimes: dict[str, list[float]] = {}  # worker id -> [started, stopped (or open)]
-        if self.colocated:
+        if colocated:
             for _ in range(colocated):
                 self.add_worker(WorkerRole.COLOCATED)
         else:
@@ -236,9 +238,9 @@ class Cluster:
         self.dispatcher = dispatcher
         self.slo = slo
         self.requests: dict[str, SimRequest] = {}  # in flight
-        self.finished: list[SimRequest] = []
+        self.finished: list[SimRequest] = []  # in the order they ended
+        self.end_times: list[float] = []  # when each of ``finished`` ended (non-decreasing)
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
-        self.max_model_len = profile.max_model_len
 
     def jitter_for(self, wid: str) -> StepJitter | None:
         """``wid``'s step-time variability, if the profile measured any (its own stream of
@@ -376,8 +378,8 @@ class Cluster:
     def _start(self, sr: SimRequest) -> None:
         d = sr.decode_worker
         assert d is not None and sr.first is not None
-        token, cached = sr.first
-        d.command(lambda: d.decode.start(sr.work.request_id, token, cached))
+        token = sr.first
+        d.command(lambda: d.decode.start(sr.work.request_id, token, sr.cached))
 
     def on_delta(self, w: SimWorker, delta: TokenDelta) -> None:
         sr = self.requests.get(delta.request_id)
@@ -400,7 +402,7 @@ class Cluster:
                 decoder.command(lambda: decoder.decode.abort(rid))
                 self.finish(sr)
             elif delta.prefilled:
-                sr.first = (delta.token_ids[0], delta.num_cached_tokens)
+                sr.first = delta.token_ids[0]
                 if sr.granted:
                     self._start(sr)
             return
@@ -419,6 +421,7 @@ class Cluster:
         self.requests.pop(sr.work.request_id, None)
         self.link.tokens.pop(sr.transfer_id, None)
         self.finished.append(sr)
+        self.end_times.append(self.clock.now)
         t = sr.token_times
         gaps = [b - a for a, b in itertools.pairwise(t[1:])]  # without the hand-off gap
         self.dispatcher.on_end(sr.work.request_id, self.clock.now, statistics.median(gaps) if gaps else None)
