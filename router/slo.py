@@ -146,15 +146,22 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
+def _ended(
+    outs: list[SloResult], times: list[float], now: float, span_s: float, slo_class: str | None
+) -> tuple[list[SloResult], list[float], list[float]]:
+    """The outcomes that ended in ``(now - span_s, now]`` (one class or all), with the sorted
+    TTFTs and TPOTs (ms) of those that finished."""
+    lo, hi = bisect.bisect_right(times, now - span_s), bisect.bisect_right(times, now)
+    picked = [o for o in outs[lo:hi] if slo_class is None or o.slo_class == slo_class]
+    ok = [o for o in picked if o.ok]
+    return picked, sorted(o.ttft_ms for o in ok), sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
+
+
 def _stats(
     outs: list[SloResult], times: list[float], now: float, span_s: float, slo_class: str | None
 ) -> WindowStats:
-    lo, hi = bisect.bisect_right(times, now - span_s), bisect.bisect_right(times, now)
-    picked = [o for o in outs[lo:hi] if slo_class is None or o.slo_class == slo_class]
+    picked, ttft, tpot = _ended(outs, times, now, span_s, slo_class)
     good = sum(o.good for o in picked)
-    ok = [o for o in picked if o.ok]
-    ttft = sorted(o.ttft_ms for o in ok)
-    tpot = sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
     return WindowStats(
         t=now,
         requests=len(picked),
@@ -199,11 +206,7 @@ class SloTracker:
         """``(requests, attainment, TTFT at quantile q, median TPOT)`` over the requests that
         ended in ``(now - span_s, now]`` (seconds; NaN for what an empty window cannot say)."""
         outs = list(self._outcomes)
-        times = [o.t for o in outs]
-        picked = outs[bisect.bisect_right(times, now - span_s) : bisect.bisect_right(times, now)]
-        ok = [o for o in picked if o.ok]
-        ttft = sorted(o.ttft_ms for o in ok)
-        tpot = sorted(o.tpot_ms for o in ok if o.tpot_ms > 0)
+        picked, ttft, tpot = _ended(outs, [o.t for o in outs], now, span_s, None)
         attainment = sum(o.good for o in picked) / len(picked) if picked else math.nan
         return len(picked), attainment, _pct(ttft, q) / 1000, _pct(tpot, 0.5) / 1000
 

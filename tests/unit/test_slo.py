@@ -129,3 +129,18 @@ def test_the_routers_block_keys_are_the_workers_prefix_cache_keys() -> None:
     req = Request("r", tokens, SamplingParams(max_tokens=1), ())
     keys = kv._request_keys(req, 3)
     assert block_keys(tokens, 16) == tuple(keys) and len(keys) == 3
+
+
+def test_tails_are_the_windows_own_numbers_in_seconds() -> None:
+    t = SloTracker()
+    t.record(SloResult(50.0, "chat", 999.0, 999.0, True, True, True))  # before the window
+    for i in range(10):  # 10 ended in the window, the first two failed, one more missed TPOT
+        ok = i >= 2
+        t.record(SloResult(100.0 + i, "chat", 10.0 * (i + 1), 5.0 + i, True, i != 5, ok))
+    n, attainment, ttft_q, tpot_p50 = t.tails(110.0, 20.0, 0.9)
+    w = t.window(110.0, 20.0)
+    assert n == w.requests == 10 and attainment == w.attainment == 0.7
+    assert ttft_q == 0.1  # the nearest-rank 0.9 quantile of the 8 finished ones, 30..100 ms
+    assert tpot_p50 == w.tpot_p50_ms / 1000
+    empty = t.tails(1000.0, 10.0, 0.9)
+    assert empty[0] == 0 and all(math.isnan(x) for x in empty[1:])
