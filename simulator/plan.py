@@ -248,9 +248,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows: list[tuple[float, Candidate, dict[str, Any]]] = []
     best: dict[str, float] = {}  # family -> best goodput (req/s) so far
 
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else math.inf
     skipped: list[str] = []
     jobs = max(1, args.jobs)
@@ -268,7 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     continue
                 bound = best.get(c.family, 0.0) if args.prune else 0.0
                 if pool is None:
-                    record(c, goodput(c, args, bound, progress, deadline))
+                    record(c, goodput(c, args, bound, _progress, deadline))
                     continue
                 running[pool.submit(goodput, c, args, bound, _progress, deadline)] = c
             if running:
