@@ -179,6 +179,8 @@ def planner_config(args: argparse.Namespace, config: RouterConfig) -> PlannerCon
         return None
     if colocated_count(args):
         raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
+    if not args.autoscale_interval > 0:  # NaN too: checked here, before any worker starts
+        raise ValueError(f"--autoscale-interval must be > 0 seconds, not {args.autoscale_interval}")
     slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
     target = slos.resolve()
     if not (target.ttft_ms and target.tpot_ms):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.cli import build_parser
+from pdserve.deploy.planner import Bounds
 from pdserve.deploy.pools import PoolSpec
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
-from pdserve.serve import build
+from pdserve.serve import build, planner_config
 
 
 def _spec(*flags: str) -> PoolSpec:
@@ -37,3 +40,26 @@ def test_the_readme_synopsis_lists_every_serve_flag() -> None:
     )  # fmt: skip
     flags = {s for action in serve._actions for s in action.option_strings if s.startswith("--")} - {"--help"}
     assert documented == flags, (sorted(flags - documented), sorted(documented - flags))
+
+
+def test_autoscale_settings_are_checked_before_anything_starts() -> None:
+    base = ["serve", "--model", "tiny", "--device", "cpu", "--autoscale", "--slo", "chat:ttft=250,tpot=50"]
+
+    def plan(*flags: str):  # type: ignore[no-untyped-def]
+        args = build_parser().parse_args([*base, *flags])
+        return planner_config(args, build(args)[1])
+
+    p = plan("--min-prefill", "2", "--max-prefill", "4")
+    assert p is not None and p.bounds == Bounds(2, 4, 1, 8) and (p.ttft_s, p.tpot_s) == (0.25, 0.05)
+    for flags, match in (
+        (["--autoscale-interval", "0"], "autoscale-interval"),
+        (["--autoscale-interval", "nan"], "autoscale-interval"),
+        (["--min-decode", "0"], "pool bounds"),
+        (["--min-prefill", "3", "--max-prefill", "2"], "pool bounds"),
+        (["--colocated", "2"], "not with --colocated"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan(*flags)
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--device", "cpu", "--autoscale"])
+    with pytest.raises(ValueError, match="both targets"):
+        planner_config(args, build(args)[1])
