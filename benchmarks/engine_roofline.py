@@ -1,6 +1,7 @@
 """How close the engine runs to this machine's limits, and how it compares with HF transformers.
 
-On the ``bench`` preset (about 100M parameters, float32):
+On the ``bench`` preset (about 100M parameters, float32), or any ``--model`` (``smollm2-135m``:
+the real SmolLM2-135M-Instruct from its GGUF):
 
 * decode tokens/s at batch 1, 8, 32 and MBU = bytes a decode step must read (weights + KV) /
   step time / memory read bandwidth measured in this run;
@@ -9,7 +10,9 @@ On the ``bench`` preset (about 100M parameters, float32):
   attention is not counted; ``prefill_mfu_2048_full_attn`` counts it, as PaLM-style MFU does);
 * the same 32 requests (prompts 16-512, outputs 16-256 tokens) through our engine (all at once,
   continuous batching) and through HF ``generate`` one at a time and in static padded batches
-  of 8.
+  of 8;
+* transformers' own decode step at batch 1 and 8 and its 512-token prefill on the same model
+  (``hf_decode_tok_s_b*``, ``hf_prefill_tok_s_512``), next to ours.
 
 Run: ``.venv/bin/python -m benchmarks.engine_roofline`` (about 5 minutes; ``--skip-hf`` for
 the first two parts only). The last line of output is one JSON object.
@@ -22,15 +25,15 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
+from pdserve.model_runtime.checkpoint import Format
 from pdserve.model_runtime.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
-from pdserve.model_runtime.presets import preset_path
+from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
@@ -121,12 +124,50 @@ def run_ours(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> float:
     return dt
 
 
-def run_hf(model_dir: Path, reqs: list[tuple[list[int], int]], batch: int) -> float:
+def load_hf(model: str) -> Any:
+    """The same checkpoint in transformers, float32 (a GGUF dequantized by its own loader)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
+    checkpoint = resolve_model(model)
+    if checkpoint.format is Format.GGUF:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(checkpoint.directory), gguf_file=checkpoint.path.name, dtype=torch.float32
+        ).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=torch.float32).eval()
+
+
+def hf_steps(model: Any, vocab: int, prompt_len: int, steps: int) -> dict[str, float]:
+    """transformers' decode step (batch 1 and 8: ``generate`` of ``steps`` tokens less a
+    1-token ``generate``, per step) and its 512-token prefill (one forward), medians of 3."""
+    rng = random.Random(7)
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for b in (1, 8):
+            ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(b)])
+
+            def gen(n: int, ids: torch.Tensor = ids) -> float:
+                t0 = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+                return time.perf_counter() - t0
+
+            gen(2)  # warm-up
+            per_step = statistics.median((gen(steps) - gen(1)) / (steps - 1) for _ in range(3))
+            out[f"hf_decode_step_ms_b{b}"] = per_step * 1e3
+            out[f"hf_decode_tok_s_b{b}"] = b / per_step
+        ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(512)]])
+        model(input_ids=ids)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model(input_ids=ids)
+            times.append(time.perf_counter() - t0)
+        out["hf_prefill_tok_s_512"] = 512 / statistics.median(times)
+    return out
+
+
+def run_hf(model: Any, reqs: list[tuple[list[int], int]], batch: int) -> float:
     pad = 258
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -242,10 +283,18 @@ def main() -> None:
     res["ours_32req_s"] = run_ours(engine, reqs)
     print(f"32 requests: ours {res['ours_32req_s']:.1f} s", flush=True)
     if not args.skip_hf:
-        model_dir = preset_path(args.model) if not Path(args.model).is_dir() else Path(args.model)
-        res["hf_batch8_32req_s"] = run_hf(model_dir, reqs, 8)
+        hf = load_hf(args.model)
+        res.update(hf_steps(hf, cfg.vocab_size, args.decode_prompt_len, args.decode_steps))
+        for b in (1, 8):
+            print(
+                f"transformers decode b={b}: {res[f'hf_decode_step_ms_b{b}']:.2f} ms/step, "
+                f"{res[f'hf_decode_tok_s_b{b}']:.0f} tok/s (ours {res[f'decode_tok_s_b{b}']:.0f})",
+                flush=True,
+            )
+        print(f"transformers prefill 512: {res['hf_prefill_tok_s_512']:.0f} tok/s", flush=True)
+        res["hf_batch8_32req_s"] = run_hf(hf, reqs, 8)
         print(f"32 requests: HF static batches of 8 {res['hf_batch8_32req_s']:.1f} s", flush=True)
-        res["hf_single_32req_s"] = run_hf(model_dir, reqs, 1)
+        res["hf_single_32req_s"] = run_hf(hf, reqs, 1)
         print(f"32 requests: HF one at a time {res['hf_single_32req_s']:.1f} s", flush=True)
         res["vs_hf_speedup"] = min(res["hf_batch8_32req_s"], res["hf_single_32req_s"]) / res["ours_32req_s"]
     emit(res)

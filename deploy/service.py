@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.deploy.keeper import PoolKeeper
 from pdserve.deploy.pools import PoolSpec
+from pdserve.model_runtime.checkpoint import Checkpoint
+from pdserve.model_runtime.model.loader import check_checkpoint
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.outputs import OutputListener
-from pdserve.router.server import Frontends, chat_template_for
+from pdserve.router.server import Frontends
 from pdserve.router.service import Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.messages import WorkerRole
@@ -38,6 +40,11 @@ log = logging.getLogger(__name__)
 class Endpoints:
     http: str  # base URL, e.g. http://127.0.0.1:8000
     grpc: str  # host:port
+
+
+def _check_model(checkpoint: Checkpoint) -> TextTokenizer | None:
+    check_checkpoint(checkpoint)
+    return TextTokenizer.load(checkpoint)
 
 
 class Service:
@@ -60,6 +67,10 @@ class Service:
         self._outputs: OutputListener | None = None
 
     async def start(self, progress: bool = False) -> Endpoints:
+        # The router reads the model's tokenizer and configuration too: doing it first turns a
+        # wrong path or config into an error before any worker (or Ray) starts.
+        checkpoint = resolve_model(self.spec.engine.model)
+        tokenizer = await asyncio.to_thread(_check_model, checkpoint)
         self._outputs = outputs = OutputListener(
             self._secret,
             host=self.config.worker_channel_host,
@@ -75,16 +86,24 @@ class Service:
             self._placement = Placement.of(self.spec)
         specs = self.spec.worker_specs(self._secret, self._channel_address, own_process=self.use_ray)
         self.handles = await asyncio.to_thread(self._launch, specs, progress)
-        model_dir = resolve_model(self.spec.engine.model)
-        tokenizer = TextTokenizer.load(model_dir)
-        self.router = Router(self.config, self.handles, tokenizer, outputs, colocated=self.spec.is_colocated)
+        generation = checkpoint.generation_config()
+        if generation.defaults.given():
+            log.info("sampling defaults from %s: %s", generation.source, generation.defaults.given())
+        self.router = Router(
+            self.config,
+            self.handles,
+            tokenizer,
+            outputs,
+            colocated=self.spec.is_colocated,
+            generation=generation.defaults,
+        )
         self.router.start()
         first = {role: n for role, n in self.spec.roles}
         self.keeper = PoolKeeper(
             self.router, outputs, self._launch_one, first, self._joined, replace_lost=self.spec.replace_lost
         )
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
-        self.frontends = Frontends(self.router, self.config, chat_template_for(model_dir, tokenizer))
+        self.frontends = Frontends(self.router, self.config)
         await self.frontends.start()
         return self.endpoints
 

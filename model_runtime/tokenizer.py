@@ -3,12 +3,12 @@ and incremental detokenization that never emits half of a multi-byte UTF-8 chara
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from pdserve.model_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateSource, find_chat_template
+from pdserve.model_runtime.checkpoint import Checkpoint, Format
 from pdserve.model_runtime.errors import ModelLoadError
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -44,32 +44,40 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat: ChatTemplateSource | None = None) -> None:
         self._tok = tokenizer
-        self.chat_template = chat_template
+        self.chat = chat or find_chat_template_nowhere()
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @staticmethod
-    def load(model_dir: Path) -> TextTokenizer | None:
-        """The directory's tokenizer, or ``None`` when it ships none (token-id prompts only)."""
-        path = model_dir / "tokenizer.json"
+    def load(checkpoint: Checkpoint) -> TextTokenizer | None:
+        """The checkpoint's tokenizer and chat template, or ``None`` when it ships no tokenizer
+        (token-id prompts only)."""
+        if checkpoint.format is Format.GGUF:
+            from pdserve.model_runtime.gguf_tokenizer import gguf_tokenizer
+            from pdserve.model_runtime.model.gguf import open_gguf
+
+            f = open_gguf(checkpoint.path)
+            tok = gguf_tokenizer(f)
+            if tok is None:
+                return None
+            template = f.value("tokenizer.chat_template")
+            origin = f"{checkpoint.path.name} (tokenizer.chat_template)"
+            bos, eos = (_token(tok, f.value(f"tokenizer.ggml.{k}_token_id")) for k in ("bos", "eos"))
+            chat = find_chat_template(checkpoint.directory, template, origin, bos, eos)
+            return TextTokenizer(tok, chat)
+        path = checkpoint.path / "tokenizer.json"
         if not path.exists():
             return None
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises plain Exception subclasses
             raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
-        template = None
-        cfg = model_dir / "tokenizer_config.json"
-        if cfg.exists():
-            try:
-                t = json.loads(cfg.read_text()).get("chat_template")
-                template = t if isinstance(t, str) else None
-            except (json.JSONDecodeError, AttributeError):
-                template = None
-        return TextTokenizer(tok, template)
+        return TextTokenizer(tok, find_chat_template(checkpoint.path))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: what the tokenizer adds around a text (BOS), not whether
+        special tokens written in the text are recognised (they always are)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -84,6 +92,16 @@ class TextTokenizer:
             raw = self._tok.id_to_token(token_id)
             return raw if raw is not None else f"token_id:{token_id}"
         return text
+
+
+def _token(tok: Tokenizer, token_id: object) -> str:
+    if isinstance(token_id, int) and not isinstance(token_id, bool):
+        return tok.id_to_token(token_id) or ""
+    return ""
+
+
+def find_chat_template_nowhere() -> ChatTemplateSource:
+    return ChatTemplateSource(DEFAULT_CHAT_TEMPLATE, "built-in")
 
 
 class IncrementalDetokenizer:

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pdserve.flags import add_block_size, add_model, add_scheduler, add_temperature
+from pdserve.flags import DEFAULT_MODEL, add_block_size, add_model, add_scheduler, add_temperature
 from pdserve.model_runtime.errors import PdserveError
 
 DEMO_PROMPTS = (
@@ -19,7 +19,7 @@ DEMO_PROMPTS = (
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    add_model(p, "tiny")
+    add_model(p, DEFAULT_MODEL)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"

@@ -72,11 +72,16 @@ def add_block_size(p: argparse.ArgumentParser, default: int, why: str = "") -> N
     )
 
 
+# What ``pdserve serve`` and ``generate`` serve without --model: a real instruct model.
+DEFAULT_MODEL = "smollm2-135m"
+
+
 def add_model(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--model",
         default=default,
-        help=f"preset name (tiny, bench) or Hugging Face directory (default {default})",
+        help="smollm2-135m (a real instruct model, installed by the Makefile), tiny or bench (synthetic), "
+        f"a Hugging Face directory, or a .gguf file (default {default})",
     )
 
 

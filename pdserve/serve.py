@@ -17,7 +17,7 @@ from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_bounds
 from pdserve.kvtransfer.config import BACKENDS, TransportConfig
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
-from pdserve.model_runtime.presets import PRESETS
+from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.server import serve_until_signal
@@ -164,7 +164,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         local_prefill=args.local_prefill,
         slo_classes=tuple(SloClass.parse(c) for c in args.slo),
         default_slo_class=args.default_slo_class,
-        model_name=args.served_model_name or (args.model if args.model in PRESETS else ""),
+        model_name=args.served_model_name or (args.model if args.model in MODEL_NAMES else ""),
         drain_timeout_s=args.drain_timeout,
         migration_limit=args.migration_limit,
         liveness_timeout_s=args.liveness_timeout,

@@ -1,9 +1,10 @@
-"""Chat messages -> prompt text, with the model's own template when it ships one.
+"""Chat messages -> prompt, with the model's own template when it ships one
+(``model_runtime/chat_template.py`` says where it is looked for).
 
 Templates run in Jinja2's immutable sandbox (a template comes from a model directory, which
 is data, not code). Without one, the documented fallback is::
 
-    <|system|>\n{content}\n<|user|>\n{content}\n ... <|assistant|>\n
+    {bos}<|system|>\n{content}\n<|user|>\n{content}\n ... <|assistant|>\n
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pdserve.model_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateSource
+from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import Code, RouterError
 
-DEFAULT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -30,14 +30,35 @@ class ChatMessage:
 
 
 class ChatTemplate:
-    def __init__(self, template: str | None, bos_token: str = "", eos_token: str = "") -> None:
-        self.source = template or DEFAULT_TEMPLATE
-        self.is_default = template is None
+    def __init__(self, source: ChatTemplateSource | None, tokenizer: TextTokenizer | None = None) -> None:
+        self.origin = source or ChatTemplateSource(DEFAULT_CHAT_TEMPLATE, "built-in")
+        self.source = self.origin.template
+        self.is_default = not self.origin.found
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise
-        self._template = env.from_string(self.source)
-        self.bos_token = bos_token
-        self.eos_token = eos_token
+        try:
+            self._template = env.from_string(self.source)
+        except TemplateError as e:
+            raise ModelLoadError(f"chat template from {self.origin.origin} is invalid: {e}") from None
+        self.bos_token = self.origin.bos_token
+        self.eos_token = self.origin.eos_token
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def of(tokenizer: TextTokenizer | None) -> ChatTemplate:
+        return ChatTemplate(tokenizer.chat if tokenizer else None, tokenizer)
+
+    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The rendered prompt as token ids, with nothing added around it: special tokens the
+        template writes (BOS included) are its own, as with ``apply_chat_template``."""
+        text = self.render(messages)
+        if self.tokenizer is None:
+            raise RouterError(
+                Code.INVALID_ARGUMENT,
+                "messages: this model has no tokenizer; use /v1/completions with ids",
+                "messages",
+            )
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render(self, messages: Sequence[ChatMessage]) -> str:
         if not messages:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from pdserve.model_runtime.generation_config import GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.slo import SloClass
 from pdserve.steptime.model import StepTimeModel
@@ -18,6 +21,17 @@ class Caps:
     max_n: int = 8
     max_logprobs: int = 20
     default_max_tokens: int = SamplingParams.max_tokens  # a request that names none
+
+    def with_defaults(
+        self, defaults: GenerationDefaults, fields: Mapping[str, Any], max_tokens: int | None
+    ) -> dict[str, Any]:
+        """A request's sampling ``fields`` with the unset (``None``) ones filled: the model's
+        defaults first (``SamplingParams``' own after that), and ``max_tokens`` from the model's
+        ``max_new_tokens`` held to the cap, else ``default_max_tokens``."""
+        filled = defaults.fill({**fields, "max_tokens": max_tokens})
+        if max_tokens is None:
+            filled["max_tokens"] = min(filled.get("max_tokens", self.default_max_tokens), self.max_tokens)
+        return filled
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "default_max_tokens"):

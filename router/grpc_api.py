@@ -18,8 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.auth import bearer_ok
+from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
@@ -59,16 +61,19 @@ HEALTH = {
 }
 
 
-OPTIONAL_SAMPLING = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")  # proto3 `optional`
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # proto3 `optional`
+OPTIONAL_SAMPLING = ("seed", "logprobs")
 
 
-def sampling_params(s: pb.SamplingParameters, default_max_tokens: int) -> SamplingParams:
-    # Fields the client left unset take SamplingParams' own defaults (the one place they live).
+def sampling_params(
+    s: pb.SamplingParameters, caps: Caps, defaults: GenerationDefaults = NO_DEFAULTS
+) -> SamplingParams:
+    # Fields the client left unset take the model's defaults, then SamplingParams' own (the one
+    # place they live).
+    fields = {name: getattr(s, name) if s.HasField(name) else None for name in MODEL_DEFAULTED}
     given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
     return SamplingParams.create(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
-        top_k=s.top_k,
-        min_p=s.min_p,
+        **caps.with_defaults(defaults, fields, s.max_tokens if s.HasField("max_tokens") else None),
         frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty,
         stop=list(s.stop),
@@ -127,7 +132,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
         try:
-            params = sampling_params(request.sampling, self.router.config.caps.default_max_tokens)
+            params = sampling_params(request.sampling, self.router.config.caps, self.router.generation)
             hint = request.slo
             slo = SloHint(hint.ttft_ms, hint.tpot_ms, hint.priority, hint.slo_class)
             admitted = self.router.admit(GenerateInput(prompt, params, request.request_id, slo))

@@ -105,7 +105,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(router, body.model)
-        params = body.sampling_params(router.config.caps, body.max_tokens, body.logprobs)
+        params = body.sampling_params(router.config.caps, body.max_tokens, body.logprobs, router.generation)
         prompts = body.prompts()
         inputs = [
             GenerateInput(p, params_for(params, i, body.n), slo=body.slo_hint())
@@ -119,9 +119,9 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(router, body.model)
         params = body.sampling_params(
-            router.config.caps, body.requested_max_tokens(), body.requested_logprobs()
+            router.config.caps, body.requested_max_tokens(), body.requested_logprobs(), router.generation
         )
-        prompt = chat_template.render([ChatMessage(m.role, m.text()) for m in body.messages])
+        prompt = chat_template.prompt_ids([ChatMessage(m.role, m.text()) for m in body.messages])
         inputs = [
             GenerateInput(prompt, params_for(params, i, body.n), slo=body.slo_hint()) for i in range(body.n)
         ]

@@ -5,8 +5,10 @@ Standard fields follow the OpenAI API; the vLLM-compatible extras (``top_k``, ``
 ``include_stop_str_in_output``, ``return_token_ids``, ``priority``) and pdserve's SLO fields
 (``slo_class``, ``slo_ttft_ms``, ``slo_tpot_ms``) arrive as top-level JSON
 fields (the ``openai`` client's ``extra_body``). Unknown fields are ignored, as OpenAI does.
-Range checks live in one place (``SamplingParams.validate`` via the router), so the HTTP and
-gRPC APIs reject exactly the same requests with the same messages.
+Sampling fields left unset (absent or null) take the model's generation defaults, then
+pdserve's (``model_runtime/generation_config.py``). Range checks live in one place
+(``SamplingParams.validate`` via the router), so the HTTP and gRPC APIs reject exactly the same
+requests with the same messages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.chat import ROLES
 from pdserve.router.config import Caps
@@ -48,8 +51,10 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: Int | None = Field(None, description="tokens to generate (server default when unset)")
-    temperature: float = DEFAULT.temperature
-    top_p: float = DEFAULT.top_p
+    temperature: float | None = Field(
+        None, description=f"unset: the model's default, else {DEFAULT.temperature}"
+    )
+    top_p: float | None = Field(None, description=f"unset: the model's default, else {DEFAULT.top_p}")
     n: Int = Field(1, description="sequences per prompt (capped by the server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,9 +64,11 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = DEFAULT.frequency_penalty
     user: str | None = None
     # vLLM-compatible extensions
-    top_k: Int = DEFAULT.top_k
-    min_p: float = DEFAULT.min_p
-    repetition_penalty: float = DEFAULT.repetition_penalty
+    top_k: Int | None = Field(None, description=f"unset: the model's default, else {DEFAULT.top_k}")
+    min_p: float | None = Field(None, description=f"unset: the model's default, else {DEFAULT.min_p}")
+    repetition_penalty: float | None = Field(
+        None, description=f"unset: the model's default, else {DEFAULT.repetition_penalty}"
+    )
     ignore_eos: bool = DEFAULT.ignore_eos
     min_tokens: Int = DEFAULT.min_tokens
     stop_token_ids: list[Int] | None = None
@@ -75,18 +82,23 @@ class SamplingFields(BaseModel):
     def slo_hint(self) -> SloHint:
         return SloHint(self.slo_ttft_ms, self.slo_tpot_ms, self.priority, self.slo_class)
 
-    def sampling_params(self, caps: Caps, max_tokens: Int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        caps: Caps,
+        max_tokens: Int | None,
+        logprobs: int | None,
+        defaults: GenerationDefaults = NO_DEFAULTS,
+    ) -> SamplingParams:
         if not 1 <= self.n <= caps.max_n:
             raise RouterError(
                 Code.INVALID_ARGUMENT, f"n: must be in [1, {caps.max_n}] (server cap), got {self.n}", "n"
             )
+        fields = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
         return SamplingParams.create(
-            max_tokens=caps.default_max_tokens if max_tokens is None else max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            **caps.with_defaults(defaults, fields, max_tokens),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             seed=self.seed,

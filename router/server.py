@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 from collections.abc import Generator
-from pathlib import Path
 
 import uvicorn
 
-from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.chat import ChatTemplate
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import GrpcServer
@@ -30,21 +27,17 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def chat_template_for(model_dir: Path, tokenizer: TextTokenizer | None) -> ChatTemplate:
-    bos = eos = ""
-    cfg = model_dir / "tokenizer_config.json"
-    if cfg.exists():
-        with contextlib.suppress(ValueError, OSError):
-            raw = json.loads(cfg.read_text())
-            bos = raw.get("bos_token") if isinstance(raw.get("bos_token"), str) else ""
-            eos = raw.get("eos_token") if isinstance(raw.get("eos_token"), str) else ""
-    return ChatTemplate(tokenizer.chat_template if tokenizer else None, bos or "", eos or "")
-
-
 class Frontends:
-    def __init__(self, router: Router, config: RouterConfig, chat_template: ChatTemplate) -> None:
+    def __init__(self, router: Router, config: RouterConfig) -> None:
         self.router = router
         self.config = config
+        chat_template = ChatTemplate.of(router.tokenizer)
+        if router.tokenizer is None:
+            log.info("the model has no tokenizer: prompts must be token ids, and chat is unavailable")
+        elif chat_template.is_default:
+            log.warning("the model ships no chat template: chat prompts use pdserve's built-in template")
+        else:
+            log.info("chat template: %s", chat_template.origin.origin)
         self.app = build_http_app(router, chat_template, config.api_key)
         self.grpc = GrpcServer(router, config.host, config.grpc_port, config.api_key)
         self.http = _Uvicorn(

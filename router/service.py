@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits, validate_request
@@ -82,6 +83,12 @@ class GenerateInput:
     slo: SloHint = field(default_factory=SloHint)
 
 
+def model_id_of(checkpoint_path: str) -> str:
+    """The id ``/v1/models`` lists by default: the directory's or GGUF file's name."""
+    name = checkpoint_path.rstrip("/").rsplit("/", 1)[-1]
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_id: str
@@ -115,6 +122,7 @@ class Router(Membership):
         tokenizer: TextTokenizer | None,
         outputs: OutputListener,
         colocated: bool = False,
+        generation: GenerationDefaults = NO_DEFAULTS,
     ) -> None:
         if not workers:
             raise ValueError("a router needs workers")
@@ -123,6 +131,7 @@ class Router(Membership):
         self.outputs = outputs
         self.workers = {w.worker_id: w for w in workers}
         self.tokenizer = tokenizer
+        self.generation = generation  # the model's sampling defaults for fields a request leaves unset
         self._streams: dict[str, RequestStream] = {}  # by the router's own request id
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
         self._tasks: set[asyncio.Task[None]] = set()
@@ -151,7 +160,7 @@ class Router(Membership):
         self.slos = self.accounting.slos
         self.slo_tracker = self.accounting.tracker
         self.plans = self.accounting.metrics.plans  # the pool planner's decisions (``/dashboard``)
-        name = config.model_name or info.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        name = config.model_name or model_id_of(info.model_dir)
         self.model = ModelInfo(
             model_id=name,
             architecture=info.architecture,

@@ -139,7 +139,7 @@ class WorkerHost:
             worker_id=spec.worker_id,
             role=spec.role,
             address=self.loop.address,
-            model_dir=str(self.rt.model_dir),
+            model_dir=str(self.rt.checkpoint.path),
             architecture=self.rt.model_config.architecture,
             vocab_size=self.rt.model_config.vocab_size,
             max_model_len=self.rt.max_model_len,

@@ -14,17 +14,17 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.engine.runner import StepResult
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
-from pdserve.model_runtime.model.loader import load_eos_ids, load_model, resolve_dtype
+from pdserve.model_runtime.model.loader import load_model, resolve_dtype
 from pdserve.model_runtime.platform import tune_malloc
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.request import Request
@@ -123,7 +123,7 @@ class EmulatedRunner(ZeroRunner):
 @dataclass
 class Runtime:
     config: EngineConfig
-    model_dir: Path
+    checkpoint: Checkpoint
     model_config: ModelConfig
     dtype: torch.dtype
     device: torch.device
@@ -160,8 +160,8 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     if device.type == "cpu":
         tune_malloc()
     dtype = resolve_dtype(config.dtype, device)
-    model_dir = resolve_model(config.model)
-    probe = ModelConfig.from_file(model_dir / "config.json")
+    checkpoint = resolve_model(config.model)
+    probe = checkpoint.model_config()
     profile = config.profile
     block_size = config.cache.block_size
     if profile is None:
@@ -179,18 +179,17 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         else new_kv_cache(shape, dtype, device)
     )
     runner: StepRunner
+    model_config = probe
     if profile is not None:
-        model_config = load_eos_ids(model_dir, probe)
         runner = EmulatedRunner(model_config, cache, profile)
     elif config.compute == "zero":
-        model_config = load_eos_ids(model_dir, probe)
         runner = ZeroRunner(model_config, cache)
     else:
-        model_config, model = load_model(model_dir, device, dtype, max_len)
+        model_config, model = load_model(checkpoint, device, dtype, max_len)
         runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache)
     rt = Runtime(
         config=config,
-        model_dir=model_dir,
+        checkpoint=checkpoint,
         model_config=model_config,
         dtype=dtype,
         device=device,
@@ -198,12 +197,12 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         block_size=block_size,
         kv=KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching),
         runner=runner,
-        tokenizer=TextTokenizer.load(model_dir),
+        tokenizer=TextTokenizer.load(checkpoint),
         profile=profile,
     )
     log.info(
         "loaded %s (%s, %s, compute=%s) in %.2fs: %d KV blocks of %d tokens",
-        model_dir,
+        checkpoint.path,
         model_config.architecture,
         dtype,
         config.compute,

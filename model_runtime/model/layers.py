@@ -18,6 +18,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = _scaled_inv_freq(head_dim, rope)
+    if rope.freq_factors:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv_freq / rope.factor

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (single or sharded).
+"""Load a checkpoint's weights into ``LlamaModel``: a Hugging Face directory (``*.safetensors``,
+single or sharded) or a GGUF file (``model/gguf.py``), both read as Hugging Face names.
 
 Every failure a user can cause (wrong path, unsupported architecture, missing or corrupt shard,
 wrong shape, a dtype the device cannot run) becomes a one-line ``ModelLoadError``.
@@ -9,15 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pdserve.model_runtime.checkpoint import Checkpoint, Format
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.model.gguf import GGUFWeights, open_gguf
 from pdserve.model_runtime.model.linear import Linear, choose_backend
 from pdserve.model_runtime.model.llama import LayerWeights, LlamaModel
 
@@ -64,20 +66,6 @@ def check_device(device: torch.device) -> None:
         raise ModelLoadError(f"device type {device.type!r} is not supported (cpu or cuda)")
 
 
-def load_eos_ids(model_dir: Path, config: ModelConfig) -> ModelConfig:
-    """Merge ``generation_config.json``'s EOS ids (Llama 3 lists several) into the config."""
-    gen = model_dir / "generation_config.json"
-    if not gen.exists():
-        return config
-    try:
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return config
-    ids = set(config.eos_token_ids)
-    ids.update(eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else []))
-    return replace(config, eos_token_ids=tuple(sorted(ids)))
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -98,8 +86,16 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+class WeightSource(Protocol):
+    """Tensors by Hugging Face name; ``get`` checks the shape and raises ``ModelLoadError``."""
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+
 class _Tensors:
-    """Name -> lazily read tensor across shards."""
+    """Name -> lazily read tensor across safetensors shards."""
 
     def __init__(self, files: list[Path], stack: ExitStack) -> None:
         self._where: dict[str, Any] = {}
@@ -130,15 +126,32 @@ class _Tensors:
         return t
 
 
+def check_checkpoint(checkpoint: Checkpoint) -> ModelConfig:
+    """What can be checked without reading the weights: the configuration and, for a Hugging
+    Face directory, that its weight files are all there. ``pdserve serve`` runs this before
+    starting any worker, so a wrong path or config fails in a second with its own message."""
+    config = checkpoint.model_config()
+    if checkpoint.format is Format.HF:
+        _weight_files(checkpoint.path)
+    return config
+
+
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int
+    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, max_positions: int
 ) -> tuple[ModelConfig, LlamaModel]:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
-    config = load_eos_ids(model_dir, ModelConfig.from_file(model_dir / "config.json"))
-    files = _weight_files(model_dir)
-    c = config
+    config = checkpoint.model_config()
+    with ExitStack() as stack:
+        w: WeightSource
+        if checkpoint.format is Format.GGUF:
+            w = GGUFWeights(open_gguf(checkpoint.path), config)
+        else:
+            w = _Tensors(_weight_files(checkpoint.path), stack)
+        return config, _build(config, w, device, dtype, max_positions)
+
+
+def _build(
+    c: ModelConfig, w: WeightSource, device: torch.device, dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
     h, inter = c.hidden_size, c.intermediate_size
 
     def to_dev(*ts: torch.Tensor) -> torch.Tensor:
@@ -151,53 +164,51 @@ def load_model(
         """Checkpoint [out, in] matrices, concatenated along ``out``, as one projection."""
         return Linear(to_dev(*weights), to_dev(*biases) if biases else None, backend)
 
-    with ExitStack() as stack:
-        w = _Tensors(files, stack)
-        embed = to_dev(w.get("model.embed_tokens.weight", (c.vocab_size, h)))
-        layers: list[LayerWeights] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            m = p + "mlp."
-            layers.append(
-                LayerWeights(
-                    input_norm=to_dev(w.get(p + "input_layernorm.weight", (h,))),
-                    qkv=linear(
-                        (
-                            w.get(a + "q_proj.weight", (c.q_size, h)),
-                            w.get(a + "k_proj.weight", (c.kv_size, h)),
-                            w.get(a + "v_proj.weight", (c.kv_size, h)),
-                        ),
-                        (
-                            w.get(a + "q_proj.bias", (c.q_size,)),
-                            w.get(a + "k_proj.bias", (c.kv_size,)),
-                            w.get(a + "v_proj.bias", (c.kv_size,)),
-                        )
-                        if c.qkv_bias
-                        else None,
+    embed = to_dev(w.get("model.embed_tokens.weight", (c.vocab_size, h)))
+    layers: list[LayerWeights] = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        m = p + "mlp."
+        layers.append(
+            LayerWeights(
+                input_norm=to_dev(w.get(p + "input_layernorm.weight", (h,))),
+                qkv=linear(
+                    (
+                        w.get(a + "q_proj.weight", (c.q_size, h)),
+                        w.get(a + "k_proj.weight", (c.kv_size, h)),
+                        w.get(a + "v_proj.weight", (c.kv_size, h)),
                     ),
-                    o=linear(
-                        (w.get(a + "o_proj.weight", (h, c.q_size)),),
-                        (w.get(a + "o_proj.bias", (h,)),) if c.o_bias else None,
-                    ),
-                    post_norm=to_dev(w.get(p + "post_attention_layernorm.weight", (h,))),
-                    gate_up=linear(
-                        (w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))),
-                        (w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
-                        if c.mlp_bias
-                        else None,
-                    ),
-                    down=linear(
-                        (w.get(m + "down_proj.weight", (h, inter)),),
-                        (w.get(m + "down_proj.bias", (h,)),) if c.mlp_bias else None,
-                    ),
-                )
+                    (
+                        w.get(a + "q_proj.bias", (c.q_size,)),
+                        w.get(a + "k_proj.bias", (c.kv_size,)),
+                        w.get(a + "v_proj.bias", (c.kv_size,)),
+                    )
+                    if c.qkv_bias
+                    else None,
+                ),
+                o=linear(
+                    (w.get(a + "o_proj.weight", (h, c.q_size)),),
+                    (w.get(a + "o_proj.bias", (h,)),) if c.o_bias else None,
+                ),
+                post_norm=to_dev(w.get(p + "post_attention_layernorm.weight", (h,))),
+                gate_up=linear(
+                    (w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))),
+                    (w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
+                    if c.mlp_bias
+                    else None,
+                ),
+                down=linear(
+                    (w.get(m + "down_proj.weight", (h, inter)),),
+                    (w.get(m + "down_proj.bias", (h,)),) if c.mlp_bias else None,
+                ),
             )
-        final_norm = to_dev(w.get("model.norm.weight", (h,)))
-        if c.tie_word_embeddings or not w.has("lm_head.weight"):
-            if not c.tie_word_embeddings:
-                raise ModelLoadError("weight 'lm_head.weight' is missing and tie_word_embeddings is false")
-            lm_head = Linear(embed, None, backend)
-        else:
-            lm_head = linear((w.get("lm_head.weight", (c.vocab_size, h)),), None)
-    return config, LlamaModel(config, embed, layers, final_norm, lm_head, max_positions)
+        )
+    final_norm = to_dev(w.get("model.norm.weight", (h,)))
+    if c.tie_word_embeddings or not w.has("lm_head.weight"):
+        if not c.tie_word_embeddings:
+            raise ModelLoadError("weight 'lm_head.weight' is missing and tie_word_embeddings is false")
+        lm_head = Linear(embed, None, backend)
+    else:
+        lm_head = linear((w.get("lm_head.weight", (c.vocab_size, h)),), None)
+    return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.errors import InvalidRequestError, ModelLoadError
@@ -29,6 +30,10 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+def load(path: Path) -> object:
+    return load_model(Checkpoint.at(path), CPU, torch.float32, 128)
+
+
 def copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -45,22 +50,22 @@ def test_unsupported_architecture(llama_dir: Path, tmp_path: Path) -> None:
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        load_model(d, CPU, torch.float32, 128)
+        load(d)
 
 
 def test_missing_and_corrupt_weights(llama_dir: Path, tmp_path: Path) -> None:
     d = copy(llama_dir, tmp_path / "m")
     (d / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
-        load_model(d, CPU, torch.float32, 128)
+        load(d)
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ModelLoadError, match="corrupt"):
-        load_model(d, CPU, torch.float32, 128)
-    with pytest.raises(ModelLoadError, match=r"no config\.json"):
-        load_model(tmp_path, CPU, torch.float32, 128)
-    with pytest.raises(ModelLoadError, match="not a directory"):
-        load_model(tmp_path / "nope", CPU, torch.float32, 128)
-    with pytest.raises(ModelLoadError, match="no such model directory"):
+        load(d)
+    with pytest.raises(ModelLoadError, match=r"no config\.json and no \.gguf"):
+        load(tmp_path)
+    with pytest.raises(ModelLoadError, match="no such model file or directory"):
+        load(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no such model file or directory"):
         small_engine(str(tmp_path / "nope"))
 
 
@@ -70,7 +75,7 @@ def test_shape_mismatch(llama_dir: Path, tmp_path: Path) -> None:
     cfg["intermediate_size"] = 100
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"gate_proj\.weight' has shape"):
-        load_model(d, CPU, torch.float32, 128)
+        load(d)
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
@@ -86,7 +91,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(ModelLoadError, match="missing"):
-        load_model(tmp_path / "sharded", CPU, torch.float32, 128)
+        load(tmp_path / "sharded")
 
 
 def test_no_tokenizer_serves_token_ids_and_rejects_text(llama_dir: Path) -> None:

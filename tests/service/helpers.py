@@ -59,7 +59,8 @@ def start_service(
         replace_lost=replace_lost,
     )
     config = RouterConfig(
-        http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048), model_name=MODEL,
+        http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048),
+        model_name=engine.get("model", MODEL),
         local_prefill=local_prefill, slo_classes=slo_classes, migration_limit=migration_limit,
     )  # fmt: skip
     if use_ray:
@@ -141,7 +142,8 @@ def hf_reference(prompt: list[int], n: int) -> list[int]:
     if "model" not in _HF:
         import transformers
 
-        _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL))).eval()
+        path = str(resolve_model(MODEL).path)
+        _HF["model"] = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     return hf_greedy(_HF["model"], prompt, n)[0]
 
 

@@ -104,7 +104,9 @@ def test_generate_request_round_trip() -> None:
     assert back.stream and back.return_prompt_token_ids and back.request_id == "req-1"
 
 
-OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs")
+OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "logprobs"
+)
 
 
 @pytest.mark.parametrize("name", OPTIONAL_SAMPLING_FIELDS)
@@ -123,7 +125,7 @@ def test_optional_sampling_field_presence(name: str) -> None:
 
 def test_plain_scalars_have_no_presence() -> None:
     with pytest.raises(ValueError):
-        pb.SamplingParameters().HasField("top_k")
+        pb.SamplingParameters().HasField("frequency_penalty")
 
 
 def test_prompt_oneof() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
@@ -12,7 +10,7 @@ TEXT = "héllo, 世界 🚀 ok"
 
 
 def tokenizer() -> TextTokenizer:
-    tok = TextTokenizer.load(Path(resolve_model("tiny")))
+    tok = TextTokenizer.load(resolve_model("tiny"))
     assert tok is not None
     return tok
 

@@ -1,0 +1,104 @@
+"""The default model, SmolLM2-135M-Instruct from its wheel's GGUF, through the disaggregated
+service (1 prefill + 1 decode on real Ray, KV over shared memory): greedy tokens and chat prompts
+equal transformers loading the same file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from pdserve.deploy.service import Endpoints, ServiceThread
+from pdserve.model_runtime.config import CacheConfig
+from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.presets import INSTALLED
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from tests.engine.gguf_files import transformers
+from tests.engine.hf_models import hf_greedy
+from tests.engine.test_gguf_tokenizer import CONVERSATIONS
+from tests.service.helpers import running_service
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "smollm2-135m"
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "def fibonacci(n):",
+    "Disaggregated serving splits prefill and decode because",
+    "1, 2, 3, 4, 5,",
+    "The three primary colours are",
+    "Q: What is the boiling point of water?\nA:",
+    "Once upon a time, in a small village,",
+]
+TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    try:
+        path = INSTALLED[MODEL].path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def service(reference: Any) -> Iterator[tuple[ServiceThread, Endpoints]]:
+    with running_service(
+        use_ray=True,
+        transport="shm",
+        model=MODEL,
+        cache=CacheConfig(block_size=16, num_blocks=192),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+    ) as running:
+        yield running
+
+
+def post(ep: Endpoints, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{ep.http}{path}", json={"model": MODEL, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def test_greedy_tokens_equal_transformers(service: tuple[ServiceThread, Endpoints], reference: Any) -> None:
+    _, ep = service
+    model, _ = reference
+    out = post(ep, "/v1/completions", {"prompt": PROMPTS, "max_tokens": TOKENS, "temperature": 0,
+                                       "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert len(out["choices"]) == len(PROMPTS)
+    with torch.no_grad():
+        for choice in out["choices"]:
+            expected, _ = hf_greedy(model, choice["prompt_token_ids"], TOKENS)
+            assert choice["token_ids"] == expected, PROMPTS[choice["index"]]
+
+
+def test_chat_prompt_ids_equal_apply_chat_template(
+    service: tuple[ServiceThread, Endpoints], reference: Any
+) -> None:
+    _, ep = service
+    _, tokenizer = reference
+    for conversation in CONVERSATIONS:
+        out = post(
+            ep, "/v1/chat/completions", {"messages": conversation, "max_tokens": 1, "return_token_ids": True}
+        )
+        expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        expected = list(expected if isinstance(expected, list) else expected["input_ids"])
+        assert out["choices"][0]["prompt_token_ids"] == expected, conversation
+
+
+def test_chat_answers_the_question(service: tuple[ServiceThread, Endpoints]) -> None:
+    _, ep = service
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = post(ep, "/v1/chat/completions", {"messages": question, "max_tokens": 32, "temperature": 0})
+    answer = out["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+    assert out["choices"][0]["finish_reason"] == "stop"  # <|im_end|>, the model's EOS
