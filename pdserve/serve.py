@@ -20,7 +20,7 @@ from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfi
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
-from pdserve.router.server import serve_until_signal
+from pdserve.router.server import chat_summary, serve_until_signal
 from pdserve.router.slo import SloBook, SloClass
 from pdserve.steptime.load import load_profile
 
@@ -227,6 +227,7 @@ async def _run(
         f"pdserve: ready in {time.monotonic() - started:.1f}s\n"
         f"  OpenAI HTTP  {ep.http}/v1   (model {service.router.model.model_id!r})\n"
         f"  gRPC         {ep.grpc}   (pdserve.v1.Inference, health, reflection)\n"
+        f"  chat         {chat_summary(service.router, service.frontends.chat_template)}\n"
         f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
         "  Ctrl-C drains and stops.",
         flush=True,

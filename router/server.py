@@ -27,17 +27,22 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+def chat_summary(router: Router, template: ChatTemplate) -> str:
+    """What chat prompts are rendered with, for the start-up summary."""
+    if router.tokenizer is None:
+        return "unavailable (the model has no tokenizer: send token ids to /v1/completions)"
+    if template.is_default:
+        return "pdserve's built-in template (WARNING: the model ships none)"
+    return f"template from {template.origin.origin}"
+
+
 class Frontends:
     def __init__(self, router: Router, config: RouterConfig) -> None:
         self.router = router
         self.config = config
-        chat_template = ChatTemplate.of(router.tokenizer)
-        if router.tokenizer is None:
-            log.info("the model has no tokenizer: prompts must be token ids, and chat is unavailable")
-        elif chat_template.is_default:
+        self.chat_template = chat_template = ChatTemplate.of(router.tokenizer)
+        if router.tokenizer is not None and chat_template.is_default:
             log.warning("the model ships no chat template: chat prompts use pdserve's built-in template")
-        else:
-            log.info("chat template: %s", chat_template.origin.origin)
         self.app = build_http_app(router, chat_template, config.api_key)
         self.grpc = GrpcServer(router, config.host, config.grpc_port, config.api_key)
         self.http = _Uvicorn(
