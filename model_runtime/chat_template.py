@@ -43,6 +43,9 @@ class ChatTemplateSource:
         return self.origin != "built-in"
 
 
+BUILT_IN = ChatTemplateSource(DEFAULT_CHAT_TEMPLATE, "built-in")
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text())

@@ -14,6 +14,7 @@ from pathlib import Path
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.generation_config import (
+    GGUF_KEYS,
     GenerationConfig,
     gguf_generation_config,
     merged,
@@ -66,17 +67,7 @@ class Checkpoint:
         from pdserve.model_runtime.model.gguf import open_gguf
 
         f = open_gguf(self.path)
-        keys = (
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.eot_token_id",
-            "tokenizer.ggml.eom_token_id",
-            "general.sampling.temp",
-            "general.sampling.top_p",
-            "general.sampling.top_k",
-            "general.sampling.min_p",
-            "general.sampling.penalty_repeat",
-        )
-        return merged(beside, gguf_generation_config({k: f.value(k) for k in keys}, str(self.path)))
+        return merged(beside, gguf_generation_config({k: f.value(k) for k in GGUF_KEYS}, str(self.path)))
 
     def model_config(self) -> ModelConfig:
         """The model's shape, with every end-of-sequence id the checkpoint names."""

@@ -34,6 +34,8 @@ _GGUF_KEYS = {
     "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
+_GGUF_EOS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+GGUF_KEYS = (*_GGUF_EOS, *_GGUF_KEYS)  # every GGUF metadata key ``gguf_generation_config`` reads
 _INTEGERS = ("top_k", "max_tokens")
 
 
@@ -105,7 +107,7 @@ def read_generation_config(directory: Path) -> GenerationConfig:
 def gguf_generation_config(metadata: Mapping[str, Any], source: str) -> GenerationConfig:
     """A GGUF's end-of-generation ids (EOS, end-of-turn, end-of-message) and sampling values."""
     eos: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in _GGUF_EOS:
         eos.extend(i for i in _ids(metadata.get(key)) if i not in eos)
     return GenerationConfig(tuple(eos), GenerationDefaults.of(metadata, _GGUF_KEYS), source)
 

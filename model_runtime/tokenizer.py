@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from pdserve.model_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateSource, find_chat_template
+from pdserve.model_runtime.chat_template import BUILT_IN, ChatTemplateSource, find_chat_template
 from pdserve.model_runtime.checkpoint import Checkpoint, Format
 from pdserve.model_runtime.errors import ModelLoadError
 
@@ -46,7 +46,7 @@ def byte_level_tokenizer() -> Tokenizer:
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, chat: ChatTemplateSource | None = None) -> None:
         self._tok = tokenizer
-        self.chat = chat or find_chat_template_nowhere()
+        self.chat = chat or BUILT_IN
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @staticmethod
@@ -98,10 +98,6 @@ def _token(tok: Tokenizer, token_id: object) -> str:
     if isinstance(token_id, int) and not isinstance(token_id, bool):
         return tok.id_to_token(token_id) or ""
     return ""
-
-
-def find_chat_template_nowhere() -> ChatTemplateSource:
-    return ChatTemplateSource(DEFAULT_CHAT_TEMPLATE, "built-in")
 
 
 class IncrementalDetokenizer:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.model_runtime.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplateSource
+from pdserve.model_runtime.chat_template import BUILT_IN, ChatTemplateSource
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import Code, RouterError
@@ -31,7 +31,7 @@ class ChatMessage:
 
 class ChatTemplate:
     def __init__(self, source: ChatTemplateSource | None, tokenizer: TextTokenizer | None = None) -> None:
-        self.origin = source or ChatTemplateSource(DEFAULT_CHAT_TEMPLATE, "built-in")
+        self.origin = source or BUILT_IN
         self.source = self.origin.template
         self.is_default = not self.origin.found
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
