@@ -25,6 +25,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.outputs import OutputListener
 from pdserve.router.server import Frontends
 from pdserve.router.service import Router
+from pdserve.router.tls import load_tls
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
@@ -71,6 +72,7 @@ class Service:
         # wrong path or config into an error before any worker (or Ray) starts.
         checkpoint = resolve_model(self.spec.engine.model)
         tokenizer = await asyncio.to_thread(_check_model, checkpoint)
+        tls = load_tls(self.config.tls) if self.config.tls is not None else None
         self._outputs = outputs = OutputListener(
             self._secret,
             host=self.config.worker_channel_host,
@@ -103,7 +105,7 @@ class Service:
             self.router, outputs, self._launch_one, first, self._joined, replace_lost=self.spec.replace_lost
         )
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
-        self.frontends = Frontends(self.router, self.config)
+        self.frontends = Frontends(self.router, self.config, tls)
         await self.frontends.start()
         return self.endpoints
 
@@ -177,7 +179,8 @@ class Service:
     def endpoints(self) -> Endpoints:
         assert self.frontends is not None
         host = self.config.host
-        return Endpoints(f"http://{host}:{self.frontends.http_port}", f"{host}:{self.frontends.grpc_port}")
+        http = f"{self.frontends.scheme}://{host}:{self.frontends.http_port}"
+        return Endpoints(http, f"{host}:{self.frontends.grpc_port}")
 
     async def stop(self) -> None:
         if self.keeper is not None:

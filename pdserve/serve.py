@@ -22,6 +22,7 @@ from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy,
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.server import chat_summary, serve_until_signal
 from pdserve.router.slo import SloBook, SloClass
+from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
 from pdserve.steptime.load import load_profile
 
 
@@ -48,6 +49,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA: require client certificates it signed (mutual TLS)"
+    )
     add_policy(p, "goodput")
     add_autoscale(p)
     p.add_argument(
@@ -137,6 +143,9 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
     )
     colocated = colocated_count(args)
+    tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if tls is not None:
+        load_tls(tls)  # a wrong file fails here, with the flag's name
     spec = PoolSpec(
         prefill=args.prefill,
         decode=args.decode,
@@ -153,6 +162,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         api_key=args.api_key or None,
+        tls=tls,
         caps=Caps(
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens_cap,
@@ -229,6 +239,7 @@ async def _run(
         f"  gRPC         {ep.grpc}   (pdserve.v1.Inference, health, reflection)\n"
         f"  chat         {chat_summary(service.router, service.frontends.chat_template)}\n"
         f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
+        f"  tls          {tls_summary(service.config.tls)}\n"
         "  Ctrl-C drains and stops.",
         flush=True,
     )
@@ -255,6 +266,14 @@ async def _run(
         await service.stop()
     print("pdserve: stopped" + ("" if clean else " (some requests were aborted)"), flush=True)
     return clean
+
+
+def tls_summary(tls: TlsConfig | None) -> str:
+    if tls is None:
+        return "off (plaintext; --tls-cert/--tls-key to turn it on)"
+    if tls.mutual:
+        return f"on, mutual: clients need a certificate signed by {tls.client_ca_file}"
+    return f"on ({tls.cert_file})"
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.model_runtime.generation_config import GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.slo import SloClass
+from pdserve.router.tls import TlsConfig
 from pdserve.steptime.model import StepTimeModel
 
 
@@ -47,6 +48,7 @@ class RouterConfig:
     http_port: int = 8000
     grpc_port: int = 50051
     api_key: str | None = None
+    tls: TlsConfig | None = None  # TLS (and mutual TLS) on both front ends; None: plaintext
     caps: Caps = Caps()
     policy: str = "goodput"  # goodput | least_loaded | round_robin
     latency_profile: StepTimeModel | None = None  # goodput prior (None: h100-llama3-8b); corrected online

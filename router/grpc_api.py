@@ -25,6 +25,7 @@ from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
+from pdserve.router.tls import TlsMaterial
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.worker.messages import Logprob, WorkerHealth, WorkerRole
@@ -238,7 +239,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """The grpc.aio server with the inference, health and reflection services."""
 
-    def __init__(self, router: Router, host: str, port: int, api_key: str | None = None) -> None:
+    def __init__(
+        self, router: Router, host: str, port: int, api_key: str | None = None, tls: TlsMaterial | None = None
+    ) -> None:
         limit = router.config.grpc_max_message_bytes
         self.router = router
         self.server = grpc.aio.server(
@@ -256,7 +259,15 @@ class GrpcServer:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(tls.private_key, tls.cert_chain)],
+                root_certificates=tls.client_ca,
+                require_client_auth=tls.config.mutual,
+            )
+            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
         self._watch: asyncio.Task[None] | None = None

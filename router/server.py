@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Generator
 
 import uvicorn
@@ -15,6 +16,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import GrpcServer
 from pdserve.router.openai_api import build_http_app
 from pdserve.router.service import Router
+from pdserve.router.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +39,23 @@ def chat_summary(router: Router, template: ChatTemplate) -> str:
 
 
 class Frontends:
-    def __init__(self, router: Router, config: RouterConfig) -> None:
+    def __init__(self, router: Router, config: RouterConfig, tls: TlsMaterial | None = None) -> None:
         self.router = router
         self.config = config
+        self.tls = tls
         self.chat_template = chat_template = ChatTemplate.of(router.tokenizer)
         if router.tokenizer is not None and chat_template.is_default:
             log.warning("the model ships no chat template: chat prompts use pdserve's built-in template")
         self.app = build_http_app(router, chat_template, config.api_key)
-        self.grpc = GrpcServer(router, config.host, config.grpc_port, config.api_key)
+        self.grpc = GrpcServer(router, config.host, config.grpc_port, config.api_key, tls)
+        https: dict[str, object] = {}
+        if tls is not None:
+            https = dict(
+                ssl_certfile=tls.config.cert_file,
+                ssl_keyfile=tls.config.key_file,
+                ssl_ca_certs=tls.config.client_ca_file or None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.config.mutual else ssl.CERT_NONE,
+            )
         self.http = _Uvicorn(
             uvicorn.Config(
                 self.app,
@@ -54,9 +65,14 @@ class Frontends:
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=5,
+                **https,  # type: ignore[arg-type]
             )
         )
         self._http_task: asyncio.Task[None] | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     @property
     def grpc_port(self) -> int:

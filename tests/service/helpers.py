@@ -17,6 +17,7 @@ from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.slo import SloClass
+from pdserve.router.tls import TlsConfig
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -45,6 +46,7 @@ def start_service(
     slo_classes: tuple[SloClass, ...] = (),
     migration_limit: int = 3,
     replace_lost: bool = False,
+    tls: TlsConfig | None = None,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
@@ -60,7 +62,7 @@ def start_service(
     )
     config = RouterConfig(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048),
-        model_name=engine.get("model", MODEL),
+        model_name=engine.get("model", MODEL), tls=tls,
         local_prefill=local_prefill, slo_classes=slo_classes, migration_limit=migration_limit,
     )  # fmt: skip
     if use_ray:
@@ -72,13 +74,16 @@ def start_service(
 
 
 @contextlib.contextmanager
-def running_service(**kwargs: Any) -> Iterator[tuple[ServiceThread, Endpoints]]:
+def running_service(
+    http_client: httpx.Client | None = None, **kwargs: Any
+) -> Iterator[tuple[ServiceThread, Endpoints]]:
     """``start_service(**kwargs)`` for a block (a module's fixture): at its end every block is
-    free and no per-request state is left anywhere, then the service stops."""
+    free and no per-request state is left anywhere, then the service stops. ``http_client``
+    reads the status at the end (one that trusts the service's TLS certificate)."""
     st, ep = start_service(**kwargs)
     try:
         yield st, ep
-        wait_for(lambda: all_free(status(ep)), 5, "blocks freed at the end")
+        wait_for(lambda: all_free(status(ep, client=http_client)), 5, "blocks freed at the end")
         assert_no_request_state(st)
     finally:
         st.stop()
@@ -88,8 +93,10 @@ def stub(ep: Endpoints) -> pb_grpc.InferenceStub:
     return pb_grpc.InferenceStub(grpc.insecure_channel(ep.grpc))
 
 
-def status(ep: Endpoints, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    r = httpx.get(f"{ep.http}/cluster/status", headers=headers, timeout=10)
+def status(
+    ep: Endpoints, headers: dict[str, str] | None = None, client: httpx.Client | None = None
+) -> dict[str, Any]:
+    r = (client or httpx).get(f"{ep.http}/cluster/status", headers=headers, timeout=10)
     r.raise_for_status()
     result: dict[str, Any] = r.json()
     return result
