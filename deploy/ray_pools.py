@@ -14,9 +14,12 @@ declared dead within seconds, not Ray's default half minute; clusters started wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,6 +88,18 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
         **kwargs,
     )
     return True
+
+
+def keep_python_signal_handlers() -> None:
+    """Ray's native runtime installs its own SIGINT/SIGTERM handlers when it starts in a process
+    (they abort it); put back the process's Python-level ones, which an event loop's draining
+    shutdown relies on. Only the main thread can (elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -163,10 +178,28 @@ def launch_workers(
     return [WorkerHandle(infos[i], callers[i]) for i in range(len(placed))]
 
 
-def shutdown_ray() -> None:
+def shutdown_ray(grace_s: float = 2.0) -> None:
+    """Stop the private Ray instance this process started, and then any of its processes that
+    outlive it: Ray's agents linger for a minute when the instance stops while they start (a
+    Ctrl-C during start-up)."""
+    import psutil
     import ray
 
+    def ray_processes() -> list[psutil.Process]:
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "ray" in " ".join(p.cmdline()):
+                    found.append(p)
+        return found
+
+    started = ray_processes()
     ray.shutdown()
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    for p in alive:
+        log.warning("killing Ray process %d (%s), still running after the shutdown", p.pid, p.name())
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def request_capacity(spec: PoolSpec, workers: int) -> None:

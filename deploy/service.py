@@ -64,6 +64,7 @@ class Service:
         self._channel_address = ""
         self._placement: Placement | None = None
         self._owns_ray = False
+        self._stopping = threading.Event()
         self._resizing = asyncio.Lock()
         self._outputs: OutputListener | None = None
 
@@ -80,11 +81,21 @@ class Service:
         )
         self._channel_address = await outputs.start()
         if self.use_ray:
-            from pdserve.deploy.ray_pools import Placement, start_ray
+            from pdserve.deploy.ray_pools import Placement, keep_python_signal_handlers, start_ray
 
-            self._owns_ray = await asyncio.to_thread(
-                start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
+            starting = asyncio.ensure_future(
+                asyncio.to_thread(
+                    start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
+                )
             )
+            try:
+                self._owns_ray = await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                # Stopped while Ray starts: let it finish, so that ``stop`` knows to shut it down.
+                self._owns_ray = await starting
+                raise
+            finally:
+                keep_python_signal_handlers()
             self._placement = Placement.of(self.spec)
         specs = self.spec.worker_specs(self._secret, self._channel_address, own_process=self.use_ray)
         self.handles = await asyncio.to_thread(self._launch, specs, progress)
@@ -110,13 +121,23 @@ class Service:
         return self.endpoints
 
     def _launch(self, specs: list[WorkerSpec], progress: bool) -> list[WorkerHandle]:
+        """Start workers (in a thread: it blocks). A launch that finishes after ``stop`` began
+        (a signal during start-up cancelled the wait, not the thread) stops its own workers, so
+        none is left on a shared cluster."""
         if self._placement is not None:
             from pdserve.deploy.ray_pools import launch_workers
 
-            return launch_workers(specs, self._placement, 300.0, progress)
-        from pdserve.deploy.local import launch_local
+            handles = launch_workers(specs, self._placement, 300.0, progress)
+        else:
+            from pdserve.deploy.local import launch_local
 
-        return launch_local(specs)
+            handles = launch_local(specs)
+        if self._stopping.is_set():
+            for h in handles:
+                with contextlib.suppress(Exception):
+                    h.caller.kill()
+            raise RuntimeError("the deployment stopped while these workers started")
+        return handles
 
     async def _launch_one(self, role: WorkerRole, worker_id: str) -> WorkerHandle:
         ws = self.spec.worker_spec(role, worker_id, self._secret, self._channel_address, self.use_ray)
@@ -183,6 +204,7 @@ class Service:
         return Endpoints(http, f"{host}:{self.frontends.grpc_port}")
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self.keeper is not None:
             await self.keeper.close()
         if self.frontends is not None:

@@ -20,7 +20,7 @@ from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfi
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
-from pdserve.router.server import chat_summary, serve_until_signal
+from pdserve.router.server import StopSignals, chat_summary, first_of, serve_until_signal
 from pdserve.router.slo import SloBook, SloClass
 from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
 from pdserve.steptime.load import load_profile
@@ -224,13 +224,28 @@ async def _run(
     )
     where = "in-process" if not service.use_ray else f"Ray {service.ray_address or '(local)'}"
     print(f"pdserve: starting {shape} workers on {where} with model {spec.engine.model!r}...", flush=True)
+    signals = StopSignals()
     try:
-        ep = await service.start(progress=True)
+        return await _serve(service, started, plan, interval_s, signals)
+    finally:
+        signals.close()
+
+
+async def _serve(
+    service: Service, started: float, plan: PlannerConfig | None, interval_s: float, signals: StopSignals
+) -> bool:
+    try:
+        up, ep = await first_of(service.start(progress=True), signals.drain)
     except Exception as e:  # a worker that did not start, a port taken, no room on the cluster
         print(
             f"pdserve: error: the deployment did not start: {failure_reason(e)}", file=sys.stderr, flush=True
         )
         await service.stop()
+        return False
+    if not up or ep is None:  # a signal during start-up: stop what has started
+        print("pdserve: stopping before the deployment was ready", flush=True)
+        await service.stop()
+        print("pdserve: stopped", flush=True)
         return False
     assert service.router is not None and service.frontends is not None
     print(
@@ -257,7 +272,9 @@ async def _run(
             flush=True,
         )
     try:
-        clean = await serve_until_signal(service.router, service.frontends, service.config.drain_timeout_s)
+        clean = await serve_until_signal(
+            service.router, service.frontends, service.config.drain_timeout_s, signals
+        )
     finally:
         if scaler is not None:
             await scaler.stop()

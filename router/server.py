@@ -7,7 +7,8 @@ import contextlib
 import logging
 import signal
 import ssl
-from collections.abc import Generator
+from collections.abc import Awaitable, Generator
+from typing import TypeVar
 
 import uvicorn
 
@@ -19,6 +20,7 @@ from pdserve.router.service import Router
 from pdserve.router.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _Uvicorn(uvicorn.Server):
@@ -98,20 +100,59 @@ class Frontends:
         await self.grpc.stop(grace_s)
 
 
-async def serve_until_signal(router: Router, frontends: Frontends, drain_timeout_s: float) -> bool:
+class StopSignals:
+    """SIGINT and SIGTERM for the whole life of a service, start-up and shutdown included.
+
+    The first signal asks for a drain (``drain`` is set), the second for an immediate stop
+    (``now``: in-flight requests are aborted); later ones are ignored while the shutdown runs.
+    Handlers stay installed until ``close``, so a user's second Ctrl-C never raises
+    ``KeyboardInterrupt`` in the middle of a shutdown (which would leave workers and Ray behind).
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.drain = asyncio.Event()
+        self.now = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self._received, sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        if not self.drain.is_set():
+            self.drain.set()
+        elif not self.now.is_set():
+            print(f"pdserve: second stop signal ({sig.name}): stopping now, aborting what runs", flush=True)
+            self.now.set()
+
+    def close(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(sig)
+
+
+async def first_of(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """Run ``work`` until it ends or ``stop`` is set (then it is cancelled): (finished, result)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False, None
+    return True, task.result()
+
+
+async def serve_until_signal(
+    router: Router, frontends: Frontends, drain_timeout_s: float, signals: StopSignals
+) -> bool:
     """Serve until SIGINT/SIGTERM, then drain: health turns NOT_SERVING, new requests get 503,
-    in-flight ones get ``drain_timeout_s`` to finish. True if every request finished."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.remove_signal_handler(sig)
+    in-flight ones get ``drain_timeout_s`` to finish (a second signal cuts that short). True if
+    every request finished."""
+    await signals.drain.wait()
     print(f"draining {router.num_inflight} in-flight requests (up to {drain_timeout_s:g}s)...", flush=True)
-    clean = await router.drain(drain_timeout_s)
-    if not clean:
-        log.warning("%d requests still running after the drain timeout; aborting them", router.num_inflight)
+    finished, clean = await first_of(router.drain(drain_timeout_s), signals.now)
+    if not (finished and clean):
+        log.warning("%d requests still running; aborting them", router.num_inflight)
     await frontends.stop()
     await router.stop()
-    return clean
+    return bool(finished and clean)

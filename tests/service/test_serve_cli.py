@@ -112,3 +112,81 @@ def test_a_model_that_cannot_load_ends_serve_with_its_own_message(fault: str, tm
     ray_started = any("Started a local Ray instance" in line for line in stderr)
     assert ray_started == (fault == "corrupt_weights"), "only weights the router cannot see reach the workers"
     assert took < 10, took
+
+
+def _children(proc: subprocess.Popen[str]) -> list[Any]:
+    import psutil
+
+    return list(psutil.Process(proc.pid).children(recursive=True))
+
+
+def _assert_gone(processes: list[Any], timeout_s: float = 15) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_second_signal_stops_at_once_and_leaves_nothing_behind() -> None:
+    """Users press Ctrl-C twice: the second cuts the drain short (in-flight requests aborted)
+    and the shutdown still completes: no KeyboardInterrupt halfway, no worker or Ray process
+    left running."""
+    hp, gp = free_port(), free_port()
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(gp)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)
+        children = _children(proc)
+        assert children, "Ray and the workers run as children of pdserve serve"
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{gp}"))
+        call = stub.Generate(grpc_request(list(range(3, 40)), 2000, stream=True))
+        next(call)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"http://127.0.0.1:{hp}/health", timeout=2).status_code != 503:
+            assert time.monotonic() < deadline, "health never turned unavailable while draining"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # a third: ignored, the shutdown is under way
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert proc.returncode == 1, out
+        assert "second stop signal" in out, out
+        assert "pdserve: stopped (some requests were aborted)" in out
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+        assert took < 15, took
+        with pytest.raises(grpc.RpcError):
+            list(call)  # aborted, not left hanging
+        _assert_gone(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_signal_during_start_up_stops_cleanly() -> None:
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    cmd = [exe, "serve", "--model", "tiny", "--prefill", "2", "--decode", "2",
+           "--http-port", str(free_port()), "--grpc-port", str(free_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Started a local Ray instance" in line:
+                break
+        children = _children(proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        out = "".join(lines) + out
+        assert proc.returncode == 1, out
+        assert "stopping before the deployment was ready" in out and "pdserve: stopped" in out, out
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+        _assert_gone(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
