@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -77,6 +78,19 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, **kwargs)
         return False
+    # A token of its own for every private instance, in the environment its processes inherit:
+    # never Ray's shared ~/.ray/auth_token, which another deployment on this host would read or
+    # rewrite.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    try:  # Ray's native side reads both once per process; a second private instance re-reads
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as e:  # a Ray without token auth: nothing cached
+        log.debug("Ray token auth not reloaded: %s", e)
     ray.init(
         # "local": a new private instance, always; never whatever RAY_ADDRESS or the last
         # `ray start` on this machine points at.

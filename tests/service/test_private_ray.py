@@ -27,3 +27,56 @@ def test_no_address_means_a_private_instance_even_with_ray_address_set() -> None
     assert out.returncode == 0, out.stderr[-3000:]
     gcs = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("gcs "))
     assert not gcs.endswith(":1"), gcs
+
+
+def _ray_token(pid: int) -> str:
+    """The token the Ray processes that ``pid`` started were given (their environment)."""
+    import psutil
+
+    gcs = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "gcs_server"]
+    assert len(gcs) == 1, gcs
+    return str(gcs[0].environ().get("RAY_AUTH_TOKEN", ""))
+
+
+def test_two_deployments_on_one_host_keep_their_own_ray_tokens(tmp_path: object) -> None:
+    """Each private instance gets a token of its own, kept in its processes' environment: a
+    second ``pdserve serve`` on the host neither reads nor rewrites the first's (Ray's shared
+    ``~/.ray/auth_token`` is not used), and both serve side by side."""
+    from pathlib import Path
+
+    import httpx
+
+    from benchmarks.client import free_port, wait_ready
+
+    home = Path(str(tmp_path))
+    (home / ".ray").mkdir()
+    shared = home / ".ray" / "auth_token"
+    shared.write_text("f" * 64)  # a token another tool left: must stay as it is, and unused
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("RAY_AUTH_TOKEN", None)
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    procs, ports = [], []
+    try:
+        for _ in range(2):
+            hp = free_port()
+            cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(free_port())]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            ports.append(hp)
+        for proc, hp in zip(procs, ports, strict=True):
+            wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)  # type: ignore[arg-type]
+        tokens = [_ray_token(p.pid) for p in procs]
+        assert all(len(t) == 64 for t in tokens) and tokens[0] != tokens[1] and "f" * 64 not in tokens
+        for hp in ports:
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+            r = httpx.post(f"http://127.0.0.1:{hp}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        assert shared.read_text() == "f" * 64
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
