@@ -91,17 +91,27 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
         AuthenticationTokenLoader.instance().reset_cache()
     except (ImportError, AttributeError) as e:  # a Ray without token auth: nothing cached
         log.debug("Ray token auth not reloaded: %s", e)
-    ray.init(
-        # "local": a new private instance, always; never whatever RAY_ADDRESS or the last
-        # `ray start` on this machine points at.
-        address="local",
-        num_cpus=max(num_cpus, os.cpu_count() or 1),
-        include_dashboard=False,
-        object_store_memory=256 << 20,
-        _system_config=dict(NODE_HEALTH),
-        **kwargs,
-    )
-    return True
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                # "local": a new private instance, always; never whatever RAY_ADDRESS or the last
+                # `ray start` on this machine points at.
+                address="local",
+                num_cpus=max(num_cpus, os.cpu_count() or 1),
+                include_dashboard=False,
+                object_store_memory=256 << 20,
+                _system_config=dict(NODE_HEALTH),
+                **kwargs,
+            )
+            return True
+        except Exception as e:
+            # Ray picks its ports by probing for free ones, so two instances starting at once on
+            # one host can pick the same; the second try picks again.
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            log.warning("the private Ray instance did not start (%s); trying once more", e)
+    raise AssertionError("unreachable")
 
 
 def keep_python_signal_handlers() -> None:

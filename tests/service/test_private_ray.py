@@ -55,15 +55,20 @@ def test_two_deployments_on_one_host_keep_their_own_ray_tokens(tmp_path: object)
     env = {**os.environ, "HOME": str(home)}
     env.pop("RAY_AUTH_TOKEN", None)
     exe = str(Path(sys.executable).with_name("pdserve"))
-    procs, ports = [], []
+    procs, ports, logs = [], [], []
     try:
-        for _ in range(2):
+        for i in range(2):
             hp = free_port()
             cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(free_port())]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            logs.append(home / f"serve-{i}.log")
+            with logs[-1].open("w") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             ports.append(hp)
-        for proc, hp in zip(procs, ports, strict=True):
-            wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)  # type: ignore[arg-type]
+        for proc, hp, log in zip(procs, ports, logs, strict=True):
+            try:
+                wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)  # type: ignore[arg-type]
+            except RuntimeError as e:
+                raise AssertionError(f"{e}: {log.read_text()[-3000:]}") from None
         tokens = [_ray_token(p.pid) for p in procs]
         assert all(len(t) == 64 for t in tokens) and tokens[0] != tokens[1] and "f" * 64 not in tokens
         for hp in ports:
