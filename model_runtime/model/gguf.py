@@ -48,33 +48,6 @@ QUANT_TYPES = (
     "Q6_K",
 )
 
-# Hugging Face name (after ``model.layers.{i}.``) -> GGUF name (after ``blk.{i}.``).
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def gguf_name(hf_name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    if stem.startswith("model.layers."):
-        index, _, rest = stem[len("model.layers.") :].partition(".")
-        if rest in _LAYER_NAMES:
-            return f"blk.{index}.{_LAYER_NAMES[rest]}.{kind}"
-    raise KeyError(hf_name)
-
-
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of the rotary halves (rows of a Q/K weight or bias)."""
     rows = w.shape[0]
@@ -203,20 +176,28 @@ class GGUFWeights:
     """Tensors of a GGUF file under their Hugging Face names (the loader's weight source)."""
 
     def __init__(self, file: GGUFFile, config: ModelConfig) -> None:
+        import gguf
+
         self.file = file
         self._heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[file.architecture]
+        # The gguf package's own table of Hugging Face -> GGUF tensor names (llama.cpp's).
+        self._names = gguf.get_tensor_name_map(arch, config.num_layers)
+
+    def gguf_name(self, name: str) -> str | None:
+        """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
+        found = self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+        return None if found is None else str(found)
 
     def has(self, name: str) -> bool:
-        try:
-            return self.file.has_tensor(gguf_name(name))
-        except KeyError:
-            return False
+        found = self.gguf_name(name)
+        return found is not None and self.file.has_tensor(found)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        try:
-            t = self.file.read(gguf_name(name))
-        except KeyError:
-            raise ModelLoadError(f"{self.file.path}: no GGUF tensor for weight {name!r}") from None
+        found = self.gguf_name(name)
+        if found is None:
+            raise ModelLoadError(f"{self.file.path}: no GGUF tensor name for weight {name!r}")
+        t = self.file.read(found)
         if tuple(t.shape) != shape:
             raise ModelLoadError(
                 f"{self.file.path}: weight {name!r} has shape {tuple(t.shape)}, the metadata implies {shape}"

@@ -22,24 +22,6 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # Byte offsets of the float16 scales in one block of each K-quant (ggml's block layouts).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
-HF_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-LAYER = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
 def hf_model(arch: str, seed: int = 0, **over: Any) -> Any:
     """A random model whose rows are a multiple of 256 (the K-quants' block)."""
     torch.manual_seed(seed)
@@ -71,14 +53,6 @@ def hf_model(arch: str, seed: int = 0, **over: Any) -> Any:
     return model.eval()
 
 
-def gguf_name(hf: str) -> str:
-    if hf in HF_TO_GGUF:
-        return HF_TO_GGUF[hf]
-    stem, _, kind = hf.rpartition(".")
-    _, _, index, rest = stem.split(".", 3)
-    return f"blk.{index}.{LAYER[rest]}.{kind}"
-
-
 def interleave(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's per-head permutation of Q/K rows (rotate-half -> interleaved pairs)."""
     rows = w.shape[0]
@@ -108,6 +82,7 @@ def write_gguf(
     arch: str = "llama",
     metadata: dict[str, Any] | None = None,
     tokens: list[str] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> Path:
     """``model`` as a GGUF with its 2-D weights in ``kind`` (norms stay F32)."""
     c = model.config
@@ -135,15 +110,18 @@ def write_gguf(
         else:
             w.add_uint32(key, value)
     heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.QWEN2 if arch == "qwen2" else gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers
+    )
     for name, tensor in model.state_dict().items():
-        if c.tie_word_embeddings and name == "lm_head.weight":
+        if (c.tie_word_embeddings and name == "lm_head.weight") or name in skip:
             continue
         values = tensor.detach().float().numpy()
         proj = name.rsplit(".", 2)[-2]
         if arch == "llama" and proj in heads:
             values = interleave(values, heads[proj])
         data, raw = encode(values, kind, rng) if values.ndim == 2 else (values, None)
-        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -112,10 +112,12 @@ def test_unsupported_architecture_and_quantization_are_named(tmp_path: Path) -> 
 
 def test_missing_tensor_and_not_a_gguf(tmp_path: Path) -> None:
     model = hf_model("llama")
-    path = write_gguf(tmp_path / "m.gguf", model, "F16")
-    weights = ours(path)
-    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.9\.attn_q\.weight' is missing"):
-        weights.get("model.layers.9.self_attn.q_proj.weight", (256, 256))
+    gone = "model.layers.1.mlp.up_proj.weight"
+    path = write_gguf(tmp_path / "m.gguf", model, "F16", skip=frozenset({gone}))
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.ffn_up\.weight' is missing"):
+        ours(path).get(gone, (512, 256))
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.ffn_up\.weight' is missing"):
+        LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(num_blocks=8)))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):

@@ -21,13 +21,24 @@ from tests.service.helpers import grpc_request
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_cleanly() -> None:
+def _serve_tiny() -> tuple[subprocess.Popen[str], int, int]:
+    """``pdserve serve --model tiny`` on free ports, ready; (process, HTTP port, gRPC port)."""
     hp, gp = free_port(), free_port()
     exe = str(Path(sys.executable).with_name("pdserve"))
     cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(gp)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, hp, gp
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly() -> None:
+    proc, hp, gp = _serve_tiny()
+    try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{gp}"))
         call = stub.Generate(grpc_request(list(range(3, 40)), 1500, stream=True))
         next(call)
@@ -131,12 +142,8 @@ def test_a_second_signal_stops_at_once_and_leaves_nothing_behind() -> None:
     """Users press Ctrl-C twice: the second cuts the drain short (in-flight requests aborted)
     and the shutdown still completes: no KeyboardInterrupt halfway, no worker or Ray process
     left running."""
-    hp, gp = free_port(), free_port()
-    exe = str(Path(sys.executable).with_name("pdserve"))
-    cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(gp)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, hp, gp = _serve_tiny()
     try:
-        wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)
         children = _children(proc)
         assert children, "Ray and the workers run as children of pdserve serve"
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{gp}"))
