@@ -3,10 +3,12 @@
 The page is one self-contained HTML document (inline CSS, JS and SVG charts; nothing is loaded
 from elsewhere, so it works offline) that polls ``GET /dashboard/data`` every 2 s. The data comes
 from the router's own ``SloTracker`` (the outcomes of the last minutes), its SLO classes'
-targets and the load its workers last reported, so it needs no Prometheus server. Both routes
-sit behind the API key like every route but ``/health``: with ``--api-key`` the page must be
-fetched with ``Authorization: Bearer`` (e.g. through a proxy that adds it), and the page sends
-the key it keeps in the browser's ``localStorage`` (asked for on a 401) with its data requests.
+targets and the load its workers last reported, so it needs no Prometheus server. With
+``--api-key`` the data sits behind the key like every route but ``/health``; the page itself is
+open (``PAGE_PATH``: a static document that holds no data), because a browser cannot add an
+``Authorization`` header to a page it opens: it asks for the key on a 401, keeps it in the
+browser's ``localStorage`` and sends it as a header with its data requests, so the key never
+appears in a URL or a server log.
 
 Computing the data walks the tracker's outcomes once per step, on the event loop, so a payload
 is reused for ``CACHE_S`` whoever asks (several open pages cost one computation).
@@ -26,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pdserve.router.service import Router
 from pdserve.router.slo import WindowStats
 
+PAGE_PATH = "/dashboard"  # open even with an API key (see above); its data is not
 WINDOW_S = 60.0  # the "current" numbers: the last minute, like the router's gauges
 MAX_POINTS = 300
 CACHE_S = 1.0
@@ -107,7 +110,7 @@ def install_dashboard(app: FastAPI, router: Router) -> None:
     """Add ``GET /dashboard`` (the page) and ``GET /dashboard/data`` (its JSON) to ``app``."""
     cache: dict[tuple[float, float], tuple[float, dict[str, Any]]] = {}
 
-    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    @app.get(PAGE_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(PAGE, headers={"Cache-Control": "no-cache"})
 

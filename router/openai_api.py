@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.auth import ApiKeyMiddleware
 from pdserve.router.chat import ChatMessage, ChatTemplate
-from pdserve.router.dashboard import install_dashboard
+from pdserve.router.dashboard import PAGE_PATH, install_dashboard
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.openai_format import ChoiceBuilder, error_body, usage_json
 from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -42,7 +42,7 @@ STARTED = time.time()
 def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", version="1", description="OpenAI-compatible API of a pdserve cluster")
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=("/health",))
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=("/health", PAGE_PATH))
 
     @app.exception_handler(RouterError)
     async def router_error(_: Request, e: RouterError) -> JSONResponse:

@@ -109,14 +109,16 @@ def referenced_metrics(expr: str, recorded: set[str]) -> set[str]:
     return {n for n in NAME.findall(expr) if n not in recorded}
 
 
-def send_traffic(http: str, n: int, max_tokens: int = 4) -> None:
+def send_traffic(http: str, n: int, max_tokens: int = 4, api_key: str | None = None) -> None:
     """``n`` small completions, each checked (the default SLO class has no targets: all are good)."""
     from tests.service.helpers import MODEL
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     for i in range(n):
         r = httpx.post(
             f"{http}/v1/completions",
             json={"model": MODEL, "prompt": [5 + i % 50, 6, 7, 8], "max_tokens": max_tokens},
+            headers=headers,
             timeout=60,
         )
         assert r.status_code == 200, r.text

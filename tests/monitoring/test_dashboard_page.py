@@ -58,10 +58,9 @@ def test_data_json_nan_is_null_and_behind_the_key() -> None:
     app = build_http_app(fake_router(tracker), ChatTemplate(None), api_key="sekrit")
     client = TestClient(app)
     assert client.get("/health").status_code == 200
-    assert client.get("/dashboard").status_code == 401
     assert client.get("/dashboard/data").status_code == 401
     auth = {"Authorization": "Bearer sekrit"}
-    page = client.get("/dashboard", headers=auth)
+    page = client.get("/dashboard")  # the page itself is open: a browser cannot send the header
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="goodput"' in page.text and "dataset.ready" in page.text
     external = re.search(r"""(src|href)=["']?(https?:)?//""", page.text)
@@ -175,3 +174,84 @@ def test_dashboard_renders_in_chromium(service: Any, tmp_path: Path) -> None:
     green = np.all(np.abs(rgb.astype(int) - (0x1A, 0x9E, 0x55)) <= 8, axis=1).sum()
     assert green > 100, f"only {green} pixels of the goodput line"
     assert not math.isnan(float(img.mean()))
+
+
+class Cdp:
+    """Chrome DevTools Protocol over the page's websocket: evaluate JavaScript, read the result."""
+
+    def __init__(self, port: int, url: str) -> None:
+        import httpx
+        import websocket
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                pages = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json()
+                page = next(p for p in pages if p.get("type") == "page" and p["url"].startswith(url))
+                break
+            except (httpx.HTTPError, StopIteration, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=10)
+        self.next_id = 0
+
+    def eval(self, expression: str) -> Any:
+        import json
+
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": "Runtime.evaluate",
+                                 "params": {"expression": expression, "returnByValue": True}}))  # fmt: skip
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.next_id:
+                return msg["result"]["result"].get("value")
+
+    def wait(self, expression: str, timeout_s: float = 20) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = self.eval(expression)
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"not true within {timeout_s}s: {expression}")
+
+
+def test_dashboard_with_an_api_key_in_a_browser(tmp_path: Path) -> None:
+    """With --api-key, a browser opens /dashboard (no header needed), the page asks for the key,
+    and once it is typed in the data loads; the key is sent as a header, never in a URL."""
+    import httpx
+
+    pytest.importorskip("websocket")
+    from benchmarks.client import free_port
+    from tests.service.helpers import running_service
+
+    binary = require_tool("chromium", "chromium-browser", package="chromium")
+    client = httpx.Client(headers={"Authorization": "Bearer s3cret-key"})
+    with client, running_service(http_client=client, use_ray=False, api_key="s3cret-key") as (_, ep):
+        send_traffic(ep.http, 4, api_key="s3cret-key")
+        port = free_port()
+        url = f"{ep.http}/dashboard"
+        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-extensions", f"--user-data-dir={tmp_path / 'profile'}",
+               f"--remote-debugging-port={port}", "--remote-allow-origins=*", url]  # fmt: skip
+        quiet = subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=quiet, stderr=quiet, start_new_session=True)
+        try:
+            page = Cdp(port, url)
+            page.wait("document.getElementById('auth').classList.contains('shown')")
+            assert page.eval("document.body.dataset.ready") is None  # nothing shown without the key
+            page.eval("document.getElementById('key').value = 's3cret-key'; "
+                      "document.getElementById('auth').requestSubmit(); true")  # fmt: skip
+            page.wait("document.body.dataset.ready === '1'")
+            goodput = page.eval("document.getElementById('goodput').textContent")
+            assert float(goodput) > 0, goodput
+            assert not page.eval("document.getElementById('auth').classList.contains('shown')")
+            urls = page.eval("performance.getEntries().map(e => e.name).join(' ')")
+            assert "dashboard/data" in urls and "s3cret" not in urls
+            assert page.eval("location.href") == url
+            page.ws.close()
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
