@@ -67,7 +67,9 @@ class Checkpoint:
         from pdserve.model_runtime.model.gguf import open_gguf
 
         f = open_gguf(self.path)
-        return merged(beside, gguf_generation_config({k: f.value(k) for k in GGUF_KEYS}, str(self.path)))
+        metadata = {k: f.value(k) for k in GGUF_KEYS}
+        tokens, types = f.value("tokenizer.ggml.tokens") or [], f.value("tokenizer.ggml.token_type") or []
+        return merged(beside, gguf_generation_config(metadata, str(self.path), tokens, types))
 
     def model_config(self) -> ModelConfig:
         """The model's shape, with every end-of-sequence id the checkpoint names."""

@@ -4,7 +4,8 @@ values its authors recommend (``generation_config.json``, or a GGUF's ``general.
 Precedence, for every sampling field: the request's own value, else the checkpoint's
 (``GenerationDefaults``), else pdserve's (``SamplingParams``' defaults, the OpenAI API's).
 ``max_tokens`` likewise: the request's, else the checkpoint's ``max_new_tokens``, else the
-server's ``--default-max-tokens``; the server's cap bounds all three. As in vLLM, the values are
+server's ``--default-max-tokens``; the server's cap bounds the last two. A checkpoint value a
+request could not set (``top_p: 0``, ``max_new_tokens: 0``, NaN) is dropped. As in vLLM, the values are
 taken whatever ``do_sample`` says. Pure Python.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,15 @@ _GGUF_KEYS = {
 _GGUF_EOS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 GGUF_KEYS = (*_GGUF_EOS, *_GGUF_KEYS)  # every GGUF metadata key ``gguf_generation_config`` reads
 _INTEGERS = ("top_k", "max_tokens")
+# What a request could set itself; a checkpoint's value outside is dropped, not applied.
+_VALID = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= -1,
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: v > 0,
+    "max_tokens": lambda v: v >= 1,
+}
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,8 @@ class GenerationDefaults:
                 if float(v) != int(v):
                     continue
                 v = int(v)
-            picked[name] = v
+            if _VALID[name](v):
+                picked[name] = v
         return GenerationDefaults(**picked)
 
     def given(self) -> dict[str, Any]:
@@ -104,11 +115,23 @@ def read_generation_config(directory: Path) -> GenerationConfig:
     return GenerationConfig(_ids(raw.get("eos_token_id")), GenerationDefaults.of(raw, _HF_KEYS), str(path))
 
 
-def gguf_generation_config(metadata: Mapping[str, Any], source: str) -> GenerationConfig:
-    """A GGUF's end-of-generation ids (EOS, end-of-turn, end-of-message) and sampling values."""
+# Control tokens that end a turn whatever the file's EOS id says (older Llama 3 Instruct files
+# name <|end_of_text|> their EOS and nothing else); llama.cpp stops at these too.
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
+_CONTROL = 3
+
+
+def gguf_generation_config(
+    metadata: Mapping[str, Any], source: str, tokens: Sequence[str] = (), types: Sequence[int] = ()
+) -> GenerationConfig:
+    """A GGUF's end-of-generation ids (EOS, end-of-turn, end-of-message, and the control tokens
+    of ``END_OF_GENERATION`` in its vocabulary) and sampling values."""
     eos: list[int] = []
     for key in _GGUF_EOS:
         eos.extend(i for i in _ids(metadata.get(key)) if i not in eos)
+    ends = set(END_OF_GENERATION)
+    eos.extend(i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k == _CONTROL and t in ends
+               and i not in eos)  # fmt: skip
     return GenerationConfig(tuple(eos), GenerationDefaults.of(metadata, _GGUF_KEYS), source)
 
 

@@ -43,6 +43,9 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SPLITS = {"llama3": _LLAMA3, "llama-bpe": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3, "qwen2": _QWEN2}
+# Llama 3's vocabulary takes a word that is itself a token whole (its tokenizer.json's
+# ``ignore_merges``) and starts every text with BOS; llama.cpp does both for these names.
+LLAMA3_STYLE = ("llama3", "llama-bpe", "llama-v3", "smaug-bpe")
 GPT2_SPLITS = ("default", "gpt-2", "gpt2", "smollm")  # GPT-2's own split (ByteLevel's regex)
 
 
@@ -62,10 +65,9 @@ def gguf_tokenizer(f: GGUFFile) -> Tokenizer | None:
     if len(types) != len(tokens):
         raise ModelLoadError(f"{f.path}: {len(tokens)} tokens but {len(types)} token types")
     if kind == "gpt2":
-        tok = _byte_level(
-            tokens, types, list(f.value("tokenizer.ggml.merges") or []), f.value("tokenizer.ggml.pre")
-        )
-        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", False))
+        pre = str(f.value("tokenizer.ggml.pre") or "default")
+        tok = _byte_level(tokens, types, list(f.value("tokenizer.ggml.merges") or []), pre)
+        add_bos = bool(f.value("tokenizer.ggml.add_bos_token", pre in LLAMA3_STYLE))
     elif kind == "llama":
         scores = list(f.value("tokenizer.ggml.scores") or [])
         unk = f.value("tokenizer.ggml.unknown_token_id")
@@ -95,7 +97,7 @@ def gguf_tokenizer(f: GGUFFile) -> Tokenizer | None:
     return tok
 
 
-def _byte_level(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: object) -> Tokenizer:
+def _byte_level(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: str) -> Tokenizer:
     table = bytes_to_unicode()
     alphabet = set(table.values())
 
@@ -113,8 +115,8 @@ def _byte_level(tokens: Sequence[str], types: Sequence[int], merges: Sequence[st
         if not sep:
             raise ModelLoadError(f"GGUF merge {m!r} is not two tokens separated by a space")
         pairs.append((left, right))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
-    name = str(pre or "default")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in LLAMA3_STYLE))
+    name = pre
     if name in SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [

@@ -79,6 +79,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", help="model id in the API (default: directory name)")
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="cap (0: the context length)")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens accepted")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=Caps.default_max_tokens,
+        help="max_tokens of a request that names none and whose model's generation_config has no "
+        f"max_new_tokens (default {Caps.default_max_tokens}, the OpenAI completions default)",
+    )
     p.add_argument("--max-n", type=int, default=8, help="largest n accepted")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs accepted")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
@@ -166,6 +173,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         caps=Caps(
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens_cap,
+            default_max_tokens=args.default_max_tokens,
             max_n=args.max_n,
             max_logprobs=args.max_logprobs,
         ),
@@ -271,15 +279,18 @@ async def _serve(
             f"/ TPOT {plan.tpot_s * 1e3:g} ms",
             flush=True,
         )
+    drained = False
     try:
         clean = await serve_until_signal(
             service.router, service.frontends, service.config.drain_timeout_s, signals
         )
+        drained = True
     finally:
         if scaler is not None:
             await scaler.stop()
-        service.frontends = None  # already stopped by the drain
-        service.router = None
+        if drained:  # the drain stopped them; otherwise the service's stop does
+            service.frontends = None
+            service.router = None
         await service.stop()
     print("pdserve: stopped" + ("" if clean else " (some requests were aborted)"), flush=True)
     return clean

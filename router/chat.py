@@ -9,10 +9,13 @@ is data, not code). Without one, the documented fallback is::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.model_runtime.chat_template import BUILT_IN, ChatTemplateSource
@@ -34,8 +37,12 @@ class ChatTemplate:
         self.origin = source or BUILT_IN
         self.source = self.origin.template
         self.is_default = not self.origin.found
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        # The environment transformers renders chat templates in: loop controls, its tojson
+        # (no HTML escaping), strftime_now, raise_exception.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(self.source)
         except TemplateError as e:
@@ -80,6 +87,15 @@ class ChatTemplate:
         except TemplateError as e:
             msg = f"messages: chat template failed: {e}"
             raise RouterError(Code.INVALID_ARGUMENT, msg, "messages") from e
+
+
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _raise(message: str) -> None:

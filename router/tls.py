@@ -55,9 +55,15 @@ def load_tls(config: TlsConfig) -> TlsMaterial:
     cert = _read(config.cert_file, "--tls-cert")
     key = _read(config.key_file, "--tls-key")
     ca = _read(config.client_ca_file, "--tls-client-ca") if config.mutual else None
+    if b"ENCRYPTED" in key.split(b"\n", 1)[0] or b"Proc-Type: 4,ENCRYPTED" in key:
+        raise TlsError(f"--tls-key {config.key_file}: an encrypted key; give the server an unencrypted one")
+
+    def no_password() -> str:  # OpenSSL would prompt on the terminal for a passphrase
+        raise TlsError(f"--tls-key {config.key_file}: an encrypted key; give the server an unencrypted one")
+
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        context.load_cert_chain(config.cert_file, config.key_file)
+        context.load_cert_chain(config.cert_file, config.key_file, password=no_password)
     except ssl.SSLError as e:
         msg = f"--tls-cert/--tls-key: the key does not match the certificate or is invalid ({e})"
         raise TlsError(msg) from None

@@ -66,6 +66,11 @@ class GGUFFile:
         except (ValueError, OSError, IndexError, KeyError) as e:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
+        splits = self.value("split.count", 1)
+        if isinstance(splits, int) and splits > 1:
+            raise ModelLoadError(
+                f"{path}: one of {splits} split GGUF files; merge them first (llama.cpp's gguf-split --merge)"
+            )
         self.architecture = str(self.value("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             raise ModelLoadError(
@@ -180,7 +185,9 @@ class GGUFWeights:
 
         self.file = file
         self._heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-        arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[file.architecture]
+        # llama.cpp writes Mistral models as "llama"; a file that says "mistral" uses its names.
+        name = "llama" if file.architecture == "mistral" else file.architecture
+        arch = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}[name]
         # The gguf package's own table of Hugging Face -> GGUF tensor names (llama.cpp's).
         self._names = gguf.get_tensor_name_map(arch, config.num_layers)
 

@@ -118,7 +118,7 @@ def write_gguf(
             continue
         values = tensor.detach().float().numpy()
         proj = name.rsplit(".", 2)[-2]
-        if arch == "llama" and proj in heads:
+        if arch in ("llama", "mistral") and proj in heads:
             values = interleave(values, heads[proj])
         data, raw = encode(values, kind, rng) if values.ndim == 2 else (values, None)
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=raw)

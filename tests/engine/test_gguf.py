@@ -162,3 +162,18 @@ def test_smollm2_weights_equal_transformers() -> None:
     """The installed real model (Q4_1, Q8_0 and F32 tensors), tensor for tensor."""
     path = _smollm2()
     assert assert_same_tensors(path, hf_state(path)) == 30 * 9 + 2
+
+
+def test_mistral_named_files_use_llama_tensor_names(tmp_path: Path) -> None:
+    model = hf_model("llama")
+    path = write_gguf(tmp_path / "m.gguf", model, "F32", arch="mistral")
+    config = Checkpoint.at(path).model_config()
+    assert config.architecture == "MistralForCausalLM"
+    assert assert_same_tensors(path, dict(model.state_dict())) == len(model.state_dict())
+
+
+def test_split_files_are_refused_by_name(tmp_path: Path) -> None:
+    name = tmp_path / "m-00001-of-00003.gguf"
+    path = write_gguf(name, hf_model("llama"), "F16", metadata={"split.count": 3})
+    with pytest.raises(ModelLoadError, match="one of 3 split GGUF files; merge them first"):
+        Checkpoint.at(path).model_config()

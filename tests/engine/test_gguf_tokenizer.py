@@ -141,3 +141,33 @@ def test_sentencepiece_merges_prefer_higher_scores() -> None:
     merges = sentencepiece_merges(vocab, scores)
     assert merges.index(("b", "c")) < merges.index(("a", "b"))
     assert merges[0] in {("a", "bc"), ("ab", "c")}
+
+
+def test_llama3_style_vocabularies_take_whole_words_and_add_bos(tmp_path: Path) -> None:
+    """Llama 3's tokenizer.json sets ignore_merges (a word that is a token is taken whole) and
+    starts every text with BOS; a GGUF saying pre-tokenizer "llama-bpe" gets both."""
+    from pdserve.model_runtime.gguf_tokenizer import gguf_tokenizer
+    from pdserve.model_runtime.model.gguf import open_gguf
+    from pdserve.model_runtime.tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>", *alphabet, "he", "hello"]
+    types = [3, 3, *([1] * len(alphabet)), 1, 1]
+    for pre, whole, bos in (("llama-bpe", True, True), ("default", False, False)):
+        path = tmp_path / f"{pre}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(["h e"])
+        w.add_uint32("tokenizer.ggml.bos_token_id", 0)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tok = gguf_tokenizer(open_gguf(path))
+        assert tok is not None
+        ids = tok.encode("hello").ids
+        assert (ids[0] == 0) is bos, (pre, ids)
+        assert (ids[-1] == tokens.index("hello")) is whole, (pre, ids)

@@ -142,6 +142,14 @@ def test_bad_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
     not_pem.write_text("hello")
     with pytest.raises(TlsError, match=r"--tls-client-ca .*: not a PEM file"):
         load_tls(TlsConfig(str(pki.cert_file), str(pki.key_file), str(not_pem)))
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.key_file.read_bytes(), password=None)
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.BestAvailableEncryption(b"pass")))  # fmt: skip
+    with pytest.raises(TlsError, match="an encrypted key"):
+        load_tls(TlsConfig(str(pki.cert_file), str(locked)))
     with pytest.raises(TlsError, match="go together"):
         tls_from_flags(str(pki.cert_file), None, None)
     with pytest.raises(TlsError, match="needs --tls-cert"):

@@ -58,3 +58,15 @@ def test_bos_once_whatever_the_template(tmp_path: Path) -> None:
     assert own is not None
     ids = ChatTemplate.of(own).prompt_ids(messages)
     assert ids == [bos, *tok.encode("hi", add_special_tokens=False)]
+
+
+def test_the_environment_transformers_renders_in() -> None:
+    from pdserve.model_runtime.chat_template import ChatTemplateSource
+
+    source = ChatTemplateSource(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] | tojson }}"
+        "{% endfor %}|{{ strftime_now('%Y') | length }}\n",
+        "test",
+    )
+    out = ChatTemplate(source).render([ChatMessage("user", "<b>é</b>"), ChatMessage("user", "second")])
+    assert out == '"<b>é</b>"|4'  # no HTML escaping, no ASCII escaping; the trailing newline dropped

@@ -93,3 +93,17 @@ def test_http_and_grpc_apply_the_same_defaults() -> None:
     plain = CompletionRequest(model="m", prompt="x").sampling_params(caps, None, None)
     assert plain.temperature == 1.0 and plain.max_tokens == caps.default_max_tokens
     assert math.isclose(plain.top_p, 1.0)
+
+
+def test_checkpoint_values_a_request_could_not_set_are_dropped(tmp_path: Path) -> None:
+    raw = {"top_p": 0, "max_new_tokens": 0, "temperature": -1.0, "top_k": -5, "min_p": 2.0}
+    raw["repetition_penalty"] = 0
+    (tmp_path / "generation_config.json").write_text(json.dumps(raw))
+    assert read_generation_config(tmp_path).defaults == GenerationDefaults()
+
+
+def test_gguf_control_tokens_that_end_a_turn_stop_generation() -> None:
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>", "a", "<|eot_id|>", "<|im_end|>"]
+    types = [3, 3, 1, 3, 1]  # the last is not a control token here: plain text, not a stop
+    cfg = gguf_generation_config({"tokenizer.ggml.eos_token_id": 1}, "m.gguf", tokens, types)
+    assert cfg.eos_token_ids == (1, 3)
