@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.deploy.keeper import PoolKeeper
 from pdserve.deploy.pools import PoolSpec
+from pdserve.kvtransfer.config import NODE_ADDRESS
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.model.loader import check_checkpoint
 from pdserve.model_runtime.presets import resolve_model
@@ -74,12 +75,6 @@ class Service:
         checkpoint = resolve_model(self.spec.engine.model)
         tokenizer = await asyncio.to_thread(_check_model, checkpoint)
         tls = load_tls(self.config.tls) if self.config.tls is not None else None
-        self._outputs = outputs = OutputListener(
-            self._secret,
-            host=self.config.worker_channel_host,
-            liveness_timeout_s=self.config.liveness_timeout_s,
-        )
-        self._channel_address = await outputs.start()
         if self.use_ray:
             from pdserve.deploy.ray_pools import Placement, keep_python_signal_handlers, start_ray
 
@@ -97,6 +92,15 @@ class Service:
             finally:
                 keep_python_signal_handlers()
             self._placement = Placement.of(self.spec)
+        channel_host = self.config.worker_channel_host
+        if channel_host == NODE_ADDRESS:  # where workers on other nodes reach the router
+            from pdserve.deploy.pool_worker import node_address
+
+            channel_host = node_address()
+        self._outputs = outputs = OutputListener(
+            self._secret, host=channel_host, liveness_timeout_s=self.config.liveness_timeout_s
+        )
+        self._channel_address = await outputs.start()
         specs = self.spec.worker_specs(self._secret, self._channel_address, own_process=self.use_ray)
         self.handles = await asyncio.to_thread(self._launch, specs, progress)
         generation = checkpoint.generation_config()

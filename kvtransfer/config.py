@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "tcp", "shm", "cuda_ipc", "nccl")
+# A ``host`` that the worker (and the router, for its channels) replace with the address of the
+# node it runs on as Ray sees it: what a multi-node deployment needs, with no address by hand.
+NODE_ADDRESS = "node"
 
 
 @dataclass(frozen=True)

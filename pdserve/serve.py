@@ -15,7 +15,7 @@ from pdserve.deploy.planner import Planner, PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_bounds
-from pdserve.kvtransfer.config import BACKENDS, TransportConfig
+from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -123,8 +123,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--kv-host",
-        default="127.0.0.1",
-        help="cluster-internal bind address: KV transfer, worker outputs (a node IP if multi-node)",
+        default="",
+        help="cluster-internal bind address of KV transfer and the worker channels (default: "
+        "loopback on a private instance; with --address, each node's own address)",
     )
 
 
@@ -150,6 +151,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
     )
     colocated = colocated_count(args)
+    kv_host = args.kv_host or (NODE_ADDRESS if args.address else "127.0.0.1")
     tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
     if tls is not None:
         load_tls(tls)  # a wrong file fails here, with the flag's name
@@ -158,7 +160,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         decode=args.decode,
         colocated=colocated,
         engine=engine,
-        transport=TransportConfig(backend=args.transport, host=args.kv_host),
+        transport=TransportConfig(backend=args.transport, host=kv_host),
         cpus_per_worker=args.cpus_per_worker,
         gpus_per_worker=gpus,
         replace_lost=args.replace_lost,
@@ -186,7 +188,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         drain_timeout_s=args.drain_timeout,
         migration_limit=args.migration_limit,
         liveness_timeout_s=args.liveness_timeout,
-        worker_channel_host=args.kv_host,
+        worker_channel_host=kv_host,
     )
     return spec, config
 
