@@ -64,12 +64,14 @@ class Checkpoint:
         beside = read_generation_config(self.directory)
         if self.format is Format.HF:
             return beside
+        from gguf import TokenType
+
         from pdserve.model_runtime.model.gguf import open_gguf
 
         f = open_gguf(self.path)
         metadata = {k: f.value(k) for k in GGUF_KEYS}
-        tokens, types = f.value("tokenizer.ggml.tokens") or [], f.value("tokenizer.ggml.token_type") or []
-        return merged(beside, gguf_generation_config(metadata, str(self.path), tokens, types))
+        control = f.tokens_of_type(TokenType.CONTROL)
+        return merged(beside, gguf_generation_config(metadata, str(self.path), control))
 
     def model_config(self) -> ModelConfig:
         """The model's shape, with every end-of-sequence id the checkpoint names."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -118,20 +118,18 @@ def read_generation_config(directory: Path) -> GenerationConfig:
 # Control tokens that end a turn whatever the file's EOS id says (older Llama 3 Instruct files
 # name <|end_of_text|> their EOS and nothing else); llama.cpp stops at these too.
 END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
-_CONTROL = 3
 
 
 def gguf_generation_config(
-    metadata: Mapping[str, Any], source: str, tokens: Sequence[str] = (), types: Sequence[int] = ()
+    metadata: Mapping[str, Any], source: str, control: Mapping[int, str] | None = None
 ) -> GenerationConfig:
-    """A GGUF's end-of-generation ids (EOS, end-of-turn, end-of-message, and the control tokens
-    of ``END_OF_GENERATION`` in its vocabulary) and sampling values."""
+    """A GGUF's end-of-generation ids (EOS, end-of-turn, end-of-message, and those of its
+    ``control`` tokens, by id, that are in ``END_OF_GENERATION``) and sampling values."""
     eos: list[int] = []
     for key in _GGUF_EOS:
         eos.extend(i for i in _ids(metadata.get(key)) if i not in eos)
     ends = set(END_OF_GENERATION)
-    eos.extend(i for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k == _CONTROL and t in ends
-               and i not in eos)  # fmt: skip
+    eos.extend(i for i, t in (control or {}).items() if t in ends and i not in eos)
     return GenerationConfig(tuple(eos), GenerationDefaults.of(metadata, _GGUF_KEYS), source)
 
 

@@ -20,17 +20,18 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from pdserve.model_runtime.errors import ModelLoadError
-from pdserve.model_runtime.tokenizer import bytes_to_unicode
+from pdserve.model_runtime.tokenizer import bos_first, bytes_to_unicode
 
 if TYPE_CHECKING:
     from pdserve.model_runtime.model.gguf import GGUFFile
 
 log = logging.getLogger(__name__)
 
-_CONTROL, _USER_DEFINED = 3, 4
+_CONTROL, _USER_DEFINED = TokenType.CONTROL, TokenType.USER_DEFINED  # llama.cpp's token types
 
 # How text is split before BPE, by ``tokenizer.ggml.pre``: the regexes of those vocabularies'
 # own tokenizer.json files.
@@ -77,21 +78,16 @@ def gguf_tokenizer(f: GGUFFile) -> Tokenizer | None:
         add_bos = bool(f.value("tokenizer.ggml.add_bos_token", True))
     else:
         raise ModelLoadError(f"{f.path}: tokenizer model {kind!r} is not supported (gpt2 or llama)")
-    special = [t for t, k in zip(tokens, types, strict=True) if k == _CONTROL]
+    special = f.tokens_of_type(_CONTROL).values()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    user = [t for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED]
+    user = f.tokens_of_type(_USER_DEFINED).values()
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     bos_id = f.value("tokenizer.ggml.bos_token_id")
     steps: list[processors.PostProcessor] = []
     if kind == "gpt2":
         steps.append(processors.ByteLevel(trim_offsets=False))
     if add_bos and isinstance(bos_id, int) and 0 <= bos_id < len(tokens):
-        bos = tokens[bos_id]
-        steps.append(
-            processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-            )
-        )
+        steps.append(bos_first(tokens[bos_id], bos_id))
     if steps:
         tok.post_processor = processors.Sequence(steps)
     return tok
@@ -116,17 +112,16 @@ def _byte_level(tokens: Sequence[str], types: Sequence[int], merges: Sequence[st
             raise ModelLoadError(f"GGUF merge {m!r} is not two tokens separated by a space")
         pairs.append((left, right))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in LLAMA3_STYLE))
-    name = pre
-    if name in SPLITS:
+    if pre in SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(SPLITS[name]), behavior="isolated"),
+                pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
     else:
-        if name not in GPT2_SPLITS:
-            log.warning("GGUF pre-tokenizer %r is not known; splitting text as GPT-2 does", name)
+        if pre not in GPT2_SPLITS:
+            log.warning("GGUF pre-tokenizer %r is not known; splitting text as GPT-2 does", pre)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok

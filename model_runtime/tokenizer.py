@@ -37,10 +37,15 @@ def byte_level_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS, PAD])
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 256)]
-    )
+    tok.post_processor = bos_first(BOS, 256)
     return tok
+
+
+def bos_first(bos: str, bos_id: int) -> processors.TemplateProcessing:
+    """The post-processor that starts every encoded text (and each of a pair) with ``bos``."""
+    return processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
 
 
 class TextTokenizer:

@@ -35,8 +35,6 @@ class ChatMessage:
 class ChatTemplate:
     def __init__(self, source: ChatTemplateSource | None, tokenizer: TextTokenizer | None = None) -> None:
         self.origin = source or BUILT_IN
-        self.source = self.origin.template
-        self.is_default = not self.origin.found
         # The environment transformers renders chat templates in: loop controls, its tojson
         # (no HTML escaping), strftime_now, raise_exception.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -44,12 +42,15 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         try:
-            self._template = env.from_string(self.source)
+            self._template = env.from_string(self.origin.template)
         except TemplateError as e:
             raise ModelLoadError(f"chat template from {self.origin.origin} is invalid: {e}") from None
-        self.bos_token = self.origin.bos_token
-        self.eos_token = self.origin.eos_token
         self.tokenizer = tokenizer
+
+    @property
+    def is_default(self) -> bool:
+        """pdserve's built-in template: the checkpoint ships none."""
+        return not self.origin.found
 
     @staticmethod
     def of(tokenizer: TextTokenizer | None) -> ChatTemplate:
@@ -81,8 +82,8 @@ class ChatTemplate:
             return self._template.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+                bos_token=self.origin.bos_token,
+                eos_token=self.origin.eos_token,
             )
         except TemplateError as e:
             msg = f"messages: chat template failed: {e}"

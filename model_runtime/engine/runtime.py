@@ -161,13 +161,15 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         tune_malloc()
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = resolve_model(config.model)
-    probe = checkpoint.model_config()
+    model_config = checkpoint.model_config()
     profile = config.profile
     block_size = config.cache.block_size
     if profile is None:
-        max_len = min(config.max_model_len or probe.max_position_embeddings, probe.max_position_embeddings)
-        num_blocks = config.cache.resolve_num_blocks(probe, torch.finfo(dtype).bits // 8)
-        shape = kv_cache_shape(probe, num_blocks, block_size)
+        max_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        num_blocks = config.cache.resolve_num_blocks(model_config, torch.finfo(dtype).bits // 8)
+        shape = kv_cache_shape(model_config, num_blocks, block_size)
     else:  # the emulated GPU's context and KV capacity, a one-layer stand-in cache
         max_len = min(config.max_model_len or profile.max_model_len, profile.max_model_len)
         num_blocks = config.cache.num_blocks or max(1, profile.kv_capacity_tokens // block_size)
@@ -179,13 +181,12 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         else new_kv_cache(shape, dtype, device)
     )
     runner: StepRunner
-    model_config = probe
     if profile is not None:
         runner = EmulatedRunner(model_config, cache, profile)
     elif config.compute == "zero":
         runner = ZeroRunner(model_config, cache)
     else:
-        model_config, model = load_model(checkpoint, device, dtype, max_len)
+        model = load_model(checkpoint, model_config, device, dtype, max_len)
         runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache)
     rt = Runtime(
         config=config,

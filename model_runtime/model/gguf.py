@@ -48,6 +48,7 @@ QUANT_TYPES = (
     "Q6_K",
 )
 
+
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of the rotary halves (rows of a Q/K weight or bias)."""
     rows = w.shape[0]
@@ -85,6 +86,12 @@ class GGUFFile:
     def arch_value(self, key: str, default: Any = None) -> Any:
         return self.value(f"{self.architecture}.{key}", default)
 
+    def tokens_of_type(self, kind: int) -> dict[int, str]:
+        """The vocabulary's tokens of one llama.cpp token type (``gguf.TokenType``), by id."""
+        tokens = self.value("tokenizer.ggml.tokens") or []
+        types = self.value("tokenizer.ggml.token_type") or []
+        return {i: t for i, (t, k) in enumerate(zip(tokens, types, strict=False)) if k == kind}
+
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
@@ -107,7 +114,9 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: cannot dequantize {name!r} ({kind.name}: {e})") from None
         # GGUF lists dimensions innermost first; PyTorch's shape is the reverse.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        # Quantized types come back as a new float32 array (used as is); F32 as a read-only view
+        # of the memory-mapped file (copied: the model owns its weights).
+        return torch.from_numpy(np.require(values, np.float32, ["C", "W"]).reshape(shape))
 
     def model_config(self) -> ModelConfig:
         """The model's shape as ``ModelConfig.from_hf`` would read it from a ``config.json``."""

@@ -137,16 +137,17 @@ def check_checkpoint(checkpoint: Checkpoint) -> ModelConfig:
 
 
 def load_model(
-    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, max_positions: int
-) -> tuple[ModelConfig, LlamaModel]:
-    config = checkpoint.model_config()
+    checkpoint: Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
+    """``checkpoint``'s weights as the model ``config`` (its ``model_config()``, which the caller
+    has already read to size the KV cache) describes."""
     with ExitStack() as stack:
         w: WeightSource
         if checkpoint.format is Format.GGUF:
             w = GGUFWeights(open_gguf(checkpoint.path), config)
         else:
             w = _Tensors(_weight_files(checkpoint.path), stack)
-        return config, _build(config, w, device, dtype, max_positions)
+        return _build(config, w, device, dtype, max_positions)
 
 
 def _build(

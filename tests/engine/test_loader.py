@@ -31,7 +31,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load(path: Path) -> object:
-    return load_model(Checkpoint.at(path), CPU, torch.float32, 128)
+    checkpoint = Checkpoint.at(path)
+    return load_model(checkpoint, checkpoint.model_config(), CPU, torch.float32, 128)
 
 
 def copy(src: Path, dst: Path) -> Path:

@@ -103,7 +103,7 @@ def test_checkpoint_values_a_request_could_not_set_are_dropped(tmp_path: Path) -
 
 
 def test_gguf_control_tokens_that_end_a_turn_stop_generation() -> None:
-    tokens = ["<|begin_of_text|>", "<|end_of_text|>", "a", "<|eot_id|>", "<|im_end|>"]
-    types = [3, 3, 1, 3, 1]  # the last is not a control token here: plain text, not a stop
-    cfg = gguf_generation_config({"tokenizer.ggml.eos_token_id": 1}, "m.gguf", tokens, types)
+    # <|im_end|> (id 4) is not a control token in this vocabulary: plain text, not a stop.
+    control = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 3: "<|eot_id|>"}
+    cfg = gguf_generation_config({"tokenizer.ggml.eos_token_id": 1}, "m.gguf", control)
     assert cfg.eos_token_ids == (1, 3)
