@@ -78,6 +78,9 @@ class TransferStats:
     receive_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
     ignored_frames: int = 0
+    # Bytes by the backend that moved them (tcp, shm, ...): where a deployment's KV really goes.
+    sent_by_backend: Counter[str] = field(default_factory=Counter)
+    received_by_backend: Counter[str] = field(default_factory=Counter)
 
 
 class CompletionQueue:

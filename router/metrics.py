@@ -72,8 +72,11 @@ class _Workers(Collector):
 
     def _transfers(self) -> list[Metric]:
         labels = ["worker", "role"]
-        nbytes = CounterMetricFamily(P + "kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)",
-                                     labels=labels)  # fmt: skip
+        nbytes = CounterMetricFamily(
+            P + "kv_transfer_bytes",
+            "KV bytes sent (prefill) or received (decode), by the backend that moved them",
+            labels=[*labels, "backend"],
+        )
         secs = CounterMetricFamily(P + "kv_transfer_seconds", "Time spent in KV transfers", labels=labels)
         count = CounterMetricFamily(P + "kv_transfers", "KV transfers completed", labels=labels)
         failed = CounterMetricFamily(
@@ -84,7 +87,8 @@ class _Workers(Collector):
             if t is None:
                 continue
             lv = [w.worker_id, w.role.value]
-            nbytes.add_metric(lv, t.bytes)
+            for backend, n in t.by_backend:
+                nbytes.add_metric([*lv, backend], n)
             secs.add_metric(lv, t.seconds)
             count.add_metric(lv, t.count)
             for cause, n in t.failures:

@@ -29,7 +29,7 @@ from pdserve.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 3
+VERSION = 4
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
@@ -146,6 +146,7 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                     float(ld.transfers.seconds),
                     ld.transfers.count,
                     [[c, n] for c, n in ld.transfers.failures],
+                    [[b, n] for b, n in ld.transfers.by_backend],
                 ],
             ],
         }
@@ -155,16 +156,21 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
 def _transfers(x: Any) -> TransferCounters | None:
     if x is None:
         return None
-    if not isinstance(x, list) or len(x) != 4 or not isinstance(x[1], float) or not isinstance(x[3], list):
+    if not isinstance(x, list) or len(x) != 5 or not isinstance(x[1], float) or not x[1] >= 0.0:
         raise ChannelError("bad transfer counters")
-    if len(x[3]) > MAX_FAILURE_CAUSES or not x[1] >= 0.0:
+    return TransferCounters(_int(x[0]), x[1], _int(x[2]), _named_counts(x[3]), _named_counts(x[4]))
+
+
+def _named_counts(x: Any) -> tuple[tuple[str, int], ...]:
+    """``[[name, count], ...]`` (failure causes, backends): few, short names, counts >= 0."""
+    if not isinstance(x, list) or len(x) > MAX_FAILURE_CAUSES:
         raise ChannelError("bad transfer counters")
-    failures = []
-    for item in x[3]:
+    out = []
+    for item in x:
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or len(item[0]) > 64:
-            raise ChannelError("bad transfer failure count")
-        failures.append((item[0], _int(item[1])))
-    return TransferCounters(_int(x[0]), x[1], _int(x[2]), tuple(failures))
+            raise ChannelError("bad transfer counter entry")
+        out.append((item[0], _int(item[1])))
+    return tuple(out)
 
 
 def _int(x: Any) -> int:

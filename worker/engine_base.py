@@ -57,6 +57,7 @@ class RoleEngineBase:
             seconds=stats.send_seconds if sent else stats.receive_seconds,
             count=stats.transfers_sent if sent else stats.transfers_received,
             failures=tuple(sorted(stats.failures.items())),
+            by_backend=tuple(sorted((stats.sent_by_backend if sent else stats.received_by_backend).items())),
         )
 
     def on_stop(self) -> None:

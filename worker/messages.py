@@ -130,6 +130,7 @@ class TransferCounters:
     seconds: float = 0.0
     count: int = 0
     failures: tuple[tuple[str, int], ...] = ()  # (cause, count)
+    by_backend: tuple[tuple[str, int], ...] = ()  # (backend, bytes); sums to ``bytes``
 
 
 @dataclass(frozen=True)

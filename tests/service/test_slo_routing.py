@@ -53,6 +53,10 @@ def test_short_prompts_prefill_locally_long_ones_remotely_and_both_match_hf(svc)
     text = httpx.get(f"{svc.http}/metrics").text
     assert 'outcome="local_prefill",policy="goodput",reason="short_prompt"' in text
     assert 'outcome="remote_prefill",policy="goodput"' in text
+    # Workers on one host share their caches through /dev/shm files: auto picks shm.
+    sent = metric(svc, 'pdserve:kv_transfer_bytes_total{backend="shm",role="prefill",worker="prefill-0"}')
+    received = metric(svc, 'pdserve:kv_transfer_bytes_total{backend="shm",role="decode",worker="decode-0"}')
+    assert sent == received > 0 and 'backend="tcp"' not in text
 
 
 def test_rejected_by_slo_class_with_a_retry_hint(svc) -> None:

@@ -33,7 +33,7 @@ from pdserve.worker.messages import (
 SECRET = b"0123456789abcdef-secret"
 LOAD = WorkerLoad(
     "decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING,
-    TransferCounters(123456, 0.5, 7, (("peer_died", 1), ("timeout", 2))),
+    TransferCounters(123456, 0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))),
 )  # fmt: skip
 
 
@@ -91,33 +91,38 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
         msgpack.packb([1, 2, 3]),
         msgpack.packb(
             {
-                "v": 3,
+                "v": 4,
                 "w": "decode-0",
                 "d": [["a", [-1], None, False, None, None, 0, False, None, False]],
                 "l": [],
             }
         ),
         msgpack.packb(
-            {"v": 3, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 4, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
         msgpack.packb(
-            {"v": 4, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+            {"v": 5, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
         ),
-        msgpack.packb({"v": 3, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
+        msgpack.packb({"v": 4, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
         *(  # transfer counters: wrong shape, negative, oversized cause list
             msgpack.packb(
-                {"v": 3, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
+                {"v": 4, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
             )
             for t in (
                 [1, 2.0],
-                [-1, 0.0, 0, []],
-                [1, -0.5, 0, []],
-                [1, 0.0, 0, [["x", 1]] * 33],
-                [1, 0.0, 0, [["x", -1]]],
-                [1, 0.0, 0, [[7, 1]]],
-                [1, 1, 0, []],
+                [1, 0.0, 0, []],
+                [-1, 0.0, 0, [], []],
+                [1, -0.5, 0, [], []],
+                [1, float("nan"), 0, [], []],
+                [1, 0.0, 0, [["x", 1]] * 33, []],
+                [1, 0.0, 0, [["x", -1]], []],
+                [1, 0.0, 0, [[7, 1]], []],
+                [1, 1, 0, [], []],
+                [1, 0.0, 0, [], [["tcp", -1]]],
+                [1, 0.0, 0, [], [["t" * 65, 1]]],
+                [1, 0.0, 0, [], "tcp"],
             )
         ),
     ],
