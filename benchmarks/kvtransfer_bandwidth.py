@@ -9,6 +9,8 @@ For the KV of a 2,048-token request of the ``bench`` preset (12 layers x 128 blo
   a fresh process, as a worker allocates its cache once;
 * ``tcp`` (loopback): bytes/s as a ratio of a raw socket ``sendall``/``recv_into`` stream of the
   same bytes measured in this run;
+* ``tcp_tls_*`` (``--internal-tls``): tcp over the deployment's TLS, as a ratio of a stream
+  over Python's own TLS sockets (one direction per socket) and of plain tcp (``vs_plain_tcp``);
 * ``layerwise_prefill_overhead``: (prefill of 2,048 tokens on the ``bench`` engine + the time
   until the receiver holds every layer, streaming layer by layer over shm) / prefill alone.
 
@@ -34,6 +36,7 @@ from benchmarks.common import emit, median_time
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
 from pdserve.kvtransfer.states import TransferState
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
@@ -42,6 +45,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
 SECRET = os.urandom(32)
+TLS = InternalTls.generate()
 ROUNDS = 7  # rounds of (ceiling, then BACK_TO_BACK timed transfers), each a ratio; median
 BACK_TO_BACK = 5
 # After the ceiling's torch copy, libgomp's team spins for milliseconds (GOMP_SPINCOUNT) and
@@ -67,13 +71,24 @@ def memcpy_bw(nbytes: int, into_shared: bool = False) -> float:
     return nbytes / median_time(lambda: b.copy_(a), repeat=7, warmup=2)
 
 
-def socket_bw(nbytes: int) -> float:
-    """Raw loopback TCP: one sendall of ``nbytes`` into recv_into of a preallocated buffer."""
+def socket_bw(nbytes: int, tls: bool = False) -> float:
+    """Raw loopback TCP: one sendall of ``nbytes`` into recv_into of a preallocated buffer.
+    ``tls``: the same over Python's own TLS sockets (one direction, so one thread per end:
+    the use ``SSLSocket`` supports), the deployment's certificates, TLS 1.3."""
     srv = socket.create_server(("127.0.0.1", 0))
-    cli = socket.create_connection(srv.getsockname()[:2])
-    conn, _ = srv.accept()
+    cli: Any = socket.create_connection(srv.getsockname()[:2])
+    conn: Any = srv.accept()[0]
     for s in (cli, conn):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls:
+        accepted: list[Any] = []
+        th = threading.Thread(
+            target=lambda: accepted.append(TLS.server_context().wrap_socket(conn, server_side=True))
+        )
+        th.start()
+        cli = TLS.client_context().wrap_socket(cli)
+        th.join()
+        conn = accepted[0]
     src = bytearray(os.urandom(1 << 20)) * (nbytes >> 20)
     dst = bytearray(len(src))
 
@@ -95,7 +110,12 @@ def socket_bw(nbytes: int) -> float:
 
 
 def transfer_bw(
-    backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1, primed: bool = False
+    backend: str,
+    num_blocks: int,
+    scattered: bool = True,
+    inflight: int = 1,
+    primed: bool = False,
+    tls: bool = False,
 ) -> dict[str, float]:
     """Payload bytes/s of whole transfers between random permutations (``scattered``) or
     consecutive block ranges (as a fresh pool hands them out): a stream of ``STREAM`` transfers
@@ -121,7 +141,9 @@ def transfer_bw(
         ceil_dst[i].copy_(ceil_src[i])
 
     cfg = TransportConfig(backend=backend)
-    sender, receiver = KVTransport(src_cache, SECRET, cfg), KVTransport(dst_cache, SECRET, cfg, shm_path=path)
+    t = TLS if tls else None
+    sender = KVTransport(src_cache, SECRET, cfg, tls=t)
+    receiver = KVTransport(dst_cache, SECRET, cfg, shm_path=path, tls=t)
     rng = random.Random(num_blocks)
     n = [0]
     try:
@@ -214,21 +236,26 @@ def _timed(fn: Any) -> float:
 
 
 def _transfer_bw_child(
-    pipe: Any, backend: str, num_blocks: int, scattered: bool, inflight: int, primed: bool
+    pipe: Any, backend: str, num_blocks: int, scattered: bool, inflight: int, primed: bool, tls: bool
 ) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    pipe.send(transfer_bw(backend, num_blocks, scattered, inflight, primed))
+    pipe.send(transfer_bw(backend, num_blocks, scattered, inflight, primed, tls))
 
 
 def transfer_bw_fresh(
-    backend: str, num_blocks: int, scattered: bool = True, inflight: int = 1, primed: bool = False
+    backend: str,
+    num_blocks: int,
+    scattered: bool = True,
+    inflight: int = 1,
+    primed: bool = False,
+    tls: bool = False,
 ) -> dict[str, float]:
     """``transfer_bw`` in a fresh process, as a worker allocates its cache once at start-up:
     repeatedly allocating and freeing 100+ MB caches in one process was measured to slow later
     scattered copies by up to 2.5x, which says nothing about a serving worker."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (child, backend, num_blocks, scattered, inflight, primed)
+    args = (child, backend, num_blocks, scattered, inflight, primed, tls)
     proc = ctx.Process(target=_transfer_bw_child, args=args)
     proc.start()
     try:
@@ -324,6 +351,20 @@ def main() -> None:
         line.append(f"shm after set-up {m['bw'] / 1e9:.2f} GB/s ({m['ratio']:.2f})")
         res[f"memcpy_gbs_{tokens}"] = res[f"shm_memcpy_gbs_{tokens}"]
         print("; ".join(line), flush=True)
+    # --internal-tls: tcp over the deployment's TLS, against Python's own TLS socket stream.
+    blocks = 2048 // BLOCK
+    nbytes = LAYERS * blocks * 2 * BLOCK * HEADS * DIM * 4
+    tls_sk = socket_bw(nbytes, tls=True)
+    res["tls_socket_gbs_2048"] = tls_sk / 1e9
+    line = [f"2048 tokens over TLS: TLS socket {tls_sk / 1e9:.2f} GB/s"]
+    for inflight, mode in ((INFLIGHT, ""), (1, "single_")):
+        m = transfer_bw_fresh("tcp", blocks, True, inflight, tls=True)
+        res[f"tcp_tls_{mode}gbs_2048"] = m["bw"] / 1e9
+        res[f"tcp_tls_{mode}ceiling_ratio_2048"] = m["bw"] / tls_sk
+        res[f"tcp_tls_{mode}vs_plain_tcp_2048"] = m["bw"] / 1e9 / res[f"tcp_{mode}gbs_2048"]
+        name = mode.rstrip("_") or "stream"
+        line.append(f"tcp+tls {name} {m['bw'] / 1e9:.2f} GB/s ({m['bw'] / tls_sk:.2f})")
+    print("; ".join(line), flush=True)
     res["shm_ceiling_ratio"] = res["shm_ceiling_ratio_2048"]
     res["tcp_ceiling_ratio"] = res["tcp_ceiling_ratio_2048"]
     res.update(layerwise_overhead())

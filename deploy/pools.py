@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.config import TransportConfig
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.config import EngineConfig
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
@@ -24,6 +25,7 @@ class PoolSpec:
     gpus_per_worker: int = 0  # 0: CPU workers
     replace_lost: bool = True  # a worker the router lost is replaced by a fresh one
     drain_timeout_s: float = 30.0  # a worker told to stop (SIGTERM) lets its requests finish this long
+    internal_tls: bool = False  # the KV and worker channels over TLS (a CA per deployment)
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -57,14 +59,19 @@ class PoolSpec:
         secret: bytes,
         router_address: str = "",
         own_process: bool = False,
+        tls: InternalTls | None = None,
     ) -> WorkerSpec:
-        """One worker of pool ``role``; ``own_process``: it drains and exits on SIGTERM."""
+        """One worker of pool ``role``; ``own_process``: it drains and exits on SIGTERM; ``tls``:
+        the deployment's internal TLS material (required when ``internal_tls`` is set)."""
+        if self.internal_tls and tls is None:
+            raise ValueError("internal_tls is set: give the workers the deployment's TLS material")
         return WorkerSpec(
             worker_id=worker_id,
             role=role,
             engine=self.engine,
             transport=self.transport,
             secret=secret,
+            internal_tls=tls if self.internal_tls else None,
             num_threads=self.cpus_per_worker,
             router_address=router_address,
             drain_timeout_s=self.drain_timeout_s,
@@ -72,12 +79,19 @@ class PoolSpec:
         )
 
     def worker_specs(
-        self, secret: bytes | None = None, router_address: str = "", own_process: bool = False
+        self,
+        secret: bytes | None = None,
+        router_address: str = "",
+        own_process: bool = False,
+        tls: InternalTls | None = None,
     ) -> list[WorkerSpec]:
-        """One spec per worker (ids ``<role>-<i>``), all sharing ``secret`` (fresh if not given)."""
+        """One spec per worker (ids ``<role>-<i>``), all sharing ``secret`` (fresh if not given)
+        and ``tls`` (fresh if ``internal_tls`` and not given)."""
         secret = secret or secrets.token_bytes(32)
+        if self.internal_tls and tls is None:
+            tls = InternalTls.generate()
         return [
-            self.worker_spec(role, f"{role.value}-{i}", secret, router_address, own_process)
+            self.worker_spec(role, f"{role.value}-{i}", secret, router_address, own_process, tls)
             for role, n in self.roles
             for i in range(n)
         ]

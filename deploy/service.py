@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.deploy.keeper import PoolKeeper
 from pdserve.deploy.pools import PoolSpec
 from pdserve.kvtransfer.config import NODE_ADDRESS
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.model.loader import check_checkpoint
 from pdserve.model_runtime.presets import resolve_model
@@ -62,6 +63,7 @@ class Service:
         self.frontends: Frontends | None = None
         self.keeper: PoolKeeper | None = None
         self._secret = secrets.token_bytes(32)
+        self._tls = InternalTls.generate() if spec.internal_tls else None
         self._channel_address = ""
         self._placement: Placement | None = None
         self._owns_ray = False
@@ -98,10 +100,15 @@ class Service:
 
             channel_host = node_address()
         self._outputs = outputs = OutputListener(
-            self._secret, host=channel_host, liveness_timeout_s=self.config.liveness_timeout_s
+            self._secret,
+            host=channel_host,
+            liveness_timeout_s=self.config.liveness_timeout_s,
+            tls=self._tls,
         )
         self._channel_address = await outputs.start()
-        specs = self.spec.worker_specs(self._secret, self._channel_address, own_process=self.use_ray)
+        specs = self.spec.worker_specs(
+            self._secret, self._channel_address, own_process=self.use_ray, tls=self._tls
+        )
         self.handles = await asyncio.to_thread(self._launch, specs, progress)
         generation = checkpoint.generation_config()
         if generation.defaults.given():
@@ -144,7 +151,9 @@ class Service:
         return handles
 
     async def _launch_one(self, role: WorkerRole, worker_id: str) -> WorkerHandle:
-        ws = self.spec.worker_spec(role, worker_id, self._secret, self._channel_address, self.use_ray)
+        ws = self.spec.worker_spec(
+            role, worker_id, self._secret, self._channel_address, self.use_ray, self._tls
+        )
         [handle] = await asyncio.to_thread(self._launch, [ws], False)
         return handle
 

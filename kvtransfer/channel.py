@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.states import FailureCause, TransferError
+from pdserve.kvtransfer.tls import InternalTls, TlsStream
 
 _IOV_MAX = 512
 HANDSHAKE_MAX_BYTES = 16 << 10
@@ -43,6 +45,7 @@ class Peering:
     secret: bytes
     io_timeout_s: float
     connect_timeout_s: float
+    tls: InternalTls | None = None  # set: every connection runs over TLS (both ends must agree)
 
 
 class ThreadGroup:
@@ -107,7 +110,7 @@ class Connection:
     def __init__(self, sock: socket.socket, io_timeout_s: float, peer: str) -> None:
         sock.settimeout(io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
+        self.sock: socket.socket | TlsStream = sock
         self.peer = peer
         self.io_timeout_s = io_timeout_s
         self.send_lock = threading.Lock()
@@ -115,6 +118,24 @@ class Connection:
         self.info: dict[str, Any] = {}
         self.remote_pid = 0
         self.backend = ""
+
+    def start_tls(self, tls: InternalTls, server_side: bool) -> None:
+        """Run the TLS handshake; every byte after it is encrypted. ``TransferError(AUTH)`` for
+        a peer without the deployment's certificate (or one that does not speak TLS)."""
+        assert isinstance(self.sock, socket.socket), "TLS started twice"
+        context = tls.server_context() if server_side else tls.client_context()
+        try:
+            self.sock = TlsStream.wrap(self.sock, context, server_side)
+        except TimeoutError:
+            self.close()
+            msg = f"TLS handshake with {self.peer} timed out"
+            raise ConnectionBroken(FailureCause.TIMEOUT, msg) from None
+        except ssl.SSLError as e:
+            self.close()
+            raise TransferError(FailureCause.AUTH, f"TLS handshake with {self.peer} failed: {e}") from None
+        except OSError as e:
+            self.close()
+            raise ConnectionLost(f"TLS handshake with {self.peer} failed: {e}") from None
 
     # -- writing -----------------------------------------------------------------------------
     def send(self, frame_type: str, payload: Sequence[Any] = (), **fields: Any) -> None:
@@ -125,11 +146,15 @@ class Connection:
 
     def _send_locked(self, header: bytes, payload: Sequence[Any]) -> None:
         try:
-            self.sock.sendall(header)
+            sock = self.sock
+            if isinstance(sock, TlsStream):  # sealed in batches: no scatter write through TLS
+                sock.sendall_many([header, *payload])
+                return
+            sock.sendall(header)
             buffers = [v for v in (memoryview(b).cast("B") for b in payload) if len(v)]
             start = 0
             while start < len(buffers):
-                start = _advance(buffers, start, self.sock.sendmsg(buffers[start : start + _IOV_MAX]))
+                start = _advance(buffers, start, sock.sendmsg(buffers[start : start + _IOV_MAX]))
         except TimeoutError:
             self.close()
             raise ConnectionBroken(FailureCause.TIMEOUT, f"send to {self.peer} timed out") from None
@@ -153,6 +178,8 @@ class Connection:
             # Wait with select: the socket's own timeout must keep bounding the writers'
             # sends on this same socket, so it is never changed.
             while not self.closed.is_set():
+                if isinstance(self.sock, TlsStream) and self.sock.pending():
+                    break  # decrypted or buffered bytes: select on the socket cannot see them
                 try:
                     readable, _, _ = select.select([self.sock], [], [], 0.5)
                 except (OSError, ValueError) as e:
@@ -175,9 +202,13 @@ class Connection:
         views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
         views = [v for v in views if len(v)]
         start = 0
+        sock = self.sock
         try:
             while start < len(views):
-                got = self.sock.recvmsg_into(views[start : start + _IOV_MAX])[0]
+                if isinstance(sock, TlsStream):
+                    got = sock.recv_into(views[start])
+                else:
+                    got = sock.recvmsg_into(views[start : start + _IOV_MAX])[0]
                 if got == 0:
                     raise ConnectionLost(f"{self.peer} closed the connection")
                 start = _advance(views, start, got)
@@ -212,10 +243,15 @@ def _expect(conn: Connection, frame: dict[str, Any], *types: str) -> dict[str, A
 
 
 def server_handshake(
-    conn: Connection, secret: bytes, layout: dict[str, Any], offers: dict[str, dict[str, Any]]
+    conn: Connection,
+    secret: bytes,
+    layout: dict[str, Any],
+    offers: dict[str, dict[str, Any]],
+    tls: InternalTls | None = None,
 ) -> dict[str, Any]:
     """Authenticate a client and check its layout and backend (one of ``offers``, each with the
-    info a sender needs for it); returns its hello. Refuses, then raises, otherwise.
+    info a sender needs for it); returns its hello. Refuses, then raises, otherwise. With
+    ``tls`` the TLS handshake comes first, under the same deadline.
 
     The whole exchange has one deadline (the connection's I/O timeout): the per-read timeout
     alone would let an unauthenticated peer that trickles a byte every few seconds hold a
@@ -225,6 +261,8 @@ def server_handshake(
     timer.daemon = True
     timer.start()
     try:
+        if tls is not None:
+            conn.start_tls(tls, server_side=True)
         hello = _server_exchange(conn, secret, layout, offers)
     finally:
         timer.cancel()
@@ -259,9 +297,17 @@ def _server_exchange(
 
 
 def client_handshake(
-    conn: Connection, secret: bytes, layout: dict[str, Any], backend: str, info: dict[str, Any] | None = None
+    conn: Connection,
+    secret: bytes,
+    layout: dict[str, Any],
+    backend: str,
+    info: dict[str, Any] | None = None,
+    tls: InternalTls | None = None,
 ) -> dict[str, Any]:
-    """Authenticate to a server and prove it knows the secret too; returns its welcome info."""
+    """Authenticate to a server and prove it knows the secret too; returns its welcome info.
+    With ``tls`` the TLS handshake comes first."""
+    if tls is not None:
+        conn.start_tls(tls, server_side=False)
     challenge = _expect(conn, conn.read_frame(), "challenge")
     nonce = os.urandom(16)
     conn.send(

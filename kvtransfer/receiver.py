@@ -245,7 +245,7 @@ class Receiver(TransferTable[Incoming]):
     def _serve(self, conn: Connection) -> None:
         try:
             offers = {name: p.receiver_info() for name, p in self.paths.items()}
-            hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers)
+            hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers, self.peering.tls)
             path = self.paths[conn.backend]
             path.accept(conn, hello)
             while True:

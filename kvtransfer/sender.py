@@ -245,8 +245,9 @@ class Sender(TransferTable[Outgoing]):
             sock.close()
             raise TransferError(FailureCause.UNREACHABLE, f"{p.address}: {e}") from None
         try:
+            peering = self.peering
             client_handshake(
-                conn, self.peering.secret, self.peering.layout, self.backend, self.path.hello_info()
+                conn, peering.secret, peering.layout, self.backend, self.path.hello_info(), peering.tls
             )
             self.path.attach(conn)
         except (TransferError, wire.FrameError):

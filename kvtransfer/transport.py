@@ -41,6 +41,7 @@ from pdserve.kvtransfer.nccl import make_nccl_path
 from pdserve.kvtransfer.receiver import Receiver
 from pdserve.kvtransfer.sender import Sender
 from pdserve.kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.kv_cache.tensors import KVLayout
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class KVTransport:
         secret: bytes,
         config: TransportConfig | None = None,
         shm_path: Path | None = None,
+        tls: InternalTls | None = None,
     ) -> None:
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("the shared secret must be at least 16 bytes")
@@ -94,7 +96,7 @@ class KVTransport:
         receiver_paths = dict(self._paths)
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache
-        self._peering = Peering(self.layout, secret, config.io_timeout_s, config.connect_timeout_s)
+        self._peering = Peering(self.layout, secret, config.io_timeout_s, config.connect_timeout_s, tls)
         self._receiver = Receiver(
             receiver_paths, self._peering, self._completions, self.stats, config.fence_grace_s
         )

@@ -54,6 +54,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls-client-ca", default=None, help="PEM CA: require client certificates it signed (mutual TLS)"
     )
+    p.add_argument(
+        "--internal-tls",
+        action="store_true",
+        help="run the KV and worker channels over TLS (a private CA per deployment; for links between nodes)",
+    )
     add_policy(p, "goodput")
     add_autoscale(p)
     p.add_argument(
@@ -165,6 +170,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         gpus_per_worker=gpus,
         replace_lost=args.replace_lost,
         drain_timeout_s=args.worker_drain_timeout,
+        internal_tls=args.internal_tls,
     )
     config = RouterConfig(
         host=args.host,
@@ -265,6 +271,8 @@ async def _serve(
         f"  chat         {chat_summary(service.router, service.frontends.chat_template)}\n"
         f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
         f"  tls          {tls_summary(service.config.tls)}\n"
+        f"  internal     {'TLS (deployment CA)' if service.spec.internal_tls else 'plaintext'} KV and worker "
+        "channels, authenticated with the deployment secret\n"
         "  Ctrl-C drains and stops.",
         flush=True,
     )

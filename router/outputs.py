@@ -17,6 +17,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
@@ -90,11 +91,17 @@ class CommandChannel:
 
 class OutputListener:
     def __init__(
-        self, secret: bytes, host: str = "127.0.0.1", port: int = 0, liveness_timeout_s: float = 4.0
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        liveness_timeout_s: float = 4.0,
+        tls: InternalTls | None = None,
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         self.secret = secret
+        self.tls = tls  # set: workers connect over TLS with the deployment's certificate
         self.host = host
         self.port = port
         # A live worker sends a frame at least every HEARTBEAT_S (``pdserve.worker.push``); one
@@ -111,7 +118,16 @@ class OutputListener:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        if self.tls is None:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        else:
+            self._server = await asyncio.start_server(
+                self._serve,
+                self.host,
+                self.port,
+                ssl=self.tls.server_context(),
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+            )
         port = self._server.sockets[0].getsockname()[1]
         return f"{self.host}:{port}"
 

@@ -133,7 +133,13 @@ class WorkerHost:
         self.pusher: OutputPusher | None = None
         if spec.router_address:
             self.pusher = OutputPusher(
-                self.loop, self.load, spec.worker_id, spec.router_address, spec.secret, self.execute
+                self.loop,
+                self.load,
+                spec.worker_id,
+                spec.router_address,
+                spec.secret,
+                self.execute,
+                spec.internal_tls,
             )
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
@@ -165,7 +171,10 @@ class WorkerHost:
         """Open (and start listening on) the KV transport ``role`` needs; True if it is new."""
         new = role.transport and self.transport is None
         if new:
-            transport = KVTransport(self.rt.kv_cache, self.spec.secret, self.spec.transport, self._shm_path)
+            spec = self.spec
+            transport = KVTransport(
+                self.rt.kv_cache, spec.secret, spec.transport, self._shm_path, spec.internal_tls
+            )
             profile = self.rt.profile
             # An emulated GPU's stand-in cache moves in microseconds; its link would not.
             self.transport = (

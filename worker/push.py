@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from pdserve.kvtransfer.tls import InternalTls, TlsStream
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
@@ -58,6 +59,7 @@ from pdserve.worker.loop import EngineLoop, WorkerFailed
 from pdserve.worker.messages import OutputBatch, WorkerLoad
 
 log = logging.getLogger(__name__)
+Stream = socket.socket | TlsStream  # the channel, plain or over the deployment's TLS
 
 HEARTBEAT_S = 0.5  # an idle worker still reports its load this often
 CONNECT_TIMEOUT_S = 30.0
@@ -67,7 +69,7 @@ Execute = Callable[[Command], "Future[Answer]"]
 _Outcome = tuple[int, "Future[Answer] | CommandError"]  # (call id, what answers it)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: Stream, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -77,14 +79,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _read_frame(sock: socket.socket, limit: int) -> bytes:
+def _read_frame(sock: Stream, limit: int) -> bytes:
     (n,) = LENGTH.unpack(_recv_exact(sock, LENGTH.size))
     if not 0 < n <= limit:
         raise ChannelError(f"frame length {n} outside 1..{limit}")
     return _recv_exact(sock, n)
 
 
-def _hang_up(sock: socket.socket) -> None:
+def _hang_up(sock: Stream) -> None:
     """Close for good: ``shutdown`` first, so the peer sees the end at once and a thread
     blocked reading this socket wakes up (a bare ``close`` does neither while it reads)."""
     with contextlib.suppress(OSError):
@@ -112,6 +114,7 @@ class OutputPusher:
         address: str,
         secret: bytes,
         execute: Execute,
+        tls: InternalTls | None = None,
     ) -> None:
         self.loop = loop
         self.load = load
@@ -119,30 +122,34 @@ class OutputPusher:
         self.address = address
         self.secret = secret
         self.execute = execute
+        self.tls = tls
         self.bad_commands = 0  # malformed command frames answered or dropped
         self._stop = threading.Event()
         self._router_closed = threading.Event()
-        self._sock: socket.socket | None = None
+        self._sock: Stream | None = None
         self._send_lock = threading.Lock()
         self._answers: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="output-push", daemon=True)
         self._thread.start()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> Stream:
         host, _, port = self.address.rpartition(":")
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while True:
             try:
-                sock = socket.create_connection((host, int(port)), timeout=5)
+                raw = socket.create_connection((host, int(port)), timeout=5)
                 break
             except OSError:
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise
                 time.sleep(0.1)
+        sock: Stream = raw
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raw.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:
+                sock = TlsStream.wrap(raw, self.tls.client_context(), server_side=False)
             challenge = _recv_exact(sock, CHALLENGE_BYTES)
             nonce = os.urandom(CHALLENGE_BYTES)
             sock.sendall(encode_hello(self.worker_id, self.secret, challenge, nonce))
@@ -186,7 +193,7 @@ class OutputPusher:
                 _hang_up(self._sock)
 
     # -- commands ----------------------------------------------------------------------------
-    def _read_commands(self, sock: socket.socket) -> None:
+    def _read_commands(self, sock: Stream) -> None:
         try:
             while not self._stop.is_set():
                 body = _read_frame(sock, MAX_COMMAND_BYTES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.config import TransportConfig
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.config import EngineConfig
 from pdserve.worker.messages import WorkerRole
 
@@ -18,6 +19,7 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
+    internal_tls: InternalTls | None = None  # set: the KV and worker channels run over TLS
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
     router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
     drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish

@@ -11,6 +11,7 @@ import torch
 from pdserve.kvtransfer.channel import Connection, client_handshake
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
+from pdserve.kvtransfer.tls import InternalTls
 from pdserve.kvtransfer.transport import KVTransport, layout_of
 from pdserve.model_runtime.kv_cache.block_pool import BlockPool
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
@@ -32,10 +33,14 @@ def cache(
 
 
 def transport(
-    backend: str, seed: int | None = None, shape: tuple[int, ...] = SHAPE, **cfg: Any
+    backend: str,
+    seed: int | None = None,
+    shape: tuple[int, ...] = SHAPE,
+    tls: InternalTls | None = None,
+    **cfg: Any,
 ) -> KVTransport:
     c, path = cache(seed, shared=backend == "shm", shape=shape)
-    return KVTransport(c, SECRET, TransportConfig(backend=backend, **cfg), shm_path=path)
+    return KVTransport(c, SECRET, TransportConfig(backend=backend, **cfg), shm_path=path, tls=tls)
 
 
 def pick(pool: BlockPool, n: int, rng: random.Random) -> list[int]:

@@ -47,6 +47,7 @@ def start_service(
     migration_limit: int = 3,
     replace_lost: bool = False,
     tls: TlsConfig | None = None,
+    internal_tls: bool = False,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
@@ -59,6 +60,7 @@ def start_service(
         engine=engine_config(**engine),
         transport=TransportConfig(backend=transport),
         replace_lost=replace_lost,
+        internal_tls=internal_tls,
     )
     config = RouterConfig(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048),

@@ -2,7 +2,7 @@
 router, and three one-CPU nodes for one prefill and two decode workers) joined by a bridge,
 addresses from the benchmarking range 198.18.0.0/15 on links the test creates and always
 removes. No ``--kv-host``: every worker advertises its own node's address, and KV crosses between
-the nodes over tcp."""
+the nodes over tcp; with ``--internal-tls``, as a deployment whose links leave one host runs."""
 
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, sub
             out, _ = p.communicate(timeout=120)
             assert p.returncode == 0, out[-3000:]
         cmd = [str(BIN / "pdserve"), "serve", f"--address={head}:6379", f"--host={head}", "--model", MODEL,
-               "--prefill", "1", "--decode", "2", "--http-port", "8000", "--grpc-port", "50051"]  # fmt: skip
+               "--prefill", "1", "--decode", "2", "--http-port", "8000", "--grpc-port", "50051",
+               "--internal-tls"]  # fmt: skip
         with log.open("w") as out:
             proc = _in("pdmn0", *cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://{head}:8000"
@@ -117,7 +118,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, sub
             while True:
                 assert proc.poll() is None, log.read_text()[-4000:]
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    up = httpx.get(f"{url}/health", timeout=2).status_code == 200
+                    if up and "internal     TLS (deployment CA)" in log.read_text():
                         break
                 assert time.monotonic() < deadline, log.read_text()[-4000:]
                 time.sleep(0.5)
