@@ -46,6 +46,7 @@ from pdserve.model_runtime.kv_cache.tensors import KVLayout
 
 log = logging.getLogger(__name__)
 
+
 def layout_of(cache: torch.Tensor) -> dict[str, Any]:
     """The fingerprint both ends must share, as plain values for the handshake."""
     return dataclasses.asdict(KVLayout.of_cache(cache))
