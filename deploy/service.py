@@ -64,12 +64,17 @@ class Service:
         self.keeper: PoolKeeper | None = None
         self._secret = secrets.token_bytes(32)
         self._tls = InternalTls.generate() if spec.internal_tls else None
-        self._channel_address = ""
+        self._channel_address = ""  # host:port the workers connect to (the router's channel)
         self._placement: Placement | None = None
         self._owns_ray = False
         self._stopping = threading.Event()
         self._resizing = asyncio.Lock()
         self._outputs: OutputListener | None = None
+
+    @property
+    def channel_address(self) -> str:
+        """Where workers reach the router ("host:port"; "" before ``start``)."""
+        return self._channel_address
 
     async def start(self, progress: bool = False) -> Endpoints:
         # The router reads the model's tokenizer and configuration too: doing it first turns a

@@ -272,7 +272,7 @@ async def _serve(
         f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
         f"  tls          {tls_summary(service.config.tls)}\n"
         f"  internal     {'TLS (deployment CA)' if service.spec.internal_tls else 'plaintext'} KV and worker "
-        "channels, authenticated with the deployment secret\n"
+        f"channels, authenticated with the deployment secret; workers connect to {service.channel_address}\n"
         "  Ctrl-C drains and stops.",
         flush=True,
     )
