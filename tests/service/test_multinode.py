@@ -2,7 +2,13 @@
 router, and three one-CPU nodes for one prefill and two decode workers) joined by a bridge,
 addresses from the benchmarking range 198.18.0.0/15 on links the test creates and always
 removes. No ``--kv-host``: every worker advertises its own node's address, and KV crosses between
-the nodes over tcp; with ``--internal-tls``, as a deployment whose links leave one host runs."""
+the nodes over tcp; with ``--internal-tls``, as a deployment whose links leave one host runs.
+
+Where namespaces cannot be made (no root, no iproute2, a kernel or container that refuses them)
+the nodes are loopback addresses instead (127.0.0.2-5, which Linux routes to ``lo`` with no
+set-up), the reason is printed, and the deployment runs with ``--transport tcp``: the nodes then
+share one host, where ``auto`` would rightly pick shm. ``PDSERVE_TEST_LOOPBACK_NODES=1`` forces
+that mode (to test it)."""
 
 from __future__ import annotations
 
@@ -24,53 +30,97 @@ import pytest
 
 from tests.service.helpers import MODEL, hf_reference
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 NET = "198.18.7"
 BRIDGE = "pdmnbr0"
 # The head (Ray's GCS and the router), then three one-CPU nodes: each worker on a node of its own.
-NODES = {"pdmn0": f"{NET}.1", "pdmn1": f"{NET}.2", "pdmn2": f"{NET}.3", "pdmn3": f"{NET}.4"}
-NAMESPACE = {address: ns for ns, address in NODES.items()}
+NAMESPACES = {"pdmn0": f"{NET}.1", "pdmn1": f"{NET}.2", "pdmn2": f"{NET}.3", "pdmn3": f"{NET}.4"}
+LOOPBACK = {"pdmn0": "127.0.0.2", "pdmn1": "127.0.0.3", "pdmn2": "127.0.0.4", "pdmn3": "127.0.0.5"}
+NODES = dict(NAMESPACES)  # node name -> its address, in the mode ``nodes()`` chose
 BIN = Path(sys.executable).parent
+
+
+class Mode:
+    namespaces = True  # False: loopback addresses on this host's own network
 
 
 def _ip(*args: str, check: bool = True) -> None:
     subprocess.run(["ip", *args], check=check, capture_output=True, timeout=20)
 
 
+def _node_pids(node: str) -> list[int]:
+    """Processes on ``node``: in its namespace, or (loopback mode) those started for its address."""
+    import psutil
+
+    if Mode.namespaces:
+        out = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, check=False)
+        return [int(p) for p in out.stdout.split()]
+    # The node's raylet and agents name its address on their command lines; its workers (whose
+    # command line becomes "ray::...") are their children.
+    address, pids = LOOPBACK[node], set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or ()) + " "
+        if f"={address} " in cmdline:
+            pids.add(p.info["pid"])
+            with contextlib.suppress(psutil.Error):
+                pids.update(c.pid for c in p.children(recursive=True))
+    return sorted(pids)
+
+
 def _teardown() -> None:
-    """Kill every process in the namespaces, then remove the links and the namespaces (a veth
+    """Kill every process on the nodes, then remove the links and the namespaces (a veth
     outlives its namespace while processes are still in it, so both ends are removed by name)."""
     import psutil
 
     victims = []
-    for ns in NODES:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
-        for pid in pids.split():
+    for node in NAMESPACES:
+        for pid in _node_pids(node):
             with contextlib.suppress(psutil.Error):
-                p = psutil.Process(int(pid))
+                p = psutil.Process(pid)
                 p.kill()
                 victims.append(p)
     psutil.wait_procs(victims, timeout=10)
-    for i, ns in enumerate(NODES):
-        _ip("link", "del", f"pdmnv{i}", check=False)
-        _ip("netns", "del", ns, check=False)
-    _ip("link", "del", BRIDGE, check=False)
+    if Mode.namespaces:
+        for i, ns in enumerate(NAMESPACES):
+            _ip("link", "del", f"pdmnv{i}", check=False)
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", BRIDGE, check=False)
+
+
+def _namespaces_unavailable() -> str:
+    """Why network namespaces cannot be used here ("" when they can)."""
+    if os.environ.get("PDSERVE_TEST_LOOPBACK_NODES") == "1":
+        return "PDSERVE_TEST_LOOPBACK_NODES=1"
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    probe = subprocess.run(["ip", "netns", "add", "pdmnprobe"], capture_output=True, text=True, check=False)
+    subprocess.run(["ip", "netns", "del", "pdmnprobe"], capture_output=True, check=False)
+    return "" if probe.returncode == 0 else f"ip netns add failed: {probe.stderr.strip()}"
 
 
 @contextlib.contextmanager
 def nodes() -> Iterator[None]:
+    why = _namespaces_unavailable()
+    Mode.namespaces = not why
+    NODES.clear()
+    NODES.update(NAMESPACES if Mode.namespaces else LOOPBACK)
+    if not Mode.namespaces:
+        print(f"\nmulti-node test on loopback addresses, not network namespaces: {why}", flush=True)
+        _teardown()
+        try:
+            yield
+        finally:
+            _teardown()
+        return
     _teardown()  # what an interrupted run may have left
     try:
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{NET}.254/24", "dev", BRIDGE)
         _ip("link", "set", BRIDGE, "up")
-        for i, (ns, address) in enumerate(NODES.items()):
+        for i, (ns, address) in enumerate(NAMESPACES.items()):
             _ip("netns", "add", ns)
             _ip("link", "add", f"pdmnv{i}", "type", "veth", "peer", "name", f"pdmnp{i}")
             _ip("link", "set", f"pdmnv{i}", "master", BRIDGE)
@@ -85,7 +135,8 @@ def nodes() -> Iterator[None]:
 
 
 def _in(ns: str, *cmd: str, env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, text=True, **kw)
+    prefix = ["ip", "netns", "exec", ns] if Mode.namespaces else []
+    return subprocess.Popen([*prefix, *cmd], env=env, text=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +146,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, sub
            "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
     ray = str(BIN / "ray")
-    head = NODES["pdmn0"]
     common = ["--disable-usage-stats", "--include-dashboard=false"]
     with nodes():
+        head = NODES["pdmn0"]
         head_start = [ray, "start", "--head", f"--node-ip-address={head}", "--port=6379", "--num-cpus=0"]
         starts = [("pdmn0", [*head_start, *common])]
         for ns in ("pdmn1", "pdmn2", "pdmn3"):
@@ -110,6 +161,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, sub
         cmd = [str(BIN / "pdserve"), "serve", f"--address={head}:6379", f"--host={head}", "--model", MODEL,
                "--prefill", "1", "--decode", "2", "--http-port", "8000", "--grpc-port", "50051",
                "--internal-tls"]  # fmt: skip
+        if not Mode.namespaces:
+            cmd += ["--transport", "tcp"]  # one host: auto would pick shm (see the module docstring)
         with log.open("w") as out:
             proc = _in("pdmn0", *cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://{head}:8000"
@@ -152,6 +205,7 @@ def test_workers_advertise_their_own_nodes(cluster: tuple[str, subprocess.Popen[
     # Each decode worker's KV address is its own node's: not loopback, not the head's, not shared.
     assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes
     assert set(nodes.values()) <= {NODES["pdmn1"], NODES["pdmn2"], NODES["pdmn3"]}, nodes
+    assert NODES["pdmn0"] not in nodes.values()
 
 
 def test_greedy_requests_across_nodes_equal_hf_and_move_kv_between_nodes(
@@ -187,11 +241,10 @@ def test_greedy_requests_across_nodes_equal_hf_and_move_kv_between_nodes(
     assert moved["decode", "tcp"] == moved["prefill", "tcp"] > 0, moved
 
 
-def _worker_pid(ns: str) -> int:
+def _worker_pid(node: str) -> int:
     import psutil
 
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True).stdout
-    workers = [int(p) for p in pids.split() if psutil.Process(int(p)).name() == "ray::PoolWorker"]
+    workers = [p for p in _node_pids(node) if psutil.Process(p).name() == "ray::PoolWorker"]
     assert len(workers) == 1, workers
     return workers[0]
 
@@ -214,7 +267,8 @@ def test_sigkill_of_the_remote_decode_worker(cluster: tuple[str, subprocess.Pope
         running = [w["worker_id"] for w in _status(url)["workers"] if w["role"] == "decode" and w["running"]]
         assert len(running) == 1, running  # the worker that holds the stream
         victim = running[0]
-        os.kill(_worker_pid(NAMESPACE[before[victim]]), signal.SIGKILL)
+        node = next(n for n, address in NODES.items() if address == before[victim])
+        os.kill(_worker_pid(node), signal.SIGKILL)
         t0 = time.monotonic()
         events += [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     took = time.monotonic() - t0
