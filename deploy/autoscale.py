@@ -41,9 +41,15 @@ class PoolAutoscaler:
         warmup_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         checks: int = 3,
+        grow_wait_s: float | None = None,
     ) -> None:
         if not interval_s > 0 or not warmup_s >= 0 or checks < 1:
             raise ValueError("the autoscale interval must be > 0, the warm-up >= 0 and checks >= 1")
+        # How long a change waits for new workers to be placed and ready. A worker Ray cannot
+        # place (a cluster at its node limit) must not stop the planner deciding: past this the
+        # start is cancelled, and the next decision tries again while Ray's autoscaler keeps the
+        # standing request for the nodes (``Service.request_capacity``).
+        self.grow_wait_s = max(30.0, 2 * interval_s) if grow_wait_s is None else grow_wait_s
         self.checks = checks  # looks an interval: the last decides, the others may only scale up
         self.service = service
         self.planner = planner
@@ -132,10 +138,26 @@ class PoolAutoscaler:
                 self.joined[w.worker_id] = self.clock()
                 need[dst] -= 1
                 need[src] += 1
+        deadline = time.monotonic() + self.grow_wait_s  # for every new worker of this change
         for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
             if need[role]:
                 live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
-                await self.service.resize(role, len(live) + need[role])
+                resize = self.service.resize(role, len(live) + need[role])
+                if need[role] < 0:  # retiring: bounded by the drain timeout
+                    await resize
+                    continue
+                try:
+                    await asyncio.wait_for(resize, max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    joined = sum(w.role is role and w.alive for w in router.workers.values()) - len(live)
+                    log.warning(
+                        "planner: %d of %d new %s worker(s) not placed and ready within %g s; their "
+                        "start was cancelled, the next decision retries",
+                        need[role] - max(0, joined),
+                        need[role],
+                        role.value,
+                        self.grow_wait_s,
+                    )
 
     async def run(self) -> None:
         for n in itertools.count(1):

@@ -166,16 +166,40 @@ def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
     return actor, pg
 
 
+class LaunchCancelled(RuntimeError):
+    """The caller gave up on a launch (``cancel`` set); what it started was stopped."""
+
+
+def _wait(refs: list[Any], num: int, deadline: float, cancel: threading.Event | None) -> list[Any]:
+    """``ray.wait`` for ``num`` of ``refs`` until ``deadline``, in short slices so that ``cancel``
+    ends it within half a second (a worker Ray cannot place must not hold its caller)."""
+    import ray
+
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait(refs, num_returns=num, timeout=max(0.0, min(0.5, left)))
+        if len(ready) >= num or left <= 0.5:
+            return list(ready)
+        if cancel is not None and cancel.is_set():
+            raise LaunchCancelled("the launch was cancelled")
+
+
 def launch_workers(
-    specs: list[WorkerSpec], where: Placement, timeout_s: float = 300.0, progress: bool = True
+    specs: list[WorkerSpec],
+    where: Placement,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+    cancel: threading.Event | None = None,
 ) -> list[WorkerHandle]:
-    """Start the workers and wait until every one is ready (or raise, leaving none behind)."""
+    """Start the workers and wait until every one is ready (or raise, leaving none behind);
+    setting ``cancel`` stops the wait (``LaunchCancelled``) and the workers with it."""
     import ray
 
     placed = [_place(ws, where) for ws in specs]
     callers = [RayCaller(actor, pg) for actor, pg in placed]
     try:
-        ready, _ = ray.wait([pg.ready() for _, pg in placed], num_returns=len(placed), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        ready = _wait([pg.ready() for _, pg in placed], len(placed), deadline, cancel)
         if len(ready) < len(placed):
             raise TimeoutError(
                 f"Ray could not place {len(placed) - len(ready)} of {len(placed)} workers of "
@@ -185,7 +209,7 @@ def launch_workers(
         infos: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            done = _wait(list(pending), 1, deadline, cancel)
             if not done:
                 raise TimeoutError(f"{len(pending)} workers not ready after {timeout_s:g}s")
             i = pending.pop(done[0])

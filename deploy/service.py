@@ -136,14 +136,16 @@ class Service:
         await self.frontends.start()
         return self.endpoints
 
-    def _launch(self, specs: list[WorkerSpec], progress: bool) -> list[WorkerHandle]:
+    def _launch(
+        self, specs: list[WorkerSpec], progress: bool, cancel: threading.Event | None = None
+    ) -> list[WorkerHandle]:
         """Start workers (in a thread: it blocks). A launch that finishes after ``stop`` began
         (a signal during start-up cancelled the wait, not the thread) stops its own workers, so
-        none is left on a shared cluster."""
+        none is left on a shared cluster; ``cancel`` stops a Ray launch's wait within 0.5 s."""
         if self._placement is not None:
             from pdserve.deploy.ray_pools import launch_workers
 
-            handles = launch_workers(specs, self._placement, 300.0, progress)
+            handles = launch_workers(specs, self._placement, 300.0, progress, cancel)
         else:
             from pdserve.deploy.local import launch_local
 
@@ -159,7 +161,19 @@ class Service:
         ws = self.spec.worker_spec(
             role, worker_id, self._secret, self._channel_address, self.use_ray, self._tls
         )
-        [handle] = await asyncio.to_thread(self._launch, [ws], False)
+        cancel = threading.Event()
+        launch = asyncio.ensure_future(asyncio.to_thread(self._launch, [ws], False, cancel))
+        try:
+            [handle] = await asyncio.shield(launch)
+        except asyncio.CancelledError:
+            # The caller gave up (a planner's bounded wait, a stop): end the thread's wait too,
+            # and stop the worker if it got ready in the meantime, so none is left unregistered.
+            cancel.set()
+            with contextlib.suppress(Exception):
+                for h in await launch:
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(h.caller.kill)
+            raise
         return handle
 
     def _joined(self, worker: WorkerHandle) -> None:
