@@ -26,12 +26,17 @@ class PoolSpec:
     replace_lost: bool = True  # a worker the router lost is replaced by a fresh one
     drain_timeout_s: float = 30.0  # a worker told to stop (SIGTERM) lets its requests finish this long
     internal_tls: bool = False  # the KV and worker channels over TLS (a CA per deployment)
+    # The most workers it may run at once (an autoscaled deployment's maximum); a private Ray
+    # instance is sized for it, or a pool could never grow past its first size. 0: num_workers.
+    max_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be >= 0")
         if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
             raise ValueError("a disaggregated deployment needs at least one prefill and one decode worker")
+        if self.max_workers < 0:
+            raise ValueError(f"max_workers must be >= 0, not {self.max_workers}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
         if not self.drain_timeout_s >= 0:
@@ -44,6 +49,11 @@ class PoolSpec:
     @property
     def num_workers(self) -> int:
         return self.colocated if self.is_colocated else self.prefill + self.decode
+
+    @property
+    def capacity(self) -> int:
+        """Workers a private Ray instance must have room for."""
+        return max(self.num_workers, self.max_workers)
 
     @property
     def roles(self) -> tuple[tuple[WorkerRole, int], ...]:

@@ -87,7 +87,7 @@ class Service:
 
             starting = asyncio.ensure_future(
                 asyncio.to_thread(
-                    start_ray, self.ray_address, self.spec.num_workers * self.spec.cpus_per_worker
+                    start_ray, self.ray_address, self.spec.capacity * self.spec.cpus_per_worker
                 )
             )
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import re
 import sys
@@ -319,6 +320,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         spec, config = build(args)
         plan = planner_config(args, config)
+        if plan is not None:  # the private Ray instance must have room for the largest layout
+            spec = dataclasses.replace(spec, max_workers=plan.bounds.max_prefill + plan.bounds.max_decode)
     except ValueError as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2

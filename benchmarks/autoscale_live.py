@@ -1,0 +1,210 @@
+"""The pool planner live: ``pdserve serve --autoscale`` with emulated-H100 workers (Ray actors on
+this machine whose steps take the H100 profile's time), replaying the workload of
+``benchmarks/autoscale.py`` (the Azure conversation trace along a rate curve with a 4x step),
+against the best static layout of that benchmark run live the same way, and against the
+simulated autoscaler's decisions for the same workload.
+
+    .venv/bin/python -m benchmarks.autoscale_live            # about 16 minutes (two 400 s runs)
+    .venv/bin/python -m benchmarks.autoscale_live --skip-static
+
+Reported (final JSON line), as ``benchmarks/autoscale.py`` does for the simulation:
+``attainment_gap_pp`` (static minus autoscaled), ``worker_seconds_ratio`` (autoscaled over
+static; workers counted from the router's status once a second, a starting worker from when it
+joins), ``step_to_target_s`` (from the step to the end of the first interval back at >= 90 %,
+by the end time of requests, as the planner sees them), ``changes_per_5_intervals`` at the steady
+peak, and ``sim_agreement``: the share of interval boundaries at which the live layout is within
+one worker (|dP| + |dD| <= 1) of the simulated autoscaler's on the same workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.autoscale import SLO, TRACE, run
+from benchmarks.client import free_port, wait_ready
+from benchmarks.common import emit
+from pdserve.bench.client import PdserveGrpcBackend
+from pdserve.bench.metrics import RequestResult, Slo
+from pdserve.bench.runner import build_workload
+from pdserve.bench.runner import run as replay
+from pdserve.bench.workload import RequestSpec
+
+BIN = Path(sys.executable).parent
+
+
+def specs(args: argparse.Namespace) -> list[RequestSpec]:
+    ns = argparse.Namespace(
+        seed=0, num_prompts=1000, duration=args.duration, dataset_name="trace", dataset_path=TRACE,
+        time_scale=1.0, trace_start=0, rate_curve=args.curve, request_rate=args.rate, burstiness=1.0,
+        random_input_len=0, random_output_len=0, random_range_ratio=0.0, vocab_size=256, block_size=16,
+    )  # fmt: skip
+    return build_workload(ns)
+
+
+@contextmanager
+def serving(layout: list[str], log: Path) -> Iterator[tuple[str, list[tuple[float, int, int]]]]:
+    """``pdserve serve`` with ``layout`` flags; yields its gRPC address and a timeline of
+    (monotonic time, prefill, decode) sampled once a second while it runs."""
+    http, grpc_port = free_port(), free_port()
+    cmd = [str(BIN / "pdserve"), "serve", "--model", "tiny", "--compute", "emulated:h100-llama3-8b",
+           "--policy", "least_loaded", "--no-local-prefill", "--slo", "default:ttft=250,tpot=100",
+           "--max-tokens-cap", "4096", "--http-port", str(http), "--grpc-port", str(grpc_port),
+           *layout]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    timeline: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            try:
+                roles = [w["role"] for w in httpx.get(f"http://127.0.0.1:{http}/cluster/status", timeout=5)
+                         .json()["workers"]]  # fmt: skip
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            timeline.append((time.monotonic(), roles.count("prefill"), roles.count("decode")))
+
+    try:
+        wait_ready(f"http://127.0.0.1:{http}/health", proc, timeout_s=300)
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        yield f"127.0.0.1:{grpc_port}", timeline
+        stop.set()
+        th.join()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str, Any]:
+    slo = Slo.parse(SLO[1:])
+    work = specs(args)
+    with serving(layout, log) as (address, timeline):
+
+        async def go() -> tuple[list[RequestResult], float]:
+            backend = PdserveGrpcBackend(address, None, 0.0)  # its channel belongs to this loop
+            try:
+                return await replay(work, backend, None, progress=False)
+            finally:
+                await backend.close()
+
+        t0 = time.monotonic()
+        results, _ = asyncio.run(go())
+        t_end = time.monotonic()
+    met = [slo.met(r) for r in results]
+    ends = [s.arrival_s + r.latency for s, r in zip(work, results, strict=True)]
+    windows = []
+    for k in range(math.ceil(max(ends) / args.interval)):  # by when requests ended
+        lo, hi = k * args.interval, (k + 1) * args.interval
+        inside = [m for m, e in zip(met, ends, strict=True) if lo <= e < hi]
+        if inside:
+            windows.append((hi, sum(inside) / len(inside), len(inside)))
+    rel = [(t - t0, p, d) for t, p, d in timeline if t0 <= t <= t_end]
+    seconds = sum((b[0] - a[0]) * (a[1] + a[2]) for a, b in itertools.pairwise(rel))
+    return {
+        "attainment": sum(met) / len(met),
+        "failed": sum(not r.success for r in results),
+        "requests": len(results),
+        "worker_seconds": seconds,
+        "windows": windows,
+        "timeline": rel,
+    }
+
+
+def layout_at(series: list[tuple[float, int, int]], t: float) -> tuple[int, int] | None:
+    before = [(p, d) for ts, p, d in series if ts <= t]
+    return before[-1] if before else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=10.0)
+    ap.add_argument("--curve", default="0:1,90:1,100:4,220:4,230:1")
+    ap.add_argument("--duration", type=float, default=400.0)
+    ap.add_argument("--step-at", type=float, default=100.0)
+    ap.add_argument("--steady", default="160:220")
+    ap.add_argument("--static", default="2P+1D", help="the best static layout (benchmarks/autoscale.py)")
+    ap.add_argument("--interval", type=float, default=30.0)
+    ap.add_argument("--max-prefill", type=int, default=6)
+    ap.add_argument("--max-decode", type=int, default=4)
+    ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    args = ap.parse_args()
+    p, d = (int(x) for x in re.fullmatch(r"(\d+)P\+(\d+)D", args.static).groups())  # type: ignore[union-attr]
+    bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
+    auto_flags = ["--prefill", "1", "--decode", "1", "--autoscale", *bounds,
+                  "--autoscale-interval", str(args.interval)]  # fmt: skip
+    started = time.perf_counter()
+    auto = live_run(args, auto_flags, args.logs / "autoscale-live-auto.log")
+    print(
+        f"live autoscaled: attainment {auto['attainment']:.3f}, {auto['worker_seconds']:.0f} worker-s",
+        flush=True,
+    )
+    static = None
+    if not args.skip_static:
+        static = live_run(
+            args, ["--prefill", str(p), "--decode", str(d)], args.logs / "autoscale-live-static.log"
+        )
+        print(f"live static {args.static}: attainment {static['attainment']:.3f}", flush=True)
+    # The simulated autoscaler on the same workload (the simulator's own arrivals and lengths).
+    base = ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", args.curve,
+            "--duration", str(args.duration), *SLO, "--policy", "least_loaded"]  # fmt: skip
+    sim = run([*base, *auto_flags])["autoscale"]
+    sim_layouts = [(t, pp, dd) for t, pp, dd in sim["layouts"]]
+    bounds_t = [k * args.interval for k in range(1, int(args.duration // args.interval) + 1)]
+    pairs = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    agree = [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in pairs]  # type: ignore[index]
+    windows = auto["windows"]
+    missed = [t for t, att, _ in windows if t > args.step_at and att < 0.9]
+    back = next((t for t, att, _ in windows if missed and t > missed[0] and att >= 0.9), None)
+    step = (back - args.step_at) if missed and back is not None else (0.0 if not missed else None)
+    lo, hi = (float(x) for x in args.steady.split(":"))
+    tl = auto["timeline"]
+    steady_changes = sum(1 for a, b in itertools.pairwise(tl) if lo <= b[0] <= hi and a[1:] != b[1:])
+    result: dict[str, Any] = {
+        "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
+        "slo": "ttft:250 tpot:100 at 90 %",
+        "live_autoscaled_attainment": round(auto["attainment"], 4),
+        "live_autoscaled_failed": auto["failed"],
+        "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
+        "step_to_target_s": step,
+        "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
+        "sim_agreement": round(sum(agree) / len(agree), 3) if agree else None,
+        "sim_layouts_at_boundaries": [b for _, b in pairs],
+        "live_layouts_at_boundaries": [a for a, _ in pairs],
+        "live_windows": windows,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    if static is not None:
+        result.update({
+            "best_static": args.static,
+            "live_static_attainment": round(static["attainment"], 4),
+            "live_static_failed": static["failed"],
+            "live_static_worker_seconds": round(static["worker_seconds"], 1),
+            "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
+            "worker_seconds_ratio": round(auto["worker_seconds"] / static["worker_seconds"], 3),
+        })  # fmt: skip
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
