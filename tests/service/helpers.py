@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -184,3 +186,13 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
     for h in st.service.handles:
         if h.alive:
             st.run(h.call("check_integrity", timeout_s=10))
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
+    """SIGTERM (``pdserve serve`` drains on it), then SIGKILL if it is still there after ``timeout_s``."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -18,7 +18,6 @@ import contextlib
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import httpx
 import pytest
 
 from benchmarks.client import free_port, wait_ready
+from tests.service.helpers import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -149,11 +149,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(url, env, port, log)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
         _kill_token_holders(token)
         if current is not None:
             with contextlib.suppress(OSError):

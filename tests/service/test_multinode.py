@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.helpers import MODEL, hf_reference
+from tests.service.helpers import MODEL, hf_reference, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -178,11 +178,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, sub
                 time.sleep(0.5)
             yield url, proc
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
 
 def _status(url: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ out its start-up timeout), and the quiet brings them back; nothing fails, every 
 from __future__ import annotations
 
 import concurrent.futures
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.client import free_port, wait_ready
+from tests.service.helpers import stop_process
 from tests.service.test_fake_autoscaler import prompt
 
 pytestmark = pytest.mark.slow
@@ -64,9 +64,5 @@ def test_a_private_instance_has_room_for_the_largest_layout(tmp_path: Path) -> N
         workers = httpx.get(f"{url}/cluster/status", timeout=10).json()["workers"]
         assert all(w["running"] == 0 and w["kv_blocks"]["free"] == w["kv_blocks"]["total"] for w in workers)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
