@@ -47,6 +47,32 @@ def workload(args: argparse.Namespace) -> list[str]:
             "--duration", str(args.duration), *SLO]  # fmt: skip
 
 
+def best_static(
+    base: list[str], max_prefill: int, max_decode: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every (P, D) within the bounds simulated on the whole workload ``base`` (a layout is
+    skipped once a smaller one meets 90 %); the best: the fewest workers meeting 90 % (ties:
+    the higher attainment), else the highest attainment."""
+    static: list[dict[str, Any]] = []
+    for p, d in itertools.product(range(1, max_prefill + 1), range(1, max_decode + 1)):
+        if static and any(s["attainment"] >= 0.9 and s["workers"] < p + d for s in static):
+            continue  # a smaller layout already meets it
+        m = run([*base, "--prefill", str(p), "--decode", str(d), "--policy", "least_loaded"])
+        static.append({"prefill": p, "decode": d, "workers": p + d, "attainment": m["slo_attainment"],
+                       "worker_seconds": m["worker_seconds"]})  # fmt: skip
+        print(f"static {p}P+{d}D: attainment {m['slo_attainment']:.3f}", flush=True)
+    meeting = [s for s in static if s["attainment"] >= 0.9]
+    best = (
+        min(meeting, key=lambda s: (s["workers"], -s["attainment"]))
+        if meeting
+        else max(static, key=lambda s: s["attainment"])
+    )
+    print(
+        f"best static: {best['prefill']}P+{best['decode']}D, attainment {best['attainment']:.3f}", flush=True
+    )
+    return static, best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=10.0, help="the curve's base rate (req/s)")
@@ -69,23 +95,7 @@ def main() -> int:
         )
     t0 = time.perf_counter()
     base = workload(args)
-    static: list[dict[str, Any]] = []
-    for p, d in itertools.product(range(1, args.max_prefill + 1), range(1, args.max_decode + 1)):
-        if static and any(s["attainment"] >= 0.9 and s["workers"] < p + d for s in static):
-            continue  # a smaller layout already meets it
-        m = run([*base, "--prefill", str(p), "--decode", str(d), "--policy", "least_loaded"])
-        static.append({"prefill": p, "decode": d, "workers": p + d, "attainment": m["slo_attainment"],
-                       "worker_seconds": m["worker_seconds"]})  # fmt: skip
-        print(f"static {p}P+{d}D: attainment {m['slo_attainment']:.3f}", flush=True)
-    meeting = [s for s in static if s["attainment"] >= 0.9]
-    best = (
-        min(meeting, key=lambda s: (s["workers"], -s["attainment"]))
-        if meeting
-        else max(static, key=lambda s: s["attainment"])
-    )
-    print(
-        f"best static: {best['prefill']}P+{best['decode']}D, attainment {best['attainment']:.3f}", flush=True
-    )
+    static, best = best_static(base, args.max_prefill, args.max_decode)
     bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
     timing = ["--autoscale-interval", str(args.interval), "--worker-start-s", str(args.start_s)]
     auto = run(

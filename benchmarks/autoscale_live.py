@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import math
 import re
@@ -34,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.autoscale import SLO, TRACE, run
+from benchmarks.autoscale import TRACE, best_static, run
 from benchmarks.client import free_port, wait_ready
 from benchmarks.common import emit
 from pdserve.bench.client import PdserveGrpcBackend
@@ -55,13 +56,20 @@ def specs(args: argparse.Namespace) -> list[RequestSpec]:
     return build_workload(ns)
 
 
+def slo_flags(args: argparse.Namespace) -> list[str]:
+    return ["--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}"]
+
+
 @contextmanager
-def serving(layout: list[str], log: Path) -> Iterator[tuple[str, list[tuple[float, int, int]]]]:
+def serving(
+    args: argparse.Namespace, layout: list[str], log: Path
+) -> Iterator[tuple[str, list[tuple[float, int, int]]]]:
     """``pdserve serve`` with ``layout`` flags; yields its gRPC address and a timeline of
     (monotonic time, prefill, decode) sampled once a second while it runs."""
     http, grpc_port = free_port(), free_port()
-    cmd = [str(BIN / "pdserve"), "serve", "--model", "tiny", "--compute", "emulated:h100-llama3-8b",
-           "--policy", "least_loaded", "--no-local-prefill", "--slo", "default:ttft=250,tpot=100",
+    cmd = [str(BIN / "pdserve"), "serve", "--model", "tiny", "--compute", f"emulated:{args.profile}",
+           "--policy", "least_loaded", "--no-local-prefill",
+           "--slo", f"default:ttft={args.ttft_ms:g},tpot={args.tpot_ms:g}",
            "--max-tokens-cap", "4096", "--http-port", str(http), "--grpc-port", str(grpc_port),
            *layout]  # fmt: skip
     with log.open("w") as out:
@@ -94,9 +102,9 @@ def serving(layout: list[str], log: Path) -> Iterator[tuple[str, list[tuple[floa
 
 
 def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str, Any]:
-    slo = Slo.parse(SLO[1:])
+    slo = Slo.parse(slo_flags(args)[1:])
     work = specs(args)
-    with serving(layout, log) as (address, timeline):
+    with serving(args, layout, log) as (address, timeline):
 
         async def go() -> tuple[list[RequestResult], float]:
             backend = PdserveGrpcBackend(address, None, 0.0)  # its channel belongs to this loop
@@ -121,6 +129,7 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
     return {
         "attainment": sum(met) / len(met),
         "failed": sum(not r.success for r in results),
+        "errors": dict(collections.Counter(r.error[:120] for r in results if not r.success).most_common(5)),
         "requests": len(results),
         "worker_seconds": seconds,
         "windows": windows,
@@ -140,13 +149,28 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=400.0)
     ap.add_argument("--step-at", type=float, default=100.0)
     ap.add_argument("--steady", default="160:220")
-    ap.add_argument("--static", default="2P+1D", help="the best static layout (benchmarks/autoscale.py)")
+    ap.add_argument(
+        "--static",
+        default="",
+        help="the static layout to compare with (default: the best one, by simulation)",
+    )
+    ap.add_argument(
+        "--profile", default="h100-llama3-8b", help="emulated GPU timing (e.g. h100-llama3-8b@x4)"
+    )
+    ap.add_argument("--ttft-ms", type=float, default=250.0)
+    ap.add_argument("--tpot-ms", type=float, default=100.0)
     ap.add_argument("--interval", type=float, default=30.0)
     ap.add_argument("--max-prefill", type=int, default=6)
     ap.add_argument("--max-decode", type=int, default=4)
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = ap.parse_args()
+    # The simulated runs: the same workload, profile and SLO (the simulator's own arrivals).
+    base = ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", args.curve,
+            "--duration", str(args.duration), "--profile", args.profile, *slo_flags(args)]  # fmt: skip
+    if not args.static:
+        best = best_static(base, args.max_prefill, args.max_decode)[1]
+        args.static = f"{best['prefill']}P+{best['decode']}D"
     p, d = (int(x) for x in re.fullmatch(r"(\d+)P\+(\d+)D", args.static).groups())  # type: ignore[union-attr]
     bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
     auto_flags = ["--prefill", "1", "--decode", "1", "--autoscale", *bounds,
@@ -163,10 +187,7 @@ def main() -> int:
             args, ["--prefill", str(p), "--decode", str(d)], args.logs / "autoscale-live-static.log"
         )
         print(f"live static {args.static}: attainment {static['attainment']:.3f}", flush=True)
-    # The simulated autoscaler on the same workload (the simulator's own arrivals and lengths).
-    base = ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", args.curve,
-            "--duration", str(args.duration), *SLO, "--policy", "least_loaded"]  # fmt: skip
-    sim = run([*base, *auto_flags])["autoscale"]
+    sim = run([*base, "--policy", "least_loaded", *auto_flags])["autoscale"]
     sim_layouts = [(t, pp, dd) for t, pp, dd in sim["layouts"]]
     bounds_t = [k * args.interval for k in range(1, int(args.duration // args.interval) + 1)]
     pairs = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
@@ -181,9 +202,11 @@ def main() -> int:
     steady_changes = sum(1 for a, b in itertools.pairwise(tl) if lo <= b[0] <= hi and a[1:] != b[1:])
     result: dict[str, Any] = {
         "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
-        "slo": "ttft:250 tpot:100 at 90 %",
+        "slo": f"ttft:{args.ttft_ms:g} tpot:{args.tpot_ms:g} at 90 %",
+        "profile": args.profile,
         "live_autoscaled_attainment": round(auto["attainment"], 4),
         "live_autoscaled_failed": auto["failed"],
+        "live_autoscaled_errors": auto["errors"],
         "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
         "step_to_target_s": step,
         "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
@@ -198,6 +221,7 @@ def main() -> int:
             "best_static": args.static,
             "live_static_attainment": round(static["attainment"], 4),
             "live_static_failed": static["failed"],
+            "live_static_errors": static["errors"],
             "live_static_worker_seconds": round(static["worker_seconds"], 1),
             "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
             "worker_seconds_ratio": round(auto["worker_seconds"] / static["worker_seconds"], 3),
