@@ -222,19 +222,26 @@ def test_greedy_requests_across_nodes_equal_hf_and_move_kv_between_nodes(
         results = list(pool.map(one, prompts))
     for prompt, ids in zip(prompts, results, strict=True):
         assert ids == hf_reference(prompt, 12)
+
     # Every decode worker is on a node of its own, away from the prefill worker's: the workers'
     # own counters say everything they received came over tcp (auto picks shm only for a peer
-    # on the same host), and so does everything the prefill worker sent.
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    moved: dict[tuple[str, str], float] = {}
-    for line in metrics.splitlines():
-        if line.startswith("pdserve:kv_transfer_bytes_total{"):
-            labels, value = line.rsplit(" ", 1)
-            role = labels.split('role="', 1)[1].split('"', 1)[0]
-            backend = labels.split('backend="', 1)[1].split('"', 1)[0]
-            moved[role, backend] = moved.get((role, backend), 0.0) + float(value)
-    assert set(moved) == {("decode", "tcp"), ("prefill", "tcp")}, moved
-    assert moved["decode", "tcp"] == moved["prefill", "tcp"] > 0, moved
+    # on the same host), and so does everything the prefill worker sent. (Each side's counters
+    # reach the router with its next load report: up to a heartbeat apart.)
+    def moved() -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("pdserve:kv_transfer_bytes_total{"):
+                labels, value = line.rsplit(" ", 1)
+                role = labels.split('role="', 1)[1].split('"', 1)[0]
+                backend = labels.split('backend="', 1)[1].split('"', 1)[0]
+                out[role, backend] = out.get((role, backend), 0.0) + float(value)
+        return out
+
+    deadline = time.monotonic() + 5
+    while (m := moved()).get(("decode", "tcp")) != m.get(("prefill", "tcp")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(m) == {("decode", "tcp"), ("prefill", "tcp")}, m
+    assert m["decode", "tcp"] == m["prefill", "tcp"] > 0, m
 
 
 def _worker_pid(node: str) -> int:
