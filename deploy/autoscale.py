@@ -138,7 +138,6 @@ class PoolAutoscaler:
                 self.joined[w.worker_id] = self.clock()
                 need[dst] -= 1
                 need[src] += 1
-        deadline = time.monotonic() + self.grow_wait_s  # for every new worker of this change
         for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
             if need[role]:
                 live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
@@ -146,9 +145,13 @@ class PoolAutoscaler:
                 if need[role] < 0:  # retiring: bounded by the drain timeout
                     await resize
                     continue
+                # Each pool its own wait: one that cannot be placed must not starve the other.
+                started = time.monotonic()
                 try:
-                    await asyncio.wait_for(resize, max(0.0, deadline - time.monotonic()))
+                    await asyncio.wait_for(resize, self.grow_wait_s)
                 except asyncio.TimeoutError:
+                    if time.monotonic() - started < self.grow_wait_s:
+                        raise  # a start that failed on its own (not this wait): the caller logs it
                     joined = sum(w.role is role and w.alive for w in router.workers.values()) - len(live)
                     log.warning(
                         "planner: %d of %d new %s worker(s) not placed and ready within %g s; their "

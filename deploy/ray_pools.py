@@ -145,13 +145,23 @@ class Placement:
 
 def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
     """Ask for the worker's placement group and start its actor there (both asynchronously)."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     name = f"pdserve-{where.deployment}-{ws.worker_id}"
     pg = placement_group([where.bundle], strategy="STRICT_PACK", name=name)
-    actor = (
+    try:
+        actor = _start_actor(ws, where, name, pg)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return actor, pg
+
+
+def _start_actor(ws: WorkerSpec, where: Placement, name: str, pg: Any) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return (
         ray.remote(worker_class())
         .options(
             name=name,
@@ -163,7 +173,6 @@ def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
         )
         .remote(ws)
     )
-    return actor, pg
 
 
 class LaunchCancelled(RuntimeError):
@@ -195,7 +204,14 @@ def launch_workers(
     setting ``cancel`` stops the wait (``LaunchCancelled``) and the workers with it."""
     import ray
 
-    placed = [_place(ws, where) for ws in specs]
+    placed: list[tuple[Any, Any]] = []
+    try:
+        for ws in specs:
+            placed.append(_place(ws, where))
+    except BaseException:  # stop the ones already asked for
+        for actor, pg in placed:
+            RayCaller(actor, pg).kill()
+        raise
     callers = [RayCaller(actor, pg) for actor, pg in placed]
     try:
         deadline = time.monotonic() + timeout_s

@@ -86,9 +86,7 @@ class Service:
             from pdserve.deploy.ray_pools import Placement, keep_python_signal_handlers, start_ray
 
             starting = asyncio.ensure_future(
-                asyncio.to_thread(
-                    start_ray, self.ray_address, self.spec.capacity * self.spec.cpus_per_worker
-                )
+                asyncio.to_thread(start_ray, self.ray_address, self.spec.capacity * self.spec.cpus_per_worker)
             )
             try:
                 self._owns_ray = await asyncio.shield(starting)
@@ -150,11 +148,11 @@ class Service:
             from pdserve.deploy.local import launch_local
 
             handles = launch_local(specs)
-        if self._stopping.is_set():
+        if self._stopping.is_set() or (cancel is not None and cancel.is_set()):
             for h in handles:
                 with contextlib.suppress(Exception):
                     h.caller.kill()
-            raise RuntimeError("the deployment stopped while these workers started")
+            raise RuntimeError("the deployment stopped, or the caller gave up, while these workers started")
         return handles
 
     async def _launch_one(self, role: WorkerRole, worker_id: str) -> WorkerHandle:
@@ -166,13 +164,12 @@ class Service:
         try:
             [handle] = await asyncio.shield(launch)
         except asyncio.CancelledError:
-            # The caller gave up (a planner's bounded wait, a stop): end the thread's wait too,
-            # and stop the worker if it got ready in the meantime, so none is left unregistered.
+            # The caller gave up (a planner's bounded wait, a stop). The launch thread sees
+            # ``cancel`` and stops what it started; a launch that had already returned its
+            # worker is stopped by the callback. Nothing here awaits, so a second cancellation
+            # cannot cut the clean-up short.
             cancel.set()
-            with contextlib.suppress(Exception):
-                for h in await launch:
-                    with contextlib.suppress(Exception):
-                        await asyncio.to_thread(h.caller.kill)
+            launch.add_done_callback(_stop_abandoned)
             raise
         return handle
 
@@ -256,6 +253,14 @@ class Service:
 
             await asyncio.to_thread(shutdown_ray)
             self._owns_ray = False
+
+
+def _stop_abandoned(launch: asyncio.Future[list[WorkerHandle]]) -> None:
+    """Stop the workers of a launch whose caller gave up (if it got as far as starting them)."""
+    if launch.cancelled() or launch.exception() is not None:
+        return
+    for h in launch.result():
+        threading.Thread(target=h.caller.kill, name=f"stop-{h.worker_id}", daemon=True).start()
 
 
 class ServiceThread:

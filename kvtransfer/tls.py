@@ -230,10 +230,15 @@ class TlsStream:
                     got = None
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                     got = 0  # closed by the peer, with or without a TLS close
-                out = self._outgoing.read()
-            if out:  # a post-handshake message's answer (rare)
+                answer = self._outgoing.pending > 0  # a post-handshake message's answer (rare)
+            if answer:
+                # Sent in order with the writers' records: take the wire first, then drain (a
+                # writer that sealed records after this one drains them all, in order, itself).
                 with self._wire:
-                    self._sock.sendall(out)
+                    with self._state:
+                        out = self._outgoing.read()
+                    if out:
+                        self._sock.sendall(out)
             if got is not None:
                 return got
             self._fill()

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 
 from pdserve.kvtransfer.tls import InternalTls
@@ -195,7 +196,7 @@ class OutputListener:
                 if frame.deltas:
                     self._on_deltas(worker, frame.deltas)
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as e:
             reason = f"output channel closed ({type(e).__name__})"
         except (ChannelError, asyncio.TimeoutError) as e:  # (a timeout here: the handshake's)
             reason = f"output channel refused: {e}"
