@@ -166,7 +166,6 @@ class Receiver(TransferTable[Incoming]):
         t.state = state
         if state is TransferState.DONE:
             self.stats.transfers_received += 1
-            self.stats.bytes_received += t.nbytes
             self.stats.received_by_backend[t.conn.backend if t.conn else "unknown"] += t.nbytes
             self.stats.receive_seconds += time.monotonic() - t.started
             self.completions.received(t.transfer_id)

@@ -198,7 +198,6 @@ class Sender(TransferTable[Outgoing]):
         t.state = state
         if state is TransferState.DONE:
             self.stats.transfers_sent += 1
-            self.stats.bytes_sent += t.nbytes
             self.stats.sent_by_backend[t.conn.backend if t.conn else "unknown"] += t.nbytes
             self.stats.send_seconds += time.monotonic() - t.started
             self.completions.sent(t.transfer_id)

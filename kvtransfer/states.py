@@ -70,8 +70,6 @@ class Completions:
 class TransferStats:
     """Counters for metrics: bytes, seconds, outcomes; failures by cause."""
 
-    bytes_sent: int = 0
-    bytes_received: int = 0
     transfers_sent: int = 0
     transfers_received: int = 0
     send_seconds: float = 0.0
@@ -81,6 +79,14 @@ class TransferStats:
     # Bytes by the backend that moved them (tcp, shm, ...): where a deployment's KV really goes.
     sent_by_backend: Counter[str] = field(default_factory=Counter)
     received_by_backend: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(self.sent_by_backend.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.received_by_backend.values())
 
 
 class CompletionQueue:

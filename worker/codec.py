@@ -142,7 +142,6 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                 None
                 if ld.transfers is None
                 else [
-                    ld.transfers.bytes,
                     float(ld.transfers.seconds),
                     ld.transfers.count,
                     [[c, n] for c, n in ld.transfers.failures],
@@ -156,9 +155,9 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
 def _transfers(x: Any) -> TransferCounters | None:
     if x is None:
         return None
-    if not isinstance(x, list) or len(x) != 5 or not isinstance(x[1], float) or not x[1] >= 0.0:
+    if not isinstance(x, list) or len(x) != 4 or not isinstance(x[0], float) or not x[0] >= 0.0:
         raise ChannelError("bad transfer counters")
-    return TransferCounters(_int(x[0]), x[1], _int(x[2]), _named_counts(x[3]), _named_counts(x[4]))
+    return TransferCounters(x[0], _int(x[1]), _named_counts(x[2]), _named_counts(x[3]))
 
 
 def _named_counts(x: Any) -> tuple[tuple[str, int], ...]:

@@ -53,7 +53,6 @@ class RoleEngineBase:
             return None
         sent = self.role is WorkerRole.PREFILL
         return TransferCounters(
-            bytes=stats.bytes_sent if sent else stats.bytes_received,
             seconds=stats.send_seconds if sent else stats.receive_seconds,
             count=stats.transfers_sent if sent else stats.transfers_received,
             failures=tuple(sorted(stats.failures.items())),

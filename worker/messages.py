@@ -126,11 +126,14 @@ class WorkerInfo:
 class TransferCounters:
     """A worker's KV transfers since it started: sent (prefill) or received (decode)."""
 
-    bytes: int = 0
     seconds: float = 0.0
     count: int = 0
     failures: tuple[tuple[str, int], ...] = ()  # (cause, count)
-    by_backend: tuple[tuple[str, int], ...] = ()  # (backend, bytes); sums to ``bytes``
+    by_backend: tuple[tuple[str, int], ...] = ()  # (backend, bytes) of the completed transfers
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.by_backend)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pdserve.worker.messages import (
 SECRET = b"0123456789abcdef-secret"
 LOAD = WorkerLoad(
     "decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING,
-    TransferCounters(123456, 0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))),
+    TransferCounters(0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))),
 )  # fmt: skip
 
 
@@ -55,6 +55,7 @@ def test_round_trip_keeps_every_field() -> None:
         LOAD,
     )
     assert decode_batch(body(encode_batch("decode-0", batch)), "decode-0") == batch
+    assert batch.load.transfers is not None and batch.load.transfers.bytes == 123456  # the backends' sum
 
 
 def test_hello_and_welcome_authenticate_both_ends_with_the_shared_secret() -> None:
@@ -106,23 +107,24 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
         msgpack.packb({"v": 4, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
-        *(  # transfer counters: wrong shape, negative, oversized cause list
+        *(  # transfer counters: wrong shape, negative, NaN, oversized or malformed lists
             msgpack.packb(
                 {"v": 4, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
             )
             for t in (
-                [1, 2.0],
-                [1, 0.0, 0, []],
-                [-1, 0.0, 0, [], []],
-                [1, -0.5, 0, [], []],
-                [1, float("nan"), 0, [], []],
-                [1, 0.0, 0, [["x", 1]] * 33, []],
-                [1, 0.0, 0, [["x", -1]], []],
-                [1, 0.0, 0, [[7, 1]], []],
-                [1, 1, 0, [], []],
-                [1, 0.0, 0, [], [["tcp", -1]]],
-                [1, 0.0, 0, [], [["t" * 65, 1]]],
-                [1, 0.0, 0, [], "tcp"],
+                [2.0],
+                [0.0, 0, []],
+                [1, 0.0, 0, [], []],  # the shape with a separate byte total (no longer sent)
+                [0.0, -1, [], []],
+                [-0.5, 0, [], []],
+                [float("nan"), 0, [], []],
+                [0.0, 0, [["x", 1]] * 33, []],
+                [0.0, 0, [["x", -1]], []],
+                [0.0, 0, [[7, 1]], []],
+                [1, 0, [], []],
+                [0.0, 0, [], [["tcp", -1]]],
+                [0.0, 0, [], [["t" * 65, 1]]],
+                [0.0, 0, [], "tcp"],
             )
         ),
     ],
