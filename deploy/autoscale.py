@@ -146,15 +146,19 @@ class PoolAutoscaler:
                     await resize
                     continue
                 # Each pool its own wait: one that cannot be placed must not starve the other.
-                started = time.monotonic()
+                # A start that fails on its own ends the wait with its error (the caller logs
+                # it); only the wait running out cancels it.
+                growing = asyncio.ensure_future(resize)
                 try:
-                    await asyncio.wait_for(resize, self.grow_wait_s)
-                except asyncio.TimeoutError as e:
-                    # This wait's own timeout comes from cancelling the resize; a start that
-                    # timed out on its own well before it is re-raised (the caller logs it).
-                    ours = isinstance(e.__cause__, asyncio.CancelledError)
-                    if not ours and time.monotonic() - started < self.grow_wait_s - 1.0:
-                        raise
+                    done, _ = await asyncio.wait({growing}, timeout=self.grow_wait_s)
+                except asyncio.CancelledError:
+                    growing.cancel()
+                    raise
+                if done:
+                    growing.result()
+                else:
+                    growing.cancel()
+                    await asyncio.gather(growing, return_exceptions=True)  # its clean-up first
                     joined = sum(w.role is role and w.alive for w in router.workers.values()) - len(live)
                     log.warning(
                         "planner: %d of %d new %s worker(s) not placed and ready within %g s; their "

@@ -167,10 +167,7 @@ class TlsStream:
                     done = True
                 except ssl.SSLWantReadError:
                     done = False
-                out = stream._outgoing.read()
-            if out:
-                with stream._wire:
-                    sock.sendall(out)
+            stream._flush()
             if done:
                 return stream
             if not stream._fill():
@@ -186,13 +183,25 @@ class TlsStream:
                 self._incoming.write_eof()
         return n > 0
 
+    def _flush_locked(self) -> None:
+        """Send every record the TLS state has made so far, in order. Caller holds ``_wire``:
+        whoever drains the buffer sends what it drained before anyone else can send newer
+        records."""
+        with self._state:
+            out = self._outgoing.read()
+        if out:
+            self._sock.sendall(out)
+
+    def _flush(self) -> None:
+        with self._wire:
+            self._flush_locked()
+
     def _seal_and_send(self, views: list[memoryview]) -> None:
         """Caller holds ``_wire``."""
         with self._state:
             for v in views:
                 self._obj.write(v)
-            out = self._outgoing.read()
-        self._sock.sendall(out)
+        self._flush_locked()
 
     # -- the socket interface the channels use ---------------------------------------------
     def sendall(self, data: Bytes) -> None:
@@ -231,14 +240,8 @@ class TlsStream:
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                     got = 0  # closed by the peer, with or without a TLS close
                 answer = self._outgoing.pending > 0  # a post-handshake message's answer (rare)
-            if answer:
-                # Sent in order with the writers' records: take the wire first, then drain (a
-                # writer that sealed records after this one drains them all, in order, itself).
-                with self._wire:
-                    with self._state:
-                        out = self._outgoing.read()
-                    if out:
-                        self._sock.sendall(out)
+            if answer:  # in order with the writers' records (``_flush_locked``)
+                self._flush()
             if got is not None:
                 return got
             self._fill()

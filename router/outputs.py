@@ -119,16 +119,14 @@ class OutputListener:
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
-        if self.tls is None:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        else:
-            self._server = await asyncio.start_server(
-                self._serve,
-                self.host,
-                self.port,
-                ssl=self.tls.server_context(),
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
-            )
+        context = self.tls.server_context() if self.tls is not None else None
+        self._server = await asyncio.start_server(
+            self._serve,
+            self.host,
+            self.port,
+            ssl=context,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if context is not None else None,
+        )
         port = self._server.sockets[0].getsockname()[1]
         return f"{self.host}:{port}"
 
