@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,17 @@ def run(flags: list[str]) -> dict[str, Any]:
 def workload(args: argparse.Namespace) -> list[str]:
     return ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", args.curve,
             "--duration", str(args.duration), *SLO]  # fmt: skip
+
+
+def step_to_target(windows: Sequence[tuple[float, float]], step_at: float) -> float | None:
+    """Seconds from the step to the end of the first window back at >= 90 % attainment after
+    one that missed it (``windows``: (end time, attainment)); 0.0 when no window after the step
+    missed, None when attainment never came back."""
+    missed = [t for t, att in windows if t > step_at and att < 0.9]
+    if not missed:
+        return 0.0
+    back = next((t for t, att in windows if t > missed[0] and att >= 0.9), None)
+    return None if back is None else back - step_at
 
 
 def best_static(
@@ -114,10 +126,6 @@ def main() -> int:
     )
     a = auto["autoscale"]
     windows = [(t, att) for t, att, n in a["attainment_by_interval"] if n]
-    back = next((t for t, att in windows if t > args.step_at and att >= 0.9 and any(
-        t0_ > args.step_at and att0 < 0.9 for t0_, att0 in windows if t0_ <= t)), None)  # fmt: skip
-    missed = any(t > args.step_at and att < 0.9 for t, att in windows)
-    step_to_target = (back - args.step_at) if (missed and back is not None) else 0.0 if not missed else None
     lo, hi = (float(x) for x in args.steady.split(":"))
     steady_changes = [r for r in a["reasons"] if lo <= r[0] <= hi]
     intervals = (hi - lo) / args.interval
@@ -131,7 +139,7 @@ def main() -> int:
         "static_worker_seconds": round(best["worker_seconds"], 1),
         "autoscaled_worker_seconds": round(a["worker_seconds"], 1),
         "worker_seconds_ratio": round(a["worker_seconds"] / best["worker_seconds"], 3),
-        "step_to_target_s": step_to_target,
+        "step_to_target_s": step_to_target(windows, args.step_at),
         "changes_per_5_intervals": round(5 * len(steady_changes) / intervals, 2) if intervals else None,
         "changes": a["changes"],
         "decisions": a["decisions"],

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.autoscale import TRACE, best_static, run
+from benchmarks.autoscale import TRACE, best_static, run, step_to_target
 from benchmarks.client import free_port, wait_ready
 from benchmarks.common import emit
 from pdserve.bench.client import PdserveGrpcBackend
@@ -194,9 +194,6 @@ def main() -> int:
     pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
     agree = [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in pairs]  # type: ignore[index]
     windows = auto["windows"]
-    missed = [t for t, att, _ in windows if t > args.step_at and att < 0.9]
-    back = next((t for t, att, _ in windows if missed and t > missed[0] and att >= 0.9), None)
-    step = (back - args.step_at) if missed and back is not None else (0.0 if not missed else None)
     lo, hi = (float(x) for x in args.steady.split(":"))
     tl = auto["timeline"]
     steady_changes = sum(1 for a, b in itertools.pairwise(tl) if lo <= b[0] <= hi and a[1:] != b[1:])
@@ -208,7 +205,7 @@ def main() -> int:
         "live_autoscaled_failed": auto["failed"],
         "live_autoscaled_errors": auto["errors"],
         "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
-        "step_to_target_s": step,
+        "step_to_target_s": step_to_target([(t, att) for t, att, _ in windows], args.step_at),
         "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
         "sim_agreement": round(sum(agree) / len(agree), 3) if agree else None,
         "sim_layouts_at_boundaries": [b for _, b in pairs],

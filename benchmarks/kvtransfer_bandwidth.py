@@ -27,8 +27,9 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 
@@ -45,6 +46,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
 SECRET = os.urandom(32)
+P = ParamSpec("P")
 TLS = InternalTls.generate()
 ROUNDS = 7  # rounds of (ceiling, then BACK_TO_BACK timed transfers), each a ratio; median
 BACK_TO_BACK = 5
@@ -56,6 +58,11 @@ INFLIGHT = 3  # transfers in flight when measuring throughput
 STREAM = 12  # transfers per timed throughput run, INFLIGHT kept in flight
 CEILING_COPIES = 5  # memcpys of the transfer's size per round; their median is the ceiling
 LAYERS, BLOCK, HEADS, DIM = 12, 16, 4, 64  # the bench preset's KV shape
+
+
+def kv_bytes(num_blocks: int) -> int:
+    """Bytes of ``num_blocks`` blocks' KV over every layer (the bench preset's shape, float32)."""
+    return LAYERS * num_blocks * 2 * BLOCK * HEADS * DIM * 4
 
 
 def memcpy_bw(nbytes: int, into_shared: bool = False) -> float:
@@ -129,7 +136,7 @@ def transfer_bw(
     src_cache = new_kv_cache(shape, torch.float32)
     src_cache.copy_(torch.randn(shape))
     dst_cache, path = allocate_shared_kv_cache(shape, torch.float32)
-    nbytes = LAYERS * num_blocks * 2 * BLOCK * HEADS * DIM * 4
+    nbytes = kv_bytes(num_blocks)
     # The ceiling copies as many distinct bytes as the transfers touch (``sets`` buffers each
     # way, taken in turn), not one buffer again and again: at 48 MiB a re-copied buffer is
     # partly served from the 32 MiB L3, which the transfers' larger footprint never is.
@@ -235,32 +242,26 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _transfer_bw_child(
-    pipe: Any, backend: str, num_blocks: int, scattered: bool, inflight: int, primed: bool, tls: bool
+def _child(
+    pipe: Any, fn: Callable[..., dict[str, float]], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    pipe.send(transfer_bw(backend, num_blocks, scattered, inflight, primed, tls))
+    pipe.send(fn(*args, **kwargs))
 
 
-def transfer_bw_fresh(
-    backend: str,
-    num_blocks: int,
-    scattered: bool = True,
-    inflight: int = 1,
-    primed: bool = False,
-    tls: bool = False,
+def in_fresh_process(
+    fn: Callable[P, dict[str, float]], *args: P.args, **kwargs: P.kwargs
 ) -> dict[str, float]:
-    """``transfer_bw`` in a fresh process, as a worker allocates its cache once at start-up:
-    repeatedly allocating and freeing 100+ MB caches in one process was measured to slow later
-    scattered copies by up to 2.5x, which says nothing about a serving worker."""
+    """``fn(*args, **kwargs)`` in a fresh process, as a worker allocates its cache once at
+    start-up: repeatedly allocating and freeing 100+ MB caches in one process was measured to
+    slow later scattered copies by up to 2.5x, which says nothing about a serving worker."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (child, backend, num_blocks, scattered, inflight, primed, tls)
-    proc = ctx.Process(target=_transfer_bw_child, args=args)
+    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs))
     proc.start()
     try:
         if not parent.poll(300):
-            raise TimeoutError(f"{backend} transfer benchmark did not finish")
+            raise TimeoutError(f"{fn.__name__}{args} did not finish")
         return dict(parent.recv())
     finally:
         proc.join(timeout=30)
@@ -324,7 +325,7 @@ def main() -> None:
     res: dict[str, Any] = {}
     for tokens in (2048, 8192):
         blocks = tokens // BLOCK
-        nbytes = LAYERS * blocks * 2 * BLOCK * HEADS * DIM * 4
+        nbytes = kv_bytes(blocks)
         sk = socket_bw(nbytes)
         mc_shared = memcpy_bw(nbytes, into_shared=True)
         res[f"kv_mib_{tokens}"] = nbytes / 2**20
@@ -334,7 +335,7 @@ def main() -> None:
         for backend in ("shm", "tcp"):
             for scattered, layout in ((True, ""), (False, "contiguous_")):
                 for inflight, mode in ((INFLIGHT, ""), (1, "single_")):
-                    m = transfer_bw_fresh(backend, blocks, scattered, inflight)
+                    m = in_fresh_process(transfer_bw, backend, blocks, scattered, inflight)
                     ratio = m["ratio"] if backend == "shm" else m["bw"] / sk
                     key = f"{backend}_{layout}{mode}"
                     res[f"{key}gbs_{tokens}"] = m["bw"] / 1e9
@@ -343,7 +344,7 @@ def main() -> None:
                         res[f"{key}strict_ceiling_ratio_{tokens}"] = m["strict_ratio"]
                     res[f"{key}memcpy_gbs_{tokens}"] = m["memcpy"] / 1e9
                     line.append(f"{key.rstrip('_')} {m['bw'] / 1e9:.2f} GB/s ({ratio:.2f})")
-        m = transfer_bw_fresh("shm", blocks, primed=True)  # the data phase alone, after set-up
+        m = in_fresh_process(transfer_bw, "shm", blocks, primed=True)  # the data phase alone, after set-up
         res[f"shm_primed_gbs_{tokens}"] = m["bw"] / 1e9
         res[f"shm_primed_ceiling_ratio_{tokens}"] = m["ratio"]
         res[f"shm_primed_strict_ceiling_ratio_{tokens}"] = m["strict_ratio"]
@@ -353,12 +354,12 @@ def main() -> None:
         print("; ".join(line), flush=True)
     # --internal-tls: tcp over the deployment's TLS, against Python's own TLS socket stream.
     blocks = 2048 // BLOCK
-    nbytes = LAYERS * blocks * 2 * BLOCK * HEADS * DIM * 4
+    nbytes = kv_bytes(blocks)
     tls_sk = socket_bw(nbytes, tls=True)
     res["tls_socket_gbs_2048"] = tls_sk / 1e9
     line = [f"2048 tokens over TLS: TLS socket {tls_sk / 1e9:.2f} GB/s"]
     for inflight, mode in ((INFLIGHT, ""), (1, "single_")):
-        m = transfer_bw_fresh("tcp", blocks, True, inflight, tls=True)
+        m = in_fresh_process(transfer_bw, "tcp", blocks, True, inflight, tls=True)
         res[f"tcp_tls_{mode}gbs_2048"] = m["bw"] / 1e9
         res[f"tcp_tls_{mode}ceiling_ratio_2048"] = m["bw"] / tls_sk
         res[f"tcp_tls_{mode}vs_plain_tcp_2048"] = m["bw"] / 1e9 / res[f"tcp_{mode}gbs_2048"]
