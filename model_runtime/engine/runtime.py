@@ -18,10 +18,12 @@ from typing import Protocol
 
 import torch
 
+from pdserve.model_runtime.backend import Backend, choose_backend
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import EngineConfig, ModelConfig
-from pdserve.model_runtime.engine.model_runner import ModelRunner
+from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
 from pdserve.model_runtime.engine.runner import StepResult
+from pdserve.model_runtime.kernels.launch import triton_available
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
 from pdserve.model_runtime.model.loader import load_model, resolve_dtype
@@ -186,8 +188,13 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     elif config.compute == "zero":
         runner = ZeroRunner(model_config, cache)
     else:
-        model = load_model(checkpoint, model_config, device, dtype, max_len)
-        runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache)
+        backend = choose_backend(device.type, triton_available(), config.backend)
+        model = load_model(checkpoint, model_config, device, dtype, max_len, backend)
+        graphs = None
+        if backend is Backend.PAGED and config.cuda_graphs:
+            # Without CUDA the graphs' fixed-shape inputs still run (eagerly): what tests check.
+            graphs = GraphSettings(config.scheduler.max_num_seqs, max_len, capture=device.type == "cuda")
+        runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs)
     rt = Runtime(
         config=config,
         checkpoint=checkpoint,

@@ -26,7 +26,7 @@ _ONEDNN_HINT = 32
 
 @functools.cache
 def _onednn_works(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     try:
         w = torch.randn(24, 40).to(dtype)
@@ -68,7 +68,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.weight, self.bias, "none", [], ""
+            )
+            return out
         if self.backend == "transposed":
             return torch.addmm(self.bias, x, self.weight) if self.bias is not None else x @ self.weight
         return F.linear(x, self.weight, self.bias)

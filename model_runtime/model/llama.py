@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.model_runtime.backend import Backend
 from pdserve.model_runtime.config import ModelConfig
-from pdserve.model_runtime.model.attention import AttentionMetadata, paged_attention, write_kv
-from pdserve.model_runtime.model.layers import Rotary, rms_norm
+from pdserve.model_runtime.model.attention import AttentionMetadata
+from pdserve.model_runtime.model.layers import Rotary
 from pdserve.model_runtime.model.linear import Linear
+from pdserve.model_runtime.model.ops import LayerOps, PagedMetadata, PagedOps, TorchOps
 
 
 @dataclass
@@ -30,7 +32,11 @@ class LayerWeights:
 
 
 class LlamaModel:
-    """Forward pass over a packed batch; ``kv_cache`` is [layers, blocks, 2, block_size, kv_heads, dim]."""
+    """Forward pass over a packed batch; ``kv_cache`` is [layers, blocks, 2, block_size, kv_heads, dim].
+
+    The layer loop is the same for every backend; ``ops`` (``model.ops``) supplies the norms, the
+    activation and attention, and the step metadata is whatever those ops read.
+    """
 
     def __init__(
         self,
@@ -40,6 +46,7 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: Linear,
         max_positions: int,
+        backend: Backend = Backend.TORCH,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -49,45 +56,38 @@ class LlamaModel:
         self.device = embed.device
         self.dtype = embed.dtype
         self.rotary = Rotary(config.head_dim, max_positions, config.rope, self.device, self.dtype)
-        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.ops: LayerOps = (PagedOps if backend is Backend.PAGED else TorchOps)(config, self.rotary)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | PagedMetadata,
         kv_cache: torch.Tensor,
-        sample_rows: torch.Tensor,
+        sample_rows: torch.Tensor | None,
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Logits (float32) of the rows in ``sample_rows``; writes every token's KV to the cache.
+        """Logits (float32) of the rows in ``sample_rows`` (every row when ``None``); writes every
+        token's KV to the cache.
 
         ``on_layer(i)`` runs once layer ``i``'s keys and values are in the cache (layer-wise KV
         streaming starts shipping layer i while layer i+1 computes).
         """
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        n_tok = input_ids.shape[0]
+        ops = self.ops
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.tables(positions)
-        k_end = cfg.q_size + cfg.kv_size
-        n_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        x = ops.rms_norm(h, self.layers[0].input_norm)
+        last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, eps)
-            qkv = w.qkv(x)
-            # q and k heads sit side by side in the fused output: rotate them in one pass.
-            qk = self.rotary.apply(qkv[:, :k_end].view(n_tok, n_qk_heads, cfg.head_dim), cos, sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, k_end:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
-            kv_layer = kv_cache[i]
-            write_kv(kv_layer, k, v, meta)
-            attn = paged_attention(q, k, v, kv_layer, meta, self.scale)
-            h = h + w.o(attn.view(n_tok, cfg.q_size))
-            x = rms_norm(h, w.post_norm, eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
+            attn = ops.attention(w.qkv(x), positions, kv_cache[i], meta)
+            x = ops.add_rms_norm(h, w.o(attn), w.post_norm)
+            delta = w.down(ops.silu_mul(w.gate_up(x)))
+            if i < last:
+                x = ops.add_rms_norm(h, delta, self.layers[i + 1].input_norm)
+            else:
+                h.add_(delta)
             if on_layer is not None:
                 on_layer(i)
-        h = rms_norm(h[sample_rows], self.final_norm, eps)
-        return self.lm_head(h).float()
+        rows = h if sample_rows is None else h[sample_rows]
+        return self.lm_head(ops.rms_norm(rows, self.final_norm)).float()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pdserve.model_runtime.backend import Backend
 from pdserve.model_runtime.checkpoint import Checkpoint, Format
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.errors import ModelLoadError
@@ -137,7 +138,12 @@ def check_checkpoint(checkpoint: Checkpoint) -> ModelConfig:
 
 
 def load_model(
-    checkpoint: Checkpoint, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int
+    checkpoint: Checkpoint,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    engine_backend: Backend = Backend.TORCH,
 ) -> LlamaModel:
     """``checkpoint``'s weights as the model ``config`` (its ``model_config()``, which the caller
     has already read to size the KV cache) describes."""
@@ -147,11 +153,16 @@ def load_model(
             w = GGUFWeights(open_gguf(checkpoint.path), config)
         else:
             w = _Tensors(_weight_files(checkpoint.path), stack)
-        return _build(config, w, device, dtype, max_positions)
+        return _build(config, w, device, dtype, max_positions, engine_backend)
 
 
 def _build(
-    c: ModelConfig, w: WeightSource, device: torch.device, dtype: torch.dtype, max_positions: int
+    c: ModelConfig,
+    w: WeightSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    engine_backend: Backend = Backend.TORCH,
 ) -> LlamaModel:
     h, inter = c.hidden_size, c.intermediate_size
 
@@ -212,4 +223,4 @@ def _build(
         lm_head = Linear(embed, None, backend)
     else:
         lm_head = linear((w.get("lm_head.weight", (c.vocab_size, h)),), None)
-    return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions)
+    return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions, engine_backend)

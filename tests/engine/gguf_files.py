@@ -22,6 +22,7 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # Byte offsets of the float16 scales in one block of each K-quant (ggml's block layouts).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
+
 def hf_model(arch: str, seed: int = 0, **over: Any) -> Any:
     """A random model whose rows are a multiple of 256 (the K-quants' block)."""
     torch.manual_seed(seed)

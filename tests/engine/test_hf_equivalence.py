@@ -37,11 +37,12 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return kind, d, prompts, expected
 
 
-def _engine(path: Path, **sched: Any) -> LLMEngine:
+def _engine(path: Path, backend: str = "torch", **sched: Any) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(path),
             device="cpu",
+            backend=backend,
             cache=CacheConfig(block_size=16, num_blocks=512),
             scheduler=SchedulerConfig(**{"max_num_batched_tokens": 512, **sched}),
         )
@@ -81,9 +82,12 @@ def _run_all(engine: LLMEngine, prompts: list[list[int]], join_after: int = 0) -
     ],
     ids=["one-pass", "chunk7-joining", "budget7", "few-seqs-joining"],
 )
-def test_greedy_tokens_match_hf(reference: Any, sched: dict[str, Any], join_after: int) -> None:
+@pytest.mark.parametrize("backend", ["torch", "paged"])
+def test_greedy_tokens_match_hf(reference: Any, sched: dict[str, Any], join_after: int, backend: str) -> None:
+    """``paged`` on CPU: the GPU backend's step packing, decode buckets and fused-op contracts,
+    with the ops' torch references (``test_paged_backend`` runs its Triton kernels)."""
     kind, path, prompts, expected = reference
-    engine = _engine(path, **sched)
+    engine = _engine(path, backend, **sched)
     got = _run_all(engine, prompts, join_after)
     for i, (toks, _) in enumerate(expected):
         assert got[i] == toks, f"{kind} prompt {i} (len {len(prompts[i])}) diverged"

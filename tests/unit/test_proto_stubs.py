@@ -105,7 +105,14 @@ def test_generate_request_round_trip() -> None:
 
 
 OPTIONAL_SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "logprobs"
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
 )
 
 

@@ -1,0 +1,89 @@
+"""Which engine backend runs on which device, and the sizes it works with (pure: no torch).
+
+Two backends share the model's weights, its scheduler and its KV cache layout:
+
+* ``TORCH`` — the CPU path: oneDNN linears, attention by gathering each sequence's blocks and
+  one ``scaled_dot_product_attention`` call, elementwise work in eager torch. Fast on a CPU,
+  where a gather is a memcpy and there is no launch cost.
+* ``PAGED`` — the GPU path: ``pdserve::`` fused ops (Triton kernels), attention reading the
+  block-major cache through block tables with no gather, every per-step index in one packed
+  int32 buffer (one host→device copy a step), and pure-decode steps replayed from CUDA graphs
+  captured per batch bucket.
+
+``choose_backend`` is the one place the choice is made.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+
+class Backend(enum.Enum):
+    TORCH = "torch"
+    PAGED = "paged"
+
+
+def choose_backend(device_type: str, triton_available: bool, requested: str | None = None) -> Backend:
+    """``requested`` (``EngineConfig.backend``; ``None`` or ``"auto"``: by device) wins where it
+    can run: ``paged`` on CPU runs the ops' torch references (used to test the GPU path's
+    plumbing); ``paged`` on CUDA needs Triton."""
+    if requested not in (None, "auto"):
+        try:
+            backend = Backend(requested)
+        except ValueError:
+            names = ", ".join(b.value for b in Backend)
+            raise ValueError(f"unknown engine backend {requested!r}; expected auto, {names}") from None
+        if backend is Backend.PAGED and device_type == "cuda" and not triton_available:
+            raise ValueError("the paged backend on CUDA needs Triton, which is not installed")
+        return backend
+    if device_type == "cuda" and triton_available:
+        return Backend.PAGED
+    return Backend.TORCH
+
+
+# Decode batch sizes a CUDA graph is captured for; a step pads up to the next one. Dense at the
+# bottom (where single users live) and at most a third of padding above.
+_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def graph_buckets(max_rows: int) -> tuple[int, ...]:
+    """The buckets up to ``max_rows`` (the engine's cap on sequences per step), ending with it."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be positive, got {max_rows}")
+    below = tuple(b for b in _BUCKETS if b < max_rows)
+    return (*below, max_rows)
+
+
+def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``rows`` decode rows, or ``None`` (run eagerly)."""
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+def decode_splits(rows: int, kv_heads: int, max_tokens: int, num_sms: int, tile: int = 64) -> int:
+    """Split-K factor for decode attention: enough programs to fill the device twice over, no
+    split shorter than four tiles, at least one."""
+    programs = max(1, rows * kv_heads)
+    wanted = math.ceil(2 * num_sms / programs)
+    longest = max(1, max_tokens // (4 * tile))
+    return max(1, min(wanted, longest))
+
+
+# On a GPU a step's token budget is set by the matmul shape that reaches the tensor cores' rate,
+# not by a CPU's cache: 8,192 tokens keeps prefill compute-bound.
+GPU_STEP_TOKENS = 8192
+
+
+def kv_blocks_for_free_memory(
+    free_bytes: int, block_bytes: int, reserve_bytes: int, fraction: float = 0.9
+) -> int:
+    """Blocks that fit in ``fraction`` of the device memory still free after weights, less
+    ``reserve_bytes`` (activations of the largest step, CUDA graphs)."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    usable = int(free_bytes * fraction) - reserve_bytes
+    return max(0, usable // block_bytes)

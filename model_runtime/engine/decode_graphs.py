@@ -1,0 +1,107 @@
+"""Decode steps replayed from CUDA graphs, one per batch bucket (``backend.graph_buckets``).
+
+A decode step's work is fixed by its batch size once every index it reads lives at a fixed
+address: the bucket's ``StepLayout`` (block tables as wide as the longest sequence the engine
+allows) over this object's own staging buffers. Capture records embedding → logits for each
+bucket once; a step then costs one packed host→device copy and one ``replay``, however many
+layers and kernels the model has. Without CUDA (tests, CPU), ``capture=False`` runs the same
+views eagerly, which is how the fixed shapes and addresses are checked.
+
+Contract: the buffers and graphs belong to this object; the logits a step returns are a view
+of the bucket's output and are valid until the next ``run``. Padding rows (bucket minus real
+rows) write no KV and read none, so no block of any sequence is touched by them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.model_runtime.backend import bucket_for
+from pdserve.model_runtime.engine.step_inputs import Stager, StepInputs, StepLayout, pack_step, unpack
+from pdserve.model_runtime.model.llama import LlamaModel
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        buckets: Sequence[int],
+        decode_width: int,
+        block_size: int,
+        window: int,
+        splits: dict[int, int],
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = tuple(sorted(buckets))
+        self.decode_width = decode_width
+        self.block_size = block_size
+        self.layouts = {b: StepLayout(b, 0, b, decode_width, 0, 0) for b in self.buckets}
+        self.stager = Stager(model.device, capacity=max(layout.size for layout in self.layouts.values()))
+        buffer = self.stager.device_buffer
+        self.inputs: dict[int, StepInputs] = {
+            b: unpack(buffer, layout, 0, window, splits[b], sample_all=True)
+            for b, layout in self.layouts.items()
+        }
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        inp = self.inputs[bucket]
+        return self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_cache, None)
+
+    def _stage_padding(self, bucket: int) -> None:
+        # Warm-up runs execute for real: all-padding rows write and read no KV.
+        self.stager.stage(
+            pack_step((), self.block_size, pad_to=bucket, decode_width=self.decode_width).values
+        )
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            self._stage_padding(bucket)
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # Triton compiles and autotunes outside the capture
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._forward(bucket)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """A decode-only step, every row sampled, within the largest bucket and table width."""
+        return (
+            bool(chunks)
+            and bucket_for(len(chunks), self.buckets) is not None
+            and all(
+                c.num_tokens == 1
+                and c.start_pos > 0
+                and c.sample
+                and -(-(c.start_pos + 1) // self.block_size) <= self.decode_width
+                for c in chunks
+            )
+        )
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the step's rows (in ``sample_ids`` order) and those ids; ``fits`` must hold."""
+        bucket = bucket_for(len(chunks), self.buckets)
+        assert bucket is not None
+        packed = pack_step(chunks, self.block_size, pad_to=bucket, decode_width=self.decode_width)
+        self.stager.stage(packed.values)
+        if self.graphs:
+            self.graphs[bucket].replay()
+            logits = self.outputs[bucket]
+        else:
+            logits = self._forward(bucket)
+        return logits[: packed.real_rows], packed.sample_ids

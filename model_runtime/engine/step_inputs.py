@@ -1,0 +1,216 @@
+"""A step's inputs for the ``paged`` backend: every index the forward pass reads, packed into one
+int32 buffer, so a step costs one host→device copy whatever its shape.
+
+Layout (``StepLayout``), segment after segment: input ids, positions and cache slots of the
+``rows`` tokens; the rows to sample; decode sequence lengths and block tables
+(``decodes × decode_width``); prefill row bounds, start positions and block tables. Decode rows come
+first (the forward's attention splits the batch there). A layout fixes every offset, so a CUDA
+graph captured over the views of one layout replays correctly for any step packed into it:
+``pad_to`` pads a decode-only step to a graph bucket with rows that write no KV (slot -1) and read
+none (length 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model_runtime.model.ops import PagedMetadata
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    rows: int
+    samples: int
+    decodes: int
+    decode_width: int
+    prefills: int
+    prefill_width: int
+
+    @property
+    def size(self) -> int:
+        prefill = (
+            (self.prefills + 1 + self.prefills + self.prefills * self.prefill_width) if self.prefills else 0
+        )
+        return 3 * self.rows + self.samples + self.decodes * (1 + self.decode_width) + prefill
+
+
+@dataclass
+class StepInputs:
+    """Views of one packed buffer (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    sample_rows: torch.Tensor | None  # None: every row is sampled (a graph bucket)
+    meta: PagedMetadata
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    values: list[int]
+    layout: StepLayout
+    sample_ids: list[str]  # request id of each sampled row, in row order
+    prefill_max_q: int
+    real_rows: int  # rows before padding
+
+
+def is_decode(c: ScheduledChunk) -> bool:
+    return c.num_tokens == 1 and c.start_pos > 0
+
+
+def pack_step(
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    *,
+    pad_to: int | None = None,
+    decode_width: int | None = None,
+) -> PackedStep:
+    """Pack ``chunks`` (decodes first, whatever their order). ``pad_to`` (decode-only steps):
+    pad the rows to that many and sample every row; ``decode_width``: block-table width (default:
+    the widest decode's)."""
+    decodes = [c for c in chunks if is_decode(c)]
+    prefills = [c for c in chunks if not is_decode(c)]
+    if pad_to is not None and (prefills or pad_to < len(decodes)):
+        raise ValueError(f"only a decode-only step of at most {pad_to} rows can be padded to {pad_to}")
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    for c in (*decodes, *prefills):
+        ids.extend(c.token_ids)
+        for pos in range(c.start_pos, c.start_pos + c.num_tokens):
+            positions.append(pos)
+            slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+        if c.sample:
+            sample_rows.append(len(ids) - 1)
+            sample_ids.append(c.request_id)
+    real_rows = len(ids)
+
+    def blocks_of(c: ScheduledChunk) -> Sequence[int]:
+        return c.block_table[: -(-(c.start_pos + c.num_tokens) // block_size)]
+
+    d_width = (
+        decode_width if decode_width is not None else max((len(blocks_of(c)) for c in decodes), default=0)
+    )
+    n_decode = len(decodes)
+    if pad_to is not None:
+        padding = pad_to - n_decode
+        ids += [0] * padding
+        positions += [0] * padding
+        slots += [-1] * padding
+        n_decode = pad_to
+        sample_rows = []
+    dec_lens = [c.start_pos + 1 for c in decodes] + [0] * (n_decode - len(decodes))
+    dec_tables: list[int] = []
+    for c in decodes:
+        table = list(blocks_of(c))
+        if len(table) > d_width:
+            raise ValueError(f"a sequence of {len(table)} blocks exceeds the block-table width {d_width}")
+        dec_tables += table + [0] * (d_width - len(table))
+    dec_tables += [0] * ((n_decode - len(decodes)) * d_width)
+    p_width = max((len(blocks_of(c)) for c in prefills), default=0)
+    cu = [0]
+    starts: list[int] = []
+    p_tables: list[int] = []
+    for c in prefills:
+        cu.append(cu[-1] + c.num_tokens)
+        starts.append(c.start_pos)
+        table = list(blocks_of(c))
+        p_tables += table + [0] * (p_width - len(table))
+    prefill_part = (cu + starts + p_tables) if prefills else []
+    values = ids + positions + slots + sample_rows + dec_lens + dec_tables + prefill_part
+    layout = StepLayout(len(ids), len(sample_rows), n_decode, d_width, len(prefills), p_width)
+    assert len(values) == layout.size
+    max_q = max((c.num_tokens for c in prefills), default=0)
+    return PackedStep(values, layout, sample_ids, max_q, real_rows)
+
+
+def unpack(
+    buffer: torch.Tensor,
+    layout: StepLayout,
+    prefill_max_q: int,
+    window: int,
+    decode_splits: int,
+    sample_all: bool,
+) -> StepInputs:
+    """Views of ``buffer`` (int32, on the model's device, at least ``layout.size`` long)."""
+    at = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal at
+        view = buffer[at : at + n]
+        at += n
+        return view
+
+    t = layout.rows
+    input_ids, positions, slots = take(t), take(t), take(t)
+    sample_rows = take(layout.samples)
+    dec_lens = take(layout.decodes)
+    dec_tables = take(layout.decodes * layout.decode_width).view(layout.decodes, layout.decode_width)
+    p = layout.prefills
+    if p:
+        cu, starts = take(p + 1), take(p)
+        p_tables = take(p * layout.prefill_width).view(p, layout.prefill_width)
+    else:
+        cu, starts, p_tables = take(0), take(0), take(0).view(0, 0)
+    meta = PagedMetadata(
+        slot_mapping=slots,
+        num_decodes=layout.decodes,
+        decode_block_tables=dec_tables,
+        decode_seq_lens=dec_lens,
+        decode_splits=decode_splits,
+        prefill_block_tables=p_tables,
+        prefill_cu_q=cu,
+        prefill_start=starts,
+        prefill_max_q=prefill_max_q,
+        window=window,
+    )
+    return StepInputs(input_ids, positions, None if sample_all else sample_rows, meta)
+
+
+class Stager:
+    """Moves packed steps to the device: one reused (pinned, on CUDA) host buffer, one
+    non-blocking copy into a reused device buffer per step.
+
+    Before the host buffer is refilled, the previous copy out of it must have finished: an event
+    recorded after each copy is waited on (a no-op on CPU, where the copy is synchronous).
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._event: torch.cuda.Event | None = None
+        self._host = self._new_host(capacity)
+        self.device_buffer = torch.empty(capacity, dtype=torch.int32, device=device)
+
+    def _new_host(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, pin_memory=self._pinned)
+
+    def reserve(self, n: int) -> None:
+        """Grow both buffers to hold ``n`` values (before capturing graphs over the device one)."""
+        if n > self._host.numel():
+            self._wait()
+            size = max(n, 2 * self._host.numel())
+            self._host = self._new_host(size)
+            self.device_buffer = torch.empty(size, dtype=torch.int32, device=self.device)
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def stage(self, values: list[int]) -> torch.Tensor:
+        """Copy ``values`` to the start of the device buffer; returns that buffer (whole)."""
+        n = len(values)
+        self.reserve(n)
+        self._wait()
+        if n:
+            self._host[:n] = torch.tensor(values, dtype=torch.int32)
+        self.device_buffer[:n].copy_(self._host[:n], non_blocking=self._pinned)
+        if self._pinned:
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        return self.device_buffer
