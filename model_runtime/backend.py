@@ -45,7 +45,7 @@ def choose_backend(device_type: str, triton_available: bool, requested: str | No
 
 # Decode batch sizes a CUDA graph is captured for; a step pads up to the next one. Dense at the
 # bottom (where single users live) and at most a third of padding above.
-_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_BUCKETS = (1, 2, 4, *sorted(m << k for k in range(2, 15) for m in (2, 3)))  # 8, 12, 16, 24, …
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -73,9 +73,37 @@ def decode_splits(rows: int, kv_heads: int, max_tokens: int, num_sms: int, tile:
     return max(1, min(wanted, longest))
 
 
-# On a GPU a step's token budget is set by the matmul shape that reaches the tensor cores' rate,
-# not by a CPU's cache: 8,192 tokens keeps prefill compute-bound.
+# A step's token budget. On a CPU, 512 keeps a step's activations in cache and a decode batch
+# waiting behind a prefill chunk short; on a GPU the budget is set by the matmul shape that
+# reaches the tensor cores' rate: 8,192 tokens keeps prefill compute-bound.
+CPU_STEP_TOKENS = 512
 GPU_STEP_TOKENS = 8192
+
+
+def default_step_tokens(on_gpu: bool) -> int:
+    return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
+
+
+# What CUDA graphs of every bucket, the allocator's slack and the sampler's buffers take beyond a
+# step's activations (a round figure: capture on an 8B model uses a few hundred MiB).
+GRAPH_RESERVE_BYTES = 768 << 20
+
+
+def step_reserve_bytes(
+    step_tokens: int,
+    max_seqs: int,
+    hidden: int,
+    intermediate: int,
+    qkv_width: int,
+    vocab: int,
+    dtype_bytes: int,
+) -> int:
+    """Device memory the largest step needs besides weights and KV: the residual stream, the
+    normed input, the qkv and gate/up outputs and the attention output of ``step_tokens`` tokens
+    alive together; float32 logits of ``max_seqs`` rows several times over (sampling copies them);
+    ``GRAPH_RESERVE_BYTES``."""
+    per_token = (3 * hidden + qkv_width + 3 * intermediate) * dtype_bytes
+    return step_tokens * per_token + 4 * max_seqs * vocab * 4 + GRAPH_RESERVE_BYTES
 
 
 def kv_blocks_for_free_memory(

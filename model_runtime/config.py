@@ -186,20 +186,39 @@ def _parse_rope(raw: Mapping[str, Any], source: str) -> RopeConfig:
     )
 
 
+CPU_KV_BUDGET_BYTES = 256 << 20
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache shape. ``num_blocks=0`` sizes the pool from ``memory_budget_bytes``."""
+    """Paged KV cache shape.
+
+    The pool is ``num_blocks`` blocks when that is set; else ``memory_budget_bytes`` of them;
+    else (0, the default) sized by device: ``CPU_KV_BUDGET_BYTES`` on a CPU, and on a GPU what is
+    free once the weights are loaded, less a reserve for the step's activations and graphs
+    (``backend.kv_blocks_for_free_memory``).
+    """
 
     block_size: int = 16
     num_blocks: int = 0
-    memory_budget_bytes: int = 256 << 20
+    memory_budget_bytes: int = 0
     enable_prefix_caching: bool = True
 
-    def resolve_num_blocks(self, model: ModelConfig, dtype_bytes: int) -> int:
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.num_blocks < 0 or self.memory_budget_bytes < 0:
+            raise ValueError(f"block_size must be positive and the pool's sizes non-negative: {self}")
+
+    def block_bytes(self, model: ModelConfig, dtype_bytes: int) -> int:
+        return model.kv_bytes_per_token(dtype_bytes) * self.block_size
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype_bytes: int, free_blocks: int | None = None) -> int:
+        """Blocks in the pool; ``free_blocks``: what fits in free device memory (GPU workers)."""
         if self.num_blocks > 0:
             return self.num_blocks
-        per_block = model.kv_bytes_per_token(dtype_bytes) * self.block_size
-        return max(1, self.memory_budget_bytes // per_block)
+        if self.memory_budget_bytes == 0 and free_blocks is not None:
+            return max(1, free_blocks)
+        budget = self.memory_budget_bytes or CPU_KV_BUDGET_BYTES
+        return max(1, budget // self.block_bytes(model, dtype_bytes))
 
 
 COMPUTE_MODES = ("model", "zero", "emulated:<profile>")

@@ -51,12 +51,16 @@ def add_policy(p: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def add_scheduler(p: argparse.ArgumentParser, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+def add_scheduler(
+    p: argparse.ArgumentParser, max_num_seqs: int, max_num_batched_tokens: int | None = None
+) -> None:
+    """``max_num_batched_tokens=None``: the default follows the device (``backend.default_step_tokens``)."""
+    default = "512 on a CPU, 8192 on a GPU" if max_num_batched_tokens is None else str(max_num_batched_tokens)
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=max_num_batched_tokens,
-        help=f"tokens a step computes at most (prefill / colocated budget; default {max_num_batched_tokens})",
+        help=f"tokens a step computes at most (prefill / colocated budget; default {default})",
     )
     p.add_argument(
         "--max-num-seqs",

@@ -17,6 +17,7 @@ from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_bounds
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
+from pdserve.model_runtime.backend import default_step_tokens
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -94,7 +95,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-n", type=int, default=8, help="largest n accepted")
     p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs accepted")
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=0,
+        help="KV cache per worker (default: 256 on a CPU; on a GPU what the weights leave free, less "
+        "a reserve for activations and CUDA graphs)",
+    )
     p.add_argument("--cpus-per-worker", type=int, default=1)
     p.add_argument("--gpus-per-worker", type=int, default=-1, help="default: 1 with CUDA, else 0")
     p.add_argument(
@@ -147,7 +154,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         dtype=args.dtype,
         cache=CacheConfig(block_size=args.block_size, memory_budget_bytes=args.kv_cache_mib << 20),
         scheduler=SchedulerConfig(  # priority order: best-effort admissions run last
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(gpus > 0),
             max_num_seqs=args.max_num_seqs,
             policy=QueuePolicy.PRIORITY,
             colocated=ColocatedSchedule(args.colocated_schedule),

@@ -18,7 +18,12 @@ from typing import Protocol
 
 import torch
 
-from pdserve.model_runtime.backend import Backend, choose_backend
+from pdserve.model_runtime.backend import (
+    Backend,
+    choose_backend,
+    kv_blocks_for_free_memory,
+    step_reserve_bytes,
+)
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
@@ -157,6 +162,22 @@ class Runtime:
         )
 
 
+def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) -> int:
+    """KV blocks that fit in the device memory free now (after the weights), less the reserve for
+    the largest step's activations and the decode graphs."""
+    free, _ = torch.cuda.mem_get_info()
+    reserve = step_reserve_bytes(
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+        model.hidden_size,
+        model.intermediate_size,
+        model.q_size + 2 * model.kv_size,
+        model.vocab_size,
+        dtype_bytes,
+    )
+    return kv_blocks_for_free_memory(free, config.cache.block_bytes(model, dtype_bytes), reserve)
+
+
 def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = None) -> Runtime:
     device = torch_device(config)
     if device.type == "cpu":
@@ -166,17 +187,23 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     model_config = checkpoint.model_config()
     profile = config.profile
     block_size = config.cache.block_size
+    t0 = time.perf_counter()
+    model = None
     if profile is None:
         max_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
-        num_blocks = config.cache.resolve_num_blocks(model_config, torch.finfo(dtype).bits // 8)
+        if config.compute == "model":  # weights first: a GPU's KV pool is what they leave free
+            backend = choose_backend(device.type, triton_available(), config.backend)
+            model = load_model(checkpoint, model_config, device, dtype, max_len, backend)
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        free_blocks = _free_kv_blocks(config, model_config, dtype_bytes) if device.type == "cuda" else None
+        num_blocks = config.cache.resolve_num_blocks(model_config, dtype_bytes, free_blocks)
         shape = kv_cache_shape(model_config, num_blocks, block_size)
     else:  # the emulated GPU's context and KV capacity, a one-layer stand-in cache
         max_len = min(config.max_model_len or profile.max_model_len, profile.max_model_len)
         num_blocks = config.cache.num_blocks or max(1, profile.kv_capacity_tokens // block_size)
         shape = (1, num_blocks, 2, block_size, 1, 8)
-    t0 = time.perf_counter()
     cache = (
         allocate_cache(shape, dtype, device)
         if allocate_cache is not None
@@ -185,13 +212,11 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
     runner: StepRunner
     if profile is not None:
         runner = EmulatedRunner(model_config, cache, profile)
-    elif config.compute == "zero":
+    elif model is None:
         runner = ZeroRunner(model_config, cache)
     else:
-        backend = choose_backend(device.type, triton_available(), config.backend)
-        model = load_model(checkpoint, model_config, device, dtype, max_len, backend)
         graphs = None
-        if backend is Backend.PAGED and config.cuda_graphs:
+        if model.backend is Backend.PAGED and config.cuda_graphs:
             # Without CUDA the graphs' fixed-shape inputs still run (eagerly): what tests check.
             graphs = GraphSettings(config.scheduler.max_num_seqs, max_len, capture=device.type == "cuda")
         runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs)

@@ -63,3 +63,16 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", "--device", "cpu", "--autoscale"])
     with pytest.raises(ValueError, match="both targets"):
         planner_config(args, build(args)[1])
+
+
+def test_gpu_workers_get_gpu_sized_defaults_and_cpu_workers_keep_theirs() -> None:
+    cpu = _spec()
+    assert cpu.engine.scheduler.max_num_batched_tokens == 512
+    assert cpu.engine.cache.memory_budget_bytes == 0  # 256 MiB, resolved by the worker
+    gpu = build(build_parser().parse_args(["serve", "--model", "tiny", "--gpus-per-worker", "1"]))[0]
+    assert gpu.gpus_per_worker == 1 and gpu.engine.device == "cuda"
+    assert gpu.engine.scheduler.max_num_batched_tokens == 8192
+    assert gpu.engine.cache.memory_budget_bytes == 0  # what the weights leave free on the device
+    pinned = _spec("--max-num-batched-tokens", "1024", "--kv-cache-mib", "64")
+    assert pinned.engine.scheduler.max_num_batched_tokens == 1024
+    assert pinned.engine.cache.memory_budget_bytes == 64 << 20

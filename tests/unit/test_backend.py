@@ -1,0 +1,92 @@
+"""The engine backend's pure decisions: which backend, which graph buckets, how many splits,
+how much KV fits."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.model_runtime.backend import (
+    GPU_STEP_TOKENS,
+    Backend,
+    bucket_for,
+    choose_backend,
+    decode_splits,
+    default_step_tokens,
+    graph_buckets,
+    kv_blocks_for_free_memory,
+    step_reserve_bytes,
+)
+from pdserve.model_runtime.config import CPU_KV_BUDGET_BYTES, CacheConfig
+from pdserve.model_runtime.presets import resolve_model
+
+
+def test_backend_by_device_and_request() -> None:
+    assert choose_backend("cpu", True) is Backend.TORCH
+    assert choose_backend("cuda", True) is Backend.PAGED
+    assert choose_backend("cuda", False) is Backend.TORCH  # no Triton: the portable path
+    assert choose_backend("cpu", False, "paged") is Backend.PAGED  # the ops' references
+    assert choose_backend("cuda", True, "torch") is Backend.TORCH
+    assert choose_backend("cuda", True, "auto") is Backend.PAGED
+    with pytest.raises(ValueError, match="needs Triton"):
+        choose_backend("cuda", False, "paged")
+    with pytest.raises(ValueError, match="unknown engine backend 'flash'"):
+        choose_backend("cuda", True, "flash")
+
+
+@given(st.integers(1, 2000))
+def test_every_batch_up_to_the_cap_has_a_bucket_with_bounded_padding(max_rows: int) -> None:
+    buckets = graph_buckets(max_rows)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == max_rows
+    for rows in range(1, max_rows + 1):
+        b = bucket_for(rows, buckets)
+        assert b is not None and rows <= b
+        assert b == rows or b <= 4 or b - rows < b / 3 + 1  # at most a third of padding past 4
+    assert bucket_for(max_rows + 1, buckets) is None
+
+
+def test_graph_buckets_refuse_a_non_positive_cap() -> None:
+    with pytest.raises(ValueError):
+        graph_buckets(0)
+
+
+@given(st.integers(1, 512), st.integers(1, 16), st.integers(1, 1 << 17), st.integers(1, 200))
+def test_decode_splits_fill_the_device_without_tiny_splits(
+    rows: int, heads: int, tokens: int, sms: int
+) -> None:
+    s = decode_splits(rows, heads, tokens, sms)
+    assert s >= 1
+    assert s == 1 or tokens // s >= 4 * 64  # no split shorter than four tiles
+    if s > 1:
+        assert rows * heads * (s - 1) < 2 * sms  # no more splits than filling the device needs
+
+
+def test_one_row_of_a_long_context_is_split_across_the_device() -> None:
+    assert decode_splits(1, 8, 8192, 132) == 32  # capped by 8192 / 256
+    assert decode_splits(64, 8, 8192, 132) == 1
+
+
+def test_kv_pool_from_free_memory() -> None:
+    assert kv_blocks_for_free_memory(100 << 30, 2 << 20, 10 << 30) == ((90 << 30) - (10 << 30)) // (2 << 20)
+    assert kv_blocks_for_free_memory(1 << 30, 2 << 20, 4 << 30) == 0
+    with pytest.raises(ValueError):
+        kv_blocks_for_free_memory(1 << 30, 0, 0)
+    reserve = step_reserve_bytes(GPU_STEP_TOKENS, 256, 4096, 14336, 6144, 128256, 2)
+    assert 1 << 30 < reserve < 4 << 30  # an 8B model: a few GiB, not tens
+
+
+def test_cache_config_resolution_order() -> None:
+    model = resolve_model("tiny").model_config()
+    per_block = CacheConfig().block_bytes(model, 4)
+    assert CacheConfig(num_blocks=7).resolve_num_blocks(model, 4, free_blocks=1000) == 7
+    assert CacheConfig(memory_budget_bytes=10 * per_block).resolve_num_blocks(model, 4, 1000) == 10
+    assert CacheConfig().resolve_num_blocks(model, 4, free_blocks=1000) == 1000
+    assert CacheConfig().resolve_num_blocks(model, 4) == CPU_KV_BUDGET_BYTES // per_block
+    with pytest.raises(ValueError):
+        CacheConfig(memory_budget_bytes=-1)
+
+
+def test_step_budget_follows_the_device() -> None:
+    assert default_step_tokens(on_gpu=False) == 512
+    assert default_step_tokens(on_gpu=True) == GPU_STEP_TOKENS >= 8192
