@@ -303,6 +303,7 @@ class DecodeEngine(RoleEngineBase):
             "by_transfer": len(self._by_transfer),
             "cancelling": len(self._cancelling),
             "pending_reservations": len(self._pending),
+            "runner": self.rt.runner.kept_requests(),
             **self._transport_state(),
         }
 

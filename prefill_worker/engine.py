@@ -129,6 +129,7 @@ class PrefillEngine(RoleEngineBase):
             "targets": len(self._targets),
             "sending": len(self._sending),
             "awaiting_target": len(self._awaiting_target),
+            "runner": self.rt.runner.kept_requests(),
             "scheduled": self.scheduler.num_waiting + self.scheduler.num_running,
             **self._transport_state(),
         }

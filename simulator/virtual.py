@@ -69,6 +69,9 @@ class SimRunner:
     def release(self, request_id: str) -> None:
         pass
 
+    def kept_requests(self) -> int:
+        return 0
+
     def take(self) -> Sequence[ScheduledChunk]:
         """The chunks of the step run since the last call (none if the engine computed none)."""
         chunks, self.chunks = self.chunks, ()

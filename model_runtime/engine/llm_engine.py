@@ -142,6 +142,7 @@ class LLMEngine:
             **self.kv.request_state(),
             "requests": len(self._requests),
             "trackers": len(self._trackers),
+            "runner": self.runner.kept_requests(),
             "scheduled": scheduled,
         }
 

@@ -76,9 +76,12 @@ class ModelRunner:
         return decode_splits(rows, self.config.num_kv_heads, max_tokens, sms)
 
     def release(self, request_id: str) -> None:
-        """The request is gone. The runner keeps no per-request state (seeded draws depend on
-        the seed and the token's position alone), so there is nothing to drop; the hook stays
-        for runners that do."""
+        """The request is gone: drop its penalty counts (the only per-request state; seeded
+        draws depend on the seed and the token's position alone)."""
+        self.sampler.release(request_id)
+
+    def kept_requests(self) -> int:
+        return self.sampler.kept_requests()
 
     def execute(
         self,
@@ -101,6 +104,7 @@ class ModelRunner:
                     prompt_ids=req.prompt_token_ids,
                     output_ids=req.output_token_ids,
                     eos_ids=req.eos_token_ids,
+                    request_id=rid,
                 )
             )
         result = self.sampler(logits, rows)

@@ -31,3 +31,7 @@ class Runner(Protocol):
     def release(self, request_id: str) -> None:
         """Drop whatever the runner keeps for ``request_id`` (it ended)."""
         ...
+
+    def kept_requests(self) -> int:
+        """Requests the runner keeps state for (0 once every request was released)."""
+        ...

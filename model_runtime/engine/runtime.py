@@ -64,6 +64,8 @@ class StepRunner(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def kept_requests(self) -> int: ...
+
 
 class ZeroRunner:
     """A runner that does no math: each sampled token is a fixed function of the position and
@@ -100,6 +102,9 @@ class ZeroRunner:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def kept_requests(self) -> int:
+        return 0
 
 
 class EmulatedRunner(ZeroRunner):

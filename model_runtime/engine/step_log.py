@@ -44,6 +44,8 @@ class Runner(Protocol[R]):
 
     def release(self, request_id: str) -> None: ...
 
+    def kept_requests(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -150,3 +152,6 @@ class LoggedRunner(Generic[R]):
 
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
+
+    def kept_requests(self) -> int:
+        return self.inner.kept_requests()

@@ -18,6 +18,11 @@ Order of transforms on a row of float32 logits (each skipped when neutral for ev
     token drawn), so a request's samples depend only on its seed and its own tokens: never on
     the rest of the batch, on which worker drew the earlier tokens, or on any state kept
     between steps (a request resumed elsewhere, or a re-used id, draws exactly the same).
+
+On a GPU nothing here waits for the device until the end: the batch's parameters reach it in
+one upload (and none while the batch's composition repeats, as it does from one decode step to
+the next), penalty counts live on the device (``penalties``), and the sampled ids with their
+log-probabilities come back in one copy.
 """
 
 from __future__ import annotations
@@ -28,17 +33,20 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model_runtime.sampling.logprob import Logprob
+from pdserve.model_runtime.sampling.penalties import PenaltyCounts
 from pdserve.model_runtime.sampling_params import SamplingParams
 
 
 @dataclass
 class SampleRow:
-    """One row to sample: its parameters and the history penalties read."""
+    """One row to sample: its parameters and the history penalties read. ``request_id`` keys
+    the row's device-side penalty counts ("": none kept)."""
 
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     eos_ids: frozenset[int]
+    request_id: str = ""
 
     @property
     def seed(self) -> int | None:
@@ -63,23 +71,78 @@ class SampleResult:
     logprobs: list[Logprob | None]
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
-    """In place, for rows with a non-neutral penalty."""
-    device = logits.device
-    for i, r in enumerate(rows):
-        p = r.params
-        if not p.needs_penalties:
-            continue
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({*r.prompt_ids, *r.output_ids}), dtype=torch.long, device=device)
-            if seen.numel():
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and r.output_ids:
-            out = torch.tensor(list(r.output_ids), dtype=torch.long, device=device)
-            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+# Columns of ``BatchParams.values``.
+_TEMP, _MIN_P, _TOP_K, _TOP_P, _REP, _FREQ, _PRES = range(7)
+
+
+@dataclass
+class BatchParams:
+    """A batch composition's parameters on the device: ``values`` [rows, 7] (the columns above),
+    and the rows that are not greedy (``sampled``) and that have a penalty (``penalized``), as
+    device index tensors and as lists."""
+
+    key: tuple[float, ...]
+    values: torch.Tensor
+    sampled_rows: list[int]
+    sampled: torch.Tensor
+    penalized_rows: list[int]
+    penalized: torch.Tensor
+
+
+def batch_params(
+    rows: Sequence[SampleRow], device: torch.device, last: BatchParams | None = None
+) -> BatchParams:
+    """``last`` when the composition is the same, else one upload of everything."""
+    key = tuple(
+        v
+        for r in rows
+        for v in (
+            r.params.temperature,
+            r.params.min_p,
+            float(r.params.top_k),
+            r.params.top_p,
+            r.params.repetition_penalty,
+            r.params.frequency_penalty,
+            r.params.presence_penalty,
+        )
+    )
+    if last is not None and last.key == key and last.values.device == device:
+        return last
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    packed = torch.tensor([*key, *sampled, *penalized], dtype=torch.float64).to(device, non_blocking=True)
+    n = 7 * len(rows)
+    values = packed[:n].view(len(rows), 7).to(torch.float32)
+    index = packed[n:].long()
+    return BatchParams(key, values, sampled, index[: len(sampled)], penalized, index[len(sampled) :])
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    params: BatchParams | None = None,
+    counts: PenaltyCounts | None = None,
+) -> None:
+    """In place, on the rows with a non-neutral penalty."""
+    if params is None:
+        params = batch_params(rows, logits.device)
+    if not params.penalized_rows:
+        return
+    sub_rows = [rows[i] for i in params.penalized_rows]
+    seen, emitted = (counts if counts is not None else PenaltyCounts()).rows(
+        [r.request_id for r in sub_rows],
+        [r.prompt_ids for r in sub_rows],
+        [r.output_ids for r in sub_rows],
+        logits.shape[1],
+        logits.device,
+    )
+    p = params.values.index_select(0, params.penalized)
+    rep, freq, pres = p[:, _REP : _REP + 1], p[:, _FREQ : _FREQ + 1], p[:, _PRES : _PRES + 1]
+    sub = logits.index_select(0, params.penalized)
+    # A neutral factor leaves a value bit-for-bit as it was (x / 1, x * 1, x - 0).
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= freq * emitted + pres * (emitted > 0).to(sub.dtype)
+    logits.index_copy_(0, params.penalized, sub)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -92,15 +155,17 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
                 logits[i, ids] = float("-inf")
 
 
-def filter_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p on the (non-greedy) rows; returns probabilities."""
-    device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
+def filter_probs(
+    logits: torch.Tensor, rows: Sequence[SampleRow], values: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on the (non-greedy) rows; returns probabilities.
+    ``values``: the rows' ``BatchParams.values`` (built here when not given)."""
+    if values is None:
+        values = batch_params(rows, logits.device).values
+    logits = logits / values[:, _TEMP : _TEMP + 1]
     probs = torch.softmax(logits, dim=-1)
     if any(r.params.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device, dtype=probs.dtype)
-        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        threshold = values[:, _MIN_P : _MIN_P + 1] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     vocab = logits.shape[1]
     need_k = any(0 < r.params.top_k < vocab for r in rows)
@@ -109,26 +174,21 @@ def filter_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tenso
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = torch.ones_like(sorted_probs, dtype=torch.bool)
         if need_k:
-            ks = torch.tensor(
-                [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device
-            )
-            keep &= torch.arange(vocab, device=device).unsqueeze(0) < ks.unsqueeze(1)
+            ks = values[:, _TOP_K].long()
+            ks = torch.where((ks > 0) & (ks < vocab), ks, vocab)
+            keep &= torch.arange(vocab, device=logits.device).unsqueeze(0) < ks.unsqueeze(1)
         if need_p:
             masked = sorted_probs * keep
             total = masked.sum(dim=-1, keepdim=True)
             before = (masked.cumsum(dim=-1) - masked) / total  # mass strictly above each token
-            ps = torch.tensor([r.params.top_p for r in rows], device=device, dtype=probs.dtype)
-            keep &= before < ps.unsqueeze(1)
+            keep &= before < values[:, _TOP_P : _TOP_P + 1]
         keep[:, 0] = True
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    noise = torch.empty_like(probs).exponential_()
     for i, r in enumerate(rows):
         seed = r.seed
         if seed is not None:
@@ -137,39 +197,69 @@ def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def compute_logprobs(
-    raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]
-) -> list[Logprob | None]:
-    want = [r.params.logprobs for r in rows]
-    if all(w is None for w in want):
-        return [None] * len(rows)
-    lp = torch.log_softmax(raw, dim=-1)
-    k = max(w or 0 for w in want)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    out: list[Logprob | None] = []
-    for i, w in enumerate(want):
-        if w is None:
-            out.append(None)
-            continue
-        top: tuple[tuple[int, float], ...] = ()
-        if w and top_v is not None and top_i is not None:
-            top = tuple(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist(), strict=True))
-        out.append(Logprob(int(chosen[i]), float(chosen_lp[i]), top))
-    return out
-
-
 class Sampler:
+    """Samples a step's rows; keeps per request only the penalty counts (``release`` drops them)."""
+
+    def __init__(self) -> None:
+        self.penalties = PenaltyCounts()
+        self._last: BatchParams | None = None
+        self._host: torch.Tensor | None = None  # pinned, for the one device-to-host copy
+
+    def release(self, request_id: str) -> None:
+        self.penalties.release(request_id)
+
+    def kept_requests(self) -> int:
+        return len(self.penalties)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """``logits``: float32 [len(rows), vocab]. Does not modify the caller's tensor."""
         raw = logits
         logits = logits.clone()
-        apply_penalties(logits, rows)
+        params = self._last = batch_params(rows, logits.device, self._last)
+        apply_penalties(logits, rows, params, self.penalties)
         apply_min_tokens(logits, rows)
         chosen = logits.argmax(dim=-1)
-        sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled_rows:
-            sub = [rows[i] for i in sampled_rows]
-            probs = filter_probs(logits[sampled_rows], sub)
-            chosen[sampled_rows] = draw(probs, sub)
-        return SampleResult(chosen.tolist(), compute_logprobs(raw, chosen, rows))
+        if params.sampled_rows:
+            sub = [rows[i] for i in params.sampled_rows]
+            values = params.values.index_select(0, params.sampled)
+            probs = filter_probs(logits.index_select(0, params.sampled), sub, values)
+            chosen.index_copy_(0, params.sampled, draw(probs, sub))
+        if params.penalized_rows:
+            self.penalties.advance(
+                [rows[i].request_id for i in params.penalized_rows], chosen.index_select(0, params.penalized)
+            )
+        return self._result(raw, chosen, rows)
+
+    def _result(self, raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+        """Ids and log-probabilities, brought to the host in one copy (float64 holds both exactly)."""
+        want = [r.params.logprobs for r in rows]
+        k = max((w or 0 for w in want), default=0)
+        parts = [chosen.unsqueeze(1).to(torch.float64)]
+        with_lp = any(w is not None for w in want)
+        if with_lp:
+            lp = torch.log_softmax(raw, dim=-1)
+            parts.append(lp.gather(1, chosen.unsqueeze(1)).to(torch.float64))
+            if k:
+                top_v, top_i = lp.topk(k, dim=-1)
+                parts += [top_i.to(torch.float64), top_v.to(torch.float64)]
+        table = self._to_host(torch.cat(parts, dim=1)).tolist()
+        ids = [int(r[0]) for r in table]
+        logprobs: list[Logprob | None] = []
+        for w, r in zip(want, table, strict=True):
+            if w is None:
+                logprobs.append(None)
+                continue
+            top = tuple((int(t), v) for t, v in zip(r[2 : 2 + w], r[2 + k : 2 + k + w], strict=True))
+            logprobs.append(Logprob(int(r[0]), r[1], top))
+        return SampleResult(ids, logprobs)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.cpu()
+        n = t.numel()
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 4096), dtype=t.dtype, pin_memory=True)
+        host = self._host[:n].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return host

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.model_runtime.sampling.sampler import (
     Sampler,
@@ -153,3 +155,53 @@ def test_logprobs_are_raw_and_sorted() -> None:
     assert [t for t, _ in lp.top] == [1, 2]
     assert lp.top[1][1] == pytest.approx(float(ref[2]))
     assert Sampler()(logits, [row(SamplingParams(temperature=0))]).logprobs == [None]
+
+
+@given(
+    st.lists(st.integers(0, 11), min_size=0, max_size=6),
+    st.floats(0.5, 2.0),
+    st.floats(-1.0, 1.0),
+    st.floats(-1.0, 1.0),
+    st.integers(1, 12),
+)
+def test_device_side_penalty_counts_equal_a_rebuild_every_step(
+    prompt: list[int], rep: float, freq: float, pres: float, steps: int
+) -> None:
+    """A request's counts advanced on the device step after step transform the logits exactly
+    as counts rebuilt from its token lists would, and release leaves nothing behind."""
+    gen = torch.Generator().manual_seed(len(prompt) * 31 + steps)
+    params = SamplingParams(
+        temperature=0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+    )
+    other = SamplingParams(temperature=0)
+    sampler = Sampler()
+    output: list[int] = []
+    for _ in range(steps):
+        logits = torch.randn(2, 12, generator=gen)
+        rows = [
+            SampleRow(params, prompt, list(output), frozenset(), "a"),
+            SampleRow(other, [], [], frozenset(), "b"),
+        ]
+        want = logits.clone()
+        apply_penalties(want, [SampleRow(params, prompt, list(output), frozenset())])  # rebuilt
+        got = sampler(logits, rows).token_ids
+        assert got[0] == int(want[0].argmax())
+        output.append(got[0])
+    assert sampler.kept_requests() == int(params.needs_penalties)  # only a penalized request keeps counts
+    sampler.release("a")
+    assert sampler.kept_requests() == 0
+
+
+def test_penalty_counts_rebuild_when_the_request_moved_on_without_them() -> None:
+    """A token the sampler did not see (the request resumed elsewhere, or the engine dropped
+    one) makes the lengths disagree: the counts are rebuilt rather than trusted."""
+    p = SamplingParams(temperature=0, frequency_penalty=5.0)
+    sampler = Sampler()
+    logits = torch.tensor([[1.0, 0.9, 0.0]])
+    assert sampler(logits, [SampleRow(p, [], [], frozenset(), "x")]).token_ids == [0]
+    # Two tokens 1 appeared meanwhile, not the 0 the sampler counted.
+    assert sampler(logits, [SampleRow(p, [], [1, 1], frozenset(), "x")]).token_ids == [0]
+    # Stale counts ({0: 2, 1: 2} by now) would pick 2; the rebuilt ones ({1: 1}) keep 0.
+    assert sampler(logits, [SampleRow(p, [], [1], frozenset(), "x")]).token_ids == [0]
+    sampler.release("x")
+    assert sampler.kept_requests() == 0

@@ -65,6 +65,9 @@ class FakeRunner:
             on_layer(0)
         return {c.request_id: 7 for c in chunks}
 
+    def kept_requests(self) -> int:
+        return 0
+
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
