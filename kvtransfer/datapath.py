@@ -80,10 +80,30 @@ class DataPath(ABC):
         """Move one layer's blocks; returns bytes moved. The caller holds the transfer's lock."""
 
     def push_layers(
-        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layers: range,
+        src: Sequence[int],
+        dst: Sequence[int],
+        after: object | None = None,
     ) -> int:
-        """Move several computed layers (the caller holds the transfer's lock)."""
+        """Move several computed layers (the caller holds the transfer's lock). ``after``: the
+        ``computed_marker`` taken when the last of them was reported computed."""
+        self._order_after(after)
         return sum(self.push_layer(conn, transfer_id, layer, src, dst) for layer in layers)
+
+    def computed_marker(self) -> object | None:
+        """Called on the thread that computes the cache, once the layers it reports are written
+        there: what a copy made later, on another thread, must be ordered after. On a GPU that
+        is an event on the computing thread's stream — not the sender thread's, which knows
+        nothing of a side stream the engine (or a CUDA graph) runs on — and copies wait for it on
+        the device, so a layer's copy overlaps the next layer's compute. None on a CPU, where
+        the computation is finished when it is reported."""
+        return None
+
+    def _order_after(self, marker: object | None) -> None:  # noqa: B027 (optional hook)
+        """Make this path's next copies wait for ``marker`` (a GPU path's stream wait)."""
 
     def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
         raise TransferError(FailureCause.PROTOCOL, f"{self.name} does not carry data frames")
@@ -160,8 +180,15 @@ class _DirectWritePath(DataPath):
         return self.push_layers(conn, transfer_id, range(layer, layer + 1), src, dst)
 
     def push_layers(
-        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layers: range,
+        src: Sequence[int],
+        dst: Sequence[int],
+        after: object | None = None,
     ) -> int:
+        self._order_after(after)
         self._copy(conn, layers, src, dst)
         self._written(conn)
         conn.send("layer", id=transfer_id, layer=layers.start, count=len(layers))
@@ -169,6 +196,22 @@ class _DirectWritePath(DataPath):
 
     def _written(self, conn: Connection) -> None:
         """Make the copies visible to the peer before announcing them (a device sync on GPUs)."""
+
+
+def cuda_marker(device: torch.device) -> torch.cuda.Event:
+    """An event recorded on the calling thread's current stream of ``device``."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def order_after(stream: torch.cuda.Stream, marker: object | None) -> None:
+    """``stream``'s next work waits for ``marker`` (an event), or, with none, for everything on
+    the calling thread's current stream (the order a caller that took no marker can give)."""
+    if isinstance(marker, torch.cuda.Event):
+        stream.wait_event(marker)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 def mostly_consecutive(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]] | None:
@@ -381,12 +424,23 @@ class CudaIpcPath(_DirectWritePath):
         peer.set_(storage, int(info.get("offset", 0)), self.cache.shape, self.cache.stride())
         return peer
 
+    def computed_marker(self) -> object | None:
+        return cuda_marker(self.cache.device)
+
+    def _order_after(self, marker: object | None) -> None:
+        order_after(self._stream, marker)
+
     def push_layers(
-        self, conn: Connection, transfer_id: str, layers: range, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layers: range,
+        src: Sequence[int],
+        dst: Sequence[int],
+        after: object | None = None,
     ) -> int:
-        self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(self._stream):
-            return super().push_layers(conn, transfer_id, layers, src, dst)
+            return super().push_layers(conn, transfer_id, layers, src, dst, after)
 
     def _written(self, conn: Connection) -> None:
         self._stream.synchronize()  # the bytes are in the peer's memory before we say so

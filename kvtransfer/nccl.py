@@ -302,7 +302,7 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
     import torch
 
     from pdserve.kvtransfer.channel import Connection
-    from pdserve.kvtransfer.datapath import DataPath
+    from pdserve.kvtransfer.datapath import DataPath, cuda_marker, order_after
 
     class NcclPath(DataPath):
         """Sender is rank 0 and mints the unique id; the receiver is rank 1. The ``data`` frame
@@ -349,7 +349,6 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
         ) -> None:
             comm: int = conn.nccl_comm  # type: ignore[attr-defined]
             stream = self.stream.cuda_stream
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
             def calls() -> None:
                 for p in ptrs:
@@ -359,6 +358,12 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             event = torch.cuda.Event()
             event.record(self.stream)
             _stream_wait(self.lib, comm, event, time.monotonic() + io_timeout_s)
+
+        def computed_marker(self) -> object | None:
+            return cuda_marker(self.device)
+
+        def _order_after(self, marker: object | None) -> None:
+            order_after(self.stream, marker)
 
         def push_layer(
             self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
@@ -371,6 +376,8 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             layer, first, count = frame["layer"], frame["first"], frame["count"]
             if layer >= self.num_layers or first + count > len(dst):
                 raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
+            # The receive overwrites blocks the decode engine may have just freed: after its work.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             self._run(
                 conn, self.lib.recv, block_pointers(self.cache, layer, dst[first : first + count]), peer=0
             )

@@ -63,6 +63,7 @@ class Outgoing:
     state: TransferState = TransferState.BOOTSTRAPPING
     layers_ready: int = 0
     layers_sent: int = 0
+    computed: object | None = None  # the path's marker taken when layers_ready last grew
     lock: threading.Lock = field(default_factory=threading.Lock)
     answer_by: float = 0.0  # when the begin went out, plus the I/O timeout
     write_until_ns: int | None = None  # direct-write fence from the receiver's ready
@@ -121,6 +122,7 @@ class Sender(TransferTable[Outgoing]):
             layerwise,
             time.monotonic() + timeout_s,
             layers_ready=0 if layerwise else self.num_layers,
+            computed=None if layerwise else self.path.computed_marker(),
         )
         with self._lock:
             if self._closed:
@@ -142,10 +144,12 @@ class Sender(TransferTable[Outgoing]):
             p = self._peers.get(t.peer) if t else None
         if t is None or p is None:
             return
+        marker = self.path.computed_marker()  # on the model's thread: what the copy waits for
         with self._lock:  # not t.lock: a push in progress must not stall the model's thread
             if layer < t.layers_ready:
                 return
             t.layers_ready = min(layer + 1, self.num_layers)
+            t.computed = marker
         p.events.put(("progress", t))
 
     def cancel(self, transfer_id: str) -> None:
@@ -334,7 +338,9 @@ class Sender(TransferTable[Outgoing]):
             if t.write_until_ns is not None and time.monotonic_ns() >= t.write_until_ns:
                 raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
             layers = range(t.layers_sent, t.layers_ready)
-            t.nbytes += self.path.push_layers(conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks)
+            t.nbytes += self.path.push_layers(
+                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=t.computed
+            )
             t.layers_sent = layers.stop
             if t.layers_sent == self.num_layers:
                 conn.send("done", id=t.transfer_id)

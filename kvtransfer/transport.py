@@ -169,6 +169,8 @@ class KVTransport:
 
         With ``layerwise`` nothing moves until ``layer_ready`` says which layers are computed.
         ``peer_offers`` (the receiver's ``offers``) lets ``auto`` pick a backend it accepts.
+        Call this and ``layer_ready`` on the thread that computed the blocks: GPU paths order
+        their copies after that thread's stream (``DataPath.computed_marker``).
         """
         b = self._backend_for(peer, peer_offers)
         self._sender(b).send(

@@ -162,3 +162,45 @@ def test_idle_peers_are_retired_and_come_back(monkeypatch: pytest.MonkeyPatch) -
     finally:
         sender.close()
         receiver.close()
+
+
+def test_copies_wait_for_the_marker_taken_on_the_computing_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU path's copy must wait for the engine's stream, which only the engine's thread knows:
+    the marker is taken where ``send`` / ``layer_ready`` are called, and the pusher thread's copy
+    of those layers is ordered after the latest one."""
+    sender, receiver = transport("tcp", seed=4), transport("tcp")
+    path = sender._paths["tcp"]
+    taken: list[tuple[int, str]] = []
+    pushed: list[tuple[range, object]] = []
+
+    def marker() -> object:
+        taken.append((threading.get_ident(), f"m{len(taken)}"))
+        return taken[-1][1]
+
+    original = path.push_layers
+
+    def push_layers(conn, tid, layers, src, dst, after=None):  # type: ignore[no-untyped-def]
+        pushed.append((layers, after))
+        return original(conn, tid, layers, src, dst, after)
+
+    monkeypatch.setattr(path, "computed_marker", marker)
+    monkeypatch.setattr(path, "push_layers", push_layers)
+    try:
+        addr = receiver.listen()
+        receiver.expect("whole", [1, 2])
+        sender.send("whole", addr, [3, 4], [1, 2])
+        assert receiver.wait("whole", 5) is TransferState.DONE
+        receiver.expect("lw", [5, 6])
+        sender.send("lw", addr, [7, 8], [5, 6], layerwise=True)
+        sender.layer_ready("lw", 1)
+        assert receiver.wait("lw", 5, layers=2) is TransferState.TRANSFERRING
+        sender.layer_ready("lw", SHAPE[0] - 1)
+        assert receiver.wait("lw", 5) is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()
+    me = threading.get_ident()
+    assert [t for t, _ in taken] == [me, me, me]  # all on this (the "engine's") thread
+    assert pushed[0] == (range(0, SHAPE[0]), "m0")
+    assert pushed[1] == (range(0, 2), "m1")
+    assert pushed[2] == (range(2, SHAPE[0]), "m2")
