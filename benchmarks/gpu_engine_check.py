@@ -1,45 +1,200 @@
-"""Prepared GPU check for the model runtime (one command, a few minutes on one GPU).
+"""Prepared GPU check of the engine: one command, a few minutes on one GPU, everything the GPU
+engine is judged by, with its ceilings measured in the same run.
 
-1. the ``gpu``-marked engine tests (CUDA float32 token-exact with HF, bfloat16 serving, seeds);
-2. ``engine_roofline.py --device cuda --skip-hf``: decode MBU and prefill MFU against the
-   device's own bandwidth and bf16 matmul measured in the same run.
+1. Ceilings: device copy bandwidth (read + write) and bf16 matmul FLOP/s.
+2. A Llama-3.1-8B-shaped model with random bf16 weights made on the device (speed does not
+   depend on weight values; correctness is the tests' job), the ``paged`` backend, decode CUDA
+   graphs captured up to 64 sequences.
+3. Decode at a 1,024-token context, batch 1 and 64: CUDA graph replay time, the whole step's
+   wall time (packing, one upload, replay, sampling, one copy back) and MBU = (weights + KV read
+   per step) / replay time / copy bandwidth. ``host_overhead_ratio`` = step wall / replay at
+   batch 1 (1.0: the host is hidden).
+4. Prefill of 2,048 and 8,192 fresh tokens: MFU against the bf16 matmul ceiling.
+5. The KV hand-off over ``cuda_ipc`` (two processes, one GPU) for 1 to 128 blocks: the
+   intercept of time against bytes is its fixed cost.
+6. The ``gpu``-marked tests (float32 token-exact with HF on CUDA, bf16 serving, the kernels on
+   CUDA against their references, graphs against eager).
 
-Run: ``python -m benchmarks.gpu_engine_check``. The last line is one JSON object.
+``--dry-run`` runs the same code on the CPU with a small model and the ``tcp`` hand-off (CI runs
+it, so the script cannot rot between GPU loans); its numbers mean nothing.
+
+Run: ``python -m benchmarks.gpu_engine_check [--out DIR]``. Writes ``DIR/gpu_engine_check.json``
+(``$OUT`` when set) and prints it as the last line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import matmul_flops, memory_copy_bandwidth, sync
+from benchmarks.engine_roofline import prefill_flops, weight_bytes
+from pdserve.model_runtime.backend import Backend
+from pdserve.model_runtime.config import ModelConfig
+from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
+from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
+from pdserve.model_runtime.model.loader import random_model
+from pdserve.model_runtime.presets import resolve_model
+from pdserve.model_runtime.request import Request
+from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
 ROOT = Path(__file__).resolve().parent.parent
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 
 
-def main() -> int:
-    import torch
+def _timed(fn: Any, device: torch.device, repeat: int) -> float:
+    """Median seconds of ``fn`` (device work included), after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
-    if not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device"}))
+
+class Bench:
+    def __init__(
+        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int, ctx: int
+    ) -> None:
+        self.config, self.device, self.dtype = config, device, dtype
+        self.max_len = max(ctx + 64, 8192 + 64)
+        self.per_seq = -(-(ctx + 64) // BLOCK)
+        blocks = max(rows * self.per_seq, -(-self.max_len // BLOCK)) + 1
+        model = random_model(config, device, dtype, self.max_len, Backend.PAGED)
+        cache = new_kv_cache(kv_cache_shape(config, blocks, BLOCK), dtype, device)
+        graphs = GraphSettings(rows, self.max_len, capture=device.type == "cuda")
+        self.runner = ModelRunner(config, model, blocks, BLOCK, kv_cache=cache, graphs=graphs)
+
+    def decode(self, batch: int, ctx: int, repeat: int) -> dict[str, float]:
+        """Replay (or, without graphs, the fixed-shape forward) and whole-step times, MBU inputs."""
+        tables = [tuple(range(1 + i * self.per_seq, 1 + (i + 1) * self.per_seq)) for i in range(batch)]
+        chunks = [ScheduledChunk(f"d{i}", (7,), ctx, tables[i], sample=True) for i in range(batch)]
+        requests = {c.request_id: Request(c.request_id, (7,) * ctx, GREEDY) for c in chunks}
+        runner, graphs = self.runner, self.runner.graphs
+        assert graphs is not None and graphs.fits(chunks)
+        step = _timed(lambda: runner.execute(chunks, requests), self.device, repeat)
+        bucket = min(b for b in graphs.buckets if b >= batch)
+        if graphs.graphs:
+            replay = _timed(graphs.graphs[bucket].replay, self.device, repeat)
+        else:
+            replay = _timed(lambda: graphs._forward(bucket), self.device, repeat)
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        read = weight_bytes(self.config, dtype_bytes) + batch * ctx * self.config.kv_bytes_per_token(
+            dtype_bytes
+        )
+        return {"replay_ms": replay * 1e3, "step_ms": step * 1e3, "bytes_read": float(read)}
+
+    def prefill(self, n: int, repeat: int) -> float:
+        table = tuple(range(1, 1 + -(-n // BLOCK)))
+        chunk = ScheduledChunk("p", tuple(range(3, 3 + n)), 0, table, sample=True)
+        requests = {"p": Request("p", chunk.token_ids, GREEDY)}
+        return _timed(lambda: self.runner.execute([chunk], requests), self.device, repeat)
+
+
+def _handoff(backend: str, device: int | str, counts: tuple[int, ...]) -> dict[str, Any]:
+    from benchmarks.gpu_kvtransfer import fixed_cost_ms, run
+
+    result = run(backend, device, device, counts)
+    fixed, per_mib = fixed_cost_ms(result["by_blocks_ms"], result["block_bytes"])
+    return {"handoff_fixed_ms": fixed, "handoff_ms_per_mib": per_mib, "handoff": result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_engine_check.json")
+    p.add_argument("--dry-run", action="store_true", help="the same code on the CPU, small sizes")
+    p.add_argument("--skip-tests", action="store_true", help="leave out the gpu-marked tests")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (--dry-run runs the CPU rehearsal)"}))
         return 0
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/engine/test_gpu.py"], cwd=ROOT
-    )
-    bench = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engine_roofline", "--device", "cuda", "--skip-hf"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    print(bench.stdout + bench.stderr[-4000:])
-    lines = [ln for ln in bench.stdout.splitlines() if ln.startswith("{")]
-    result = json.loads(lines[-1]) if lines else {}
-    result.update(
-        gpu=torch.cuda.get_device_name(0), gpu_tests_rc=tests.returncode, roofline_rc=bench.returncode
-    )
-    print(json.dumps(result, sort_keys=True))
-    return tests.returncode or bench.returncode
+    device = torch.device("cpu" if dry else "cuda")
+    dtype = torch.float32 if dry else torch.bfloat16
+    config = resolve_model("tiny").model_config() if dry else ModelConfig.from_hf(LLAMA_31_8B, "llama-3.1-8b")
+    ctx, big, repeat = (64, 4, 3) if dry else (1024, 64, 20)
+    prefills = (64, 128) if dry else (2048, 8192)
+    out: dict[str, Any] = {
+        "gpu": "cpu (dry run)" if dry else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "model": "tiny" if dry else "llama-3.1-8b shape, random bf16",
+        "context": ctx,
+    }
+    t0 = time.perf_counter()
+    copy_bw = memory_copy_bandwidth(device, mib=64 if dry else 2048)
+    mm = matmul_flops(device, dtype, n=256 if dry else 8192)["matmul"]
+    out.update(copy_gbs=copy_bw / 1e9, matmul_tflops=mm / 1e12)
+    print(f"ceilings: copy {copy_bw / 1e9:.0f} GB/s, matmul {mm / 1e12:.1f} TFLOP/s", flush=True)
+    bench = Bench(config, device, dtype, big, ctx)
+    out["setup_s"] = time.perf_counter() - t0
+    for batch in (1, big):
+        d = bench.decode(batch, ctx, repeat)
+        key = "b1" if batch == 1 else "b64" if not dry else f"b{batch}"
+        mbu = d["bytes_read"] / (d["replay_ms"] / 1e3) / copy_bw
+        out.update({f"decode_{key}_replay_ms": d["replay_ms"], f"decode_{key}_step_ms": d["step_ms"]})
+        out[f"decode_mbu_{'b64' if batch == big else 'b1'}"] = mbu
+        print(
+            f"decode batch {batch}: replay {d['replay_ms']:.2f} ms, step {d['step_ms']:.2f} ms, MBU {mbu:.2f}"
+        )
+    out["host_overhead_ratio"] = out["decode_b1_step_ms"] / out["decode_b1_replay_ms"]
+    for n, key in zip(prefills, ("2k", "8k"), strict=True):
+        t = bench.prefill(n, max(3, repeat // 4))
+        mfu = prefill_flops(config, n) / t / mm
+        out[f"prefill_{key}_ms"], out[f"prefill_mfu_{key}"] = t * 1e3, mfu
+        print(f"prefill {n}: {t * 1e3:.1f} ms, MFU {mfu:.2f}", flush=True)
+    del bench
+    counts = (1, 4) if dry else (1, 4, 16, 64, 128)
+    out.update(_handoff("tcp" if dry else "cuda_ipc", "cpu" if dry else 0, counts))
+    print(f"hand-off fixed cost {out['handoff_fixed_ms']:.3f} ms", flush=True)
+    rc = 0
+    if not (dry or args.skip_tests):
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/engine/test_gpu.py"], cwd=ROOT
+        )
+        out["gpu_tests_rc"] = rc = tests.returncode
+    out["wall_s"] = time.perf_counter() - t0
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_engine_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
+    print(json.dumps(out, sort_keys=True))
+    return rc
 
 
 if __name__ == "__main__":

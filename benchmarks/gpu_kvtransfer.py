@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import sys
 import time
 from typing import Any
@@ -33,7 +34,12 @@ def _digest(cache: Any, blocks: list[int]) -> str:
     return hashlib.sha256(data.tobytes()).hexdigest()
 
 
-def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
+def _device(device: int | str) -> str:
+    """A GPU index, or ``"cpu"`` (the CPU dry run of ``gpu_engine_check``)."""
+    return device if isinstance(device, str) else f"cuda:{device}"
+
+
+def receiver(pipe: Any, backend: str, device: int | str, secret: bytes) -> None:
     import torch
 
     from pdserve.kvtransfer.config import TransportConfig
@@ -41,8 +47,9 @@ def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
     from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
-    torch.cuda.set_device(device)
-    cache = new_kv_cache(SHAPE, torch.bfloat16, f"cuda:{device}")
+    if isinstance(device, int):
+        torch.cuda.set_device(device)
+    cache = new_kv_cache(SHAPE, torch.bfloat16, _device(device))
     t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60))
     pipe.send(t.listen())
     while True:
@@ -58,7 +65,12 @@ def receiver(pipe: Any, backend: str, device: int, secret: bytes) -> None:
             return
 
 
-def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
+def run(
+    backend: str, rx_device: int | str, tx_device: int | str, counts: tuple[int, ...] = (BLOCKS,)
+) -> dict[str, Any]:
+    """Transfers of each of ``counts`` blocks (``REPEAT`` timed each, after two checked by hash):
+    throughput of the largest against a device copy of its bytes, and the median time of each
+    size (``by_blocks``, ms), from ``send`` to the receiver reporting DONE."""
     import torch
 
     from benchmarks.common import median_time
@@ -71,39 +83,46 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, backend, rx_device, secret))
     proc.start()
-    torch.cuda.set_device(tx_device)
-    cache = new_kv_cache(SHAPE, torch.bfloat16, f"cuda:{tx_device}")
-    cache.copy_(torch.randn(SHAPE, device=f"cuda:{tx_device}"))
+    device = _device(tx_device)
+    if isinstance(tx_device, int):
+        torch.cuda.set_device(tx_device)
+    cache = new_kv_cache(SHAPE, torch.bfloat16, device)
+    cache.copy_(torch.randn(SHAPE, device=device))
     tx = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60))
     try:
         addr = parent.recv()
         rng = random.Random(0)
         exact = True
-        times = []
-        for i in range(REPEAT + 2):
-            src, dst = rng.sample(range(SHAPE[1]), BLOCKS), rng.sample(range(SHAPE[1]), BLOCKS)
-            tid = f"{backend}-{i}"
-            parent.send(("expect", tid, dst))
-            assert parent.recv() == "ok"
-            t0 = time.perf_counter()
-            tx.send(tid, addr, src, dst)
-            parent.send(("wait", tid, dst, i < 2))
-            ok, digest = parent.recv()
-            dt = time.perf_counter() - t0
-            exact &= ok and (not digest or digest == _digest(cache, src))
-            if i >= 2:
-                times.append(dt)
-        nbytes = BLOCKS * SHAPE[0] * cache[0, 0].numel() * cache.element_size()
-        a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{tx_device}")
+        by_blocks: dict[int, float] = {}
+        for n in counts:
+            times = []
+            for i in range(REPEAT + 2):
+                src, dst = rng.sample(range(SHAPE[1]), n), rng.sample(range(SHAPE[1]), n)
+                tid = f"{backend}-{n}-{i}"
+                parent.send(("expect", tid, dst))
+                assert parent.recv() == "ok"
+                t0 = time.perf_counter()
+                tx.send(tid, addr, src, dst)
+                parent.send(("wait", tid, dst, i < 2))
+                ok, digest = parent.recv()
+                dt = time.perf_counter() - t0
+                exact &= ok and (not digest or digest == _digest(cache, src))
+                if i >= 2:
+                    times.append(dt)
+            by_blocks[n] = statistics.median(times) * 1e3
+        n = max(counts)
+        nbytes = n * SHAPE[0] * cache[0, 0].numel() * cache.element_size()
+        a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
         b = torch.empty_like(a)
         copy_bw = nbytes / median_time(lambda: b.copy_(a), repeat=9, warmup=2, device=a.device)
-        times.sort()
-        bw = nbytes / times[len(times) // 2]
+        bw = nbytes / (by_blocks[n] / 1e3)
         return {
             "byte_exact": bool(exact),
             "gbs": bw / 1e9,
             "device_copy_gbs": copy_bw / 1e9,
             "ratio": bw / copy_bw,
+            "by_blocks_ms": by_blocks,
+            "block_bytes": SHAPE[0] * cache[0, 0].numel() * cache.element_size(),
         }
     finally:
         tx.close()
@@ -111,6 +130,15 @@ def run(backend: str, rx_device: int, tx_device: int) -> dict[str, Any]:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def fixed_cost_ms(by_blocks_ms: dict[int, float], block_bytes: int) -> tuple[float, float]:
+    """Least-squares line through (bytes, ms): the intercept (a hand-off's fixed cost, ms) and
+    the slope (ms per MiB)."""
+    xs = [n * block_bytes / (1 << 20) for n in by_blocks_ms]
+    ys = list(by_blocks_ms.values())
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
 
 
 def main() -> int:

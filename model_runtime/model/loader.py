@@ -137,6 +137,42 @@ def check_checkpoint(checkpoint: Checkpoint) -> ModelConfig:
     return config
 
 
+class _RandomWeights:
+    """Weights of the right shapes and no checkpoint: N(0, 0.02) matrices, unit norms, zero
+    biases, made on the target device. Speed does not depend on weight values, so a model this
+    size measures what a real one of its shape would, without the 16 GB file."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int, tied: bool) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.tied = tied
+
+    def has(self, name: str) -> bool:
+        return not (self.tied and name.startswith("lm_head"))
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=self.device, dtype=self.dtype)
+        if name.endswith("bias"):
+            return torch.zeros(shape, device=self.device, dtype=self.dtype)
+        t = torch.randn(shape, device=self.device, dtype=self.dtype, generator=self.gen)
+        return t.mul_(0.02)
+
+
+def random_model(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    engine_backend: Backend = Backend.TORCH,
+    seed: int = 0,
+) -> LlamaModel:
+    """A model of ``config``'s shape with random weights (benchmarks of a shape, not of a model)."""
+    weights = _RandomWeights(device, dtype, seed, config.tie_word_embeddings)
+    return _build(config, weights, device, dtype, max_positions, engine_backend)
+
+
 def load_model(
     checkpoint: Checkpoint,
     config: ModelConfig,

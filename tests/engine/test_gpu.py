@@ -43,3 +43,65 @@ def test_cuda_bfloat16_default_serves_and_frees() -> None:
     b = engine.generate(["y", "x"], [GREEDY, seeded])[1].token_ids
     assert a == b
     engine.check_integrity()
+
+
+def test_paged_backend_is_the_cuda_default_and_captures_graphs() -> None:
+    engine = _engine("tiny", None)
+    assert engine.runner.model.backend.value == "paged"
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.graphs  # captured, one per bucket
+    engine.generate(["warm"], GREEDY)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_cuda_graph_decode_equals_eager_and_hf(kind: str, tmp_path: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_hf_model(kind, tmp_path, seed=5)
+    prompts = [list(range(3, 3 + n)) for n in (1, 17, 100, 300, 5, 9, 70)]
+    expected = [hf_greedy(model, p, 32)[0] for p in prompts]
+    for graphs in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tmp_path),
+                device="cuda",
+                dtype="float32",
+                cuda_graphs=graphs,
+                cache=CacheConfig(num_blocks=512),
+            )
+        )
+        assert (engine.runner.graphs is not None) == graphs
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected, f"graphs={graphs}"
+        engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_on_cuda_match_their_references(dtype: torch.dtype) -> None:
+    from pdserve.model_runtime.kernels import fused, reference
+    from pdserve.model_runtime.kernels import paged_attention as pa
+    from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    cache = new_kv_cache((2, 256, 2, 16, 8, 128), dtype, "cuda")
+    cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(dtype))
+    kv = cache[1]
+    lens = torch.tensor([1, 700, 1024, 0, 33], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(255, device="cuda", generator=gen)[: 5 * 64].view(5, 64).to(torch.int32) + 1
+    q = torch.randn(5, 32, 128, generator=gen, device="cuda").to(dtype)
+    for window in (0, 300):
+        for splits in (1, 8):
+            got = pa.paged_decode(q, kv, tables, lens, 0.088, window, splits)
+            torch.testing.assert_close(got, reference.paged_decode(q, kv, tables, lens, 0.088, window), **tol)
+    cu = torch.tensor([0, 300, 301, 1301], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 700, 24], dtype=torch.int32, device="cuda")
+    qp = torch.randn(1301, 32, 128, generator=gen, device="cuda").to(dtype)
+    got = pa.paged_prefill(qp, kv, tables[:3], cu, starts, 1000, 0.088, 0)
+    torch.testing.assert_close(
+        got, reference.paged_prefill(qp, kv, tables[:3], cu, starts, 1000, 0.088, 0), **tol
+    )
+    x = torch.randn(64, 4096, generator=gen, device="cuda").to(dtype)
+    w = torch.randn(4096, generator=gen, device="cuda").to(dtype)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **tol)
+    gu = torch.randn(64, 2 * 1024, generator=gen, device="cuda").to(dtype)
+    torch.testing.assert_close(fused.silu_mul(gu), reference.silu_mul(gu), **tol)

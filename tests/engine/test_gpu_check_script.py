@@ -1,0 +1,40 @@
+"""The prepared GPU check rehearsed on the CPU, so that a GPU loan never finds it broken."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = (
+    "gpu",
+    "copy_gbs",
+    "matmul_tflops",
+    "decode_mbu_b1",
+    "decode_mbu_b64",
+    "host_overhead_ratio",
+    "prefill_mfu_2k",
+    "prefill_mfu_8k",
+    "handoff_fixed_ms",
+)
+
+
+def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_engine_check", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    written = json.loads((tmp_path / "gpu_engine_check.json").read_text())
+    assert written == last
+    for key in KEYS:
+        assert key in last, key
+        assert not isinstance(last[key], float) or last[key] == last[key], key  # not NaN
+    assert last["handoff"]["byte_exact"] is True
+    assert last["decode_mbu_b1"] > 0 and last["prefill_mfu_2k"] > 0
