@@ -103,11 +103,16 @@ class PrefillEngine(RoleEngineBase):
         elif request_id in self._awaiting_target:
             self._awaiting_target.discard(request_id)
             self.kv.free(request_id)
-            self._requests.pop(request_id, None)
+            self._forget(request_id)
         else:
             self.scheduler.remove(request_id)
-            self._requests.pop(request_id, None)
+            self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> Request | None:
+        """The request leaves this worker: its entry and whatever the runner keeps for it."""
+        self.rt.runner.release(request_id)
+        return self._requests.pop(request_id, None)
 
     # -- stepping ----------------------------------------------------------------------------
     @property
@@ -202,7 +207,7 @@ class PrefillEngine(RoleEngineBase):
             self.transport.forget(tid)
             if rid is None:
                 continue
-            req = self._requests.pop(rid, None)
+            req = self._forget(rid)
             aborted = self._targets.pop(rid, None) is None
             if req is not None:
                 self.kv.free(rid)
@@ -214,12 +219,11 @@ class PrefillEngine(RoleEngineBase):
 
     def _end(self, request_id: str, cancel: bool) -> None:
         target = self._targets.pop(request_id, None)
-        self._requests.pop(request_id, None)
+        self._forget(request_id)
         if target is not None and target.transfer_id in self._sending:
             self._sending.pop(target.transfer_id)
             if cancel:
                 self.transport.cancel(target.transfer_id)
-        self.rt.runner.release(request_id)
 
     def counts(self) -> tuple[int, int]:
         return self.scheduler.num_running + len(self._sending), self.scheduler.num_waiting
