@@ -38,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pdserve.bench.metrics import RequestResult
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
+from pdserve.simulator.early_stop import EarlyStop
 from pdserve.simulator.jitter import StepJitter
 from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
@@ -72,6 +74,22 @@ class SimRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.work.prompt_token_ids)
+
+    def result(self) -> RequestResult:
+        """What a client measured of this request (tokens' leave times as its arrival times)."""
+        t = self.token_times
+        if self.rejected:
+            return RequestResult(self.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected")
+        if not self.done or not t:
+            return RequestResult(self.num_prompt_tokens, error="not finished")
+        return RequestResult(
+            prompt_len=self.num_prompt_tokens,
+            success=True,
+            output_len=len(t),
+            ttft=t[0] - self.arrival,
+            itls=[b - a for a, b in itertools.pairwise(t)],
+            latency=t[-1] - self.arrival,
+        )
 
 
 class SimWorker:
@@ -241,6 +259,7 @@ class Cluster:
         self.finished: list[SimRequest] = []  # in the order they ended
         self.end_times: list[float] = []  # when each of ``finished`` ended (non-decreasing)
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
+        self.early_stop: EarlyStop | None = None  # set: end the run once the point cannot pass
 
     def jitter_for(self, wid: str) -> StepJitter | None:
         """``wid``'s step-time variability, if the profile measured any (its own stream of
@@ -398,6 +417,7 @@ class Cluster:
             sr.token_times.append(now)  # the first token leaves now (TTFT)
             sr.cached = delta.num_cached_tokens
             self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
             if delta.finished:  # that token was the last: decode gives its reservation back
                 decoder.command(lambda: decoder.decode.abort(rid))
                 self.finish(sr)
@@ -413,11 +433,18 @@ class Cluster:
         if first and sr.token_times:  # prefilled locally: that was the first token
             sr.cached = delta.num_cached_tokens
             self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
         if delta.finished:
             self.finish(sr)
 
+    def _judge(self, verdict: Callable[[EarlyStop], bool]) -> None:
+        if self.early_stop is not None and verdict(self.early_stop):
+            self.clock.stop()
+
     def finish(self, sr: SimRequest) -> None:
         sr.done = True
+        rid = sr.work.request_id
+        self._judge(lambda es: es.failed(rid) if sr.rejected else es.finished(rid, sr.result()))
         self.requests.pop(sr.work.request_id, None)
         self.link.tokens.pop(sr.transfer_id, None)
         self.finished.append(sr)
@@ -428,6 +455,8 @@ class Cluster:
 
     def run(self) -> None:
         self.clock.run()
+        if self.clock.stopped:  # ended early: requests are in flight by design
+            return
         for w in self.by_id.values():  # every scenario ends with every request done and nothing held
             if not w.engine.idle:
                 held = {k: v for k, v in w.engine.request_state().items() if v}

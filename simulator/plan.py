@@ -166,6 +166,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
     p.add_argument(
+        "--no-early-stop",
+        dest="early_stop",
+        action="store_false",
+        help="simulate every point to its last request, even once it can no longer reach 90%% (the "
+        "answers are the same; the exhaustive reference run uses this)",
+    )
+    p.add_argument(
         "--no-conditional",
         dest="conditional",
         action="store_false",
@@ -197,10 +204,14 @@ def goodput(
 
     def attainment(rate: float) -> float:
         run = c.sim_args(args.policy)
-        m = simulate(argparse.Namespace(**{**vars(args), **run, "request_rate": rate}))
+        stop_below = 0.9 if getattr(args, "early_stop", True) else None
+        m = simulate(
+            argparse.Namespace(**{**vars(args), **run, "request_rate": rate, "stop_below": stop_below})
+        )
         points.append(
             {
                 "rate": rate,
+                "stopped_early": bool(m.get("stopped_early")),
                 "work_bound_per_gpu": m["work_bound_rate_per_gpu"],
                 **{k: m[k] for k in POINT_KEYS},
             }

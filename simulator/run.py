@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
 import time
@@ -34,6 +33,7 @@ from pdserve.simulator.autoscale import AutoscaleConfig, SimAutoscaler
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.cluster import Cluster, SimRequest
+from pdserve.simulator.early_stop import EarlyStop
 from pdserve.steptime.model import StepTimeModel
 
 
@@ -145,31 +145,25 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         tracked.append(cluster.submit(s.arrival_s, f"r{i}", prompt, s.output_len))
         submitted.append(RequestSpec(s.arrival_s, prompt, s.prompt_len, s.output_len))
     scaler = autoscaler(args, profile, slo, colocated, cluster, tracked)
+    stop_below = getattr(args, "stop_below", None)
+    if stop_below is not None and specs and not slo.empty:
+        cluster.early_stop = EarlyStop(slo, len(specs), stop_below, already_missed=len(results))
     t0 = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - t0
     end = 0.0
     for sr in tracked:
-        t = sr.token_times
-        if sr.rejected:
-            results.append(RequestResult(sr.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected"))
-            continue
-        if not sr.done or not t:
-            results.append(RequestResult(sr.num_prompt_tokens, error="not finished"))
-            continue
-        end = max(end, t[-1])
-        results.append(
-            RequestResult(
-                prompt_len=sr.num_prompt_tokens,
-                success=True,
-                output_len=len(t),
-                ttft=t[0] - sr.arrival,
-                itls=[b - a for a, b in itertools.pairwise(t)],
-                latency=t[-1] - sr.arrival,
-            )
-        )
+        r = sr.result()
+        results.append(r)
+        if r.success:
+            end = max(end, sr.token_times[-1])
     duration = end - min((s.arrival_s for s in specs), default=0.0)
     m = summarize(results, duration, Slo.parse(args.goodput))
+    if cluster.early_stop is not None and cluster.early_stop.stopped:
+        # The other metrics describe the requests finished by then; attainment is the most the
+        # point could still have reached, already below the target.
+        m["slo_attainment"] = cluster.early_stop.attainment_bound
+        m["stopped_early"] = True
     bound = work_bound(profile, submitted, args.block_size)
     shed = [sr.rejected for sr in tracked]
     admitted = (

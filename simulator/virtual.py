@@ -38,6 +38,7 @@ class Clock:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
+        self.stopped = False
 
     def __call__(self) -> float:
         return self.now
@@ -46,9 +47,13 @@ class Clock:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
     def run(self) -> None:
-        while self._events:
+        while self._events and not self.stopped:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
+
+    def stop(self) -> None:
+        """End ``run`` after the event in progress (events still queued are dropped)."""
+        self.stopped = True
 
 
 class SimRunner:

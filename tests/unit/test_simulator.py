@@ -191,3 +191,38 @@ def test_plan_in_parallel_recommends_what_the_sequential_search_does(
     assert one["not_measured"] == two["not_measured"] == []
     short = summary("--jobs", "1", "--time-budget", "1")
     assert short["not_measured"]  # the first candidate ran (its bisection cut short), the rest did not
+
+
+def test_early_stop_counts_certain_misses_once() -> None:
+    from pdserve.bench.metrics import RequestResult, Slo
+    from pdserve.simulator.early_stop import EarlyStop
+
+    es = EarlyStop(Slo(ttft_ms=100, tpot_ms=10), total=20, target=0.9, already_missed=1)
+    assert not es.first_token("a", 0.05)
+    assert not es.first_token("b", 0.2)  # a miss: 2 of 20, attainment can still be 0.9
+    ok = RequestResult(1, success=True, output_len=3, ttft=0.05, itls=[0.005, 0.005], latency=0.06)
+    slow = RequestResult(1, success=True, output_len=3, ttft=0.2, itls=[0.005, 0.005], latency=0.21)
+    assert not es.finished("a", ok)
+    assert not es.finished("b", slow)  # already counted at its first token
+    assert es.misses == 2 and es.attainment_bound == 0.9
+    assert es.failed("c")  # 3 of 20: at most 0.85 now
+    assert es.stopped and es.attainment_bound == pytest.approx(0.85)
+    with pytest.raises(ValueError):
+        EarlyStop(Slo(ttft_ms=1), total=0, target=0.9)
+
+
+@pytest.mark.parametrize("rate", ["2", "40"])
+def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str) -> None:
+    """An overloaded point ends early with an attainment bound below 90 %, the full run's answer;
+    a passing point runs to its end and reports exactly what the full run reports."""
+    flags = ("--prefill", "1", "--decode", "1", "--num-prompts", "300", "--random-input-len", "1500",
+             "--random-output-len", "60", "--goodput", "ttft:250", "tpot:100",
+             "--request-rate", rate)  # fmt: skip
+    full = simulate(args(*flags))
+    fast = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9}))
+    assert (full["slo_attainment"] >= 0.9) == (fast["slo_attainment"] >= 0.9)
+    if full["slo_attainment"] >= 0.9:
+        assert not fast.get("stopped_early") and fast["slo_attainment"] == full["slo_attainment"]
+    else:
+        assert fast["stopped_early"] and full["slo_attainment"] <= fast["slo_attainment"] < 0.9
+        assert fast["simulation_wall_s"] < full["simulation_wall_s"]
