@@ -44,12 +44,15 @@ from typing import Any
 from pdserve.bench.metrics import Slo
 from pdserve.bench.sweep import run_search, search
 from pdserve.flags import add_sweep_steps, save_result
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.simulator.bound import work_bound
+from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.run import add_simulate_args, simulate, workload
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
 PRIORITY_BUDGETS = (2048, 8192)
 PREFILL_BUDGETS = (2048, 8192)
 CHUNKED, PRIORITY, SPLIT, CONDITIONAL = "chunked", "prefill-priority", "split", "conditional"
+_FAMILY_ORDER = (CHUNKED, PRIORITY, SPLIT, CONDITIONAL)
 POINT_KEYS = ("slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
@@ -65,6 +68,13 @@ class Candidate:
     @property
     def gpus(self) -> int:
         return self.colocated or self.prefill + self.decode
+
+    @property
+    def canonical(self) -> tuple[int, int, int]:
+        """Where the candidate stands in the search's fixed order (families as ``candidates``
+        lists them, then fewer prefill workers, then the smaller budget): what breaks ties
+        between equal goodputs, so the order candidates happened to finish in never matters."""
+        return (_FAMILY_ORDER.index(self.family), self.prefill, self.budget)
 
     @property
     def family(self) -> str:
@@ -166,6 +176,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-rate-per-gpu", type=float, default=1.0, help="first rate of each sweep, per GPU")
     p.add_argument("--no-prune", dest="prune", action="store_false", help="finish every bisection")
     p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="the reference search: every candidate's bisection to the end, one at a time, every point "
+        "simulated to its last request, no warm starts (what the default search is checked against)",
+    )
+    p.add_argument(
         "--no-early-stop",
         dest="early_stop",
         action="store_false",
@@ -190,17 +206,55 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+Row = tuple[float, Candidate, dict[str, Any]]
+
+
+def rank(row: Row) -> tuple[float, tuple[int, ...]]:
+    """Higher goodput per GPU first; among equals, the earlier candidate in the fixed order."""
+    per_gpu, c, _ = row
+    return (per_gpu, tuple(-x for x in c.canonical))
+
+
+def warm_index(start: float, hint: float) -> int:
+    """Where to enter the rate grid ``start · 2^k`` for a candidate expected near ``hint``
+    req/s: the highest grid rate at or below half of it (0 without a hint)."""
+    k = 0
+    while start > 0 and start * 2 ** (k + 1) <= hint / 2:
+        k += 1
+    return k
+
+
+def coarse_to_fine(items: Sequence[Candidate]) -> list[Candidate]:
+    """``items`` in the order a bisection of their index range visits them (the middle, then
+    the quarters, ...): measured in this order, a family's best shows up early, so warm starts
+    and pruning work for the rest. The set is unchanged."""
+    out: list[Candidate] = []
+    spans = [(0, len(items))]
+    while spans:
+        nxt = []
+        for a, b in spans:
+            if a < b:
+                m = (a + b) // 2
+                out.append(items[m])
+                nxt += [(a, m), (m + 1, b)]
+        spans = nxt
+    return out
+
+
 def goodput(
     c: Candidate,
     args: argparse.Namespace,
     bound: float = 0.0,
     progress: Callable[[str], None] | None = None,
     deadline: float = math.inf,
+    hint: float = 0.0,
 ) -> dict[str, Any]:
     """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
     × GPUs until a miss, then ``--sweep-steps`` bisections. Stops as soon as the bracket's
     failing end is <= ``bound`` (it cannot beat that) or the next rate is under
-    ``--floor-per-gpu``: ``pruned``, goodput a lower bound and below ``failed_at``."""
+    ``--floor-per-gpu``: ``pruned``, goodput a lower bound and below ``failed_at``. ``hint``
+    (req/s, a similar candidate's goodput) enters the doubling near it (``search``'s warm start:
+    the same bracket, fewer low rates measured)."""
 
     def attainment(rate: float) -> float:
         run = c.sim_args(args.policy)
@@ -222,12 +276,14 @@ def goodput(
 
     points: list[dict[str, Any]] = []
     floor = getattr(args, "floor_per_gpu", 0.0) * c.gpus
+    start = args.min_rate_per_gpu * c.gpus
     found = run_search(
         search(
-            args.min_rate_per_gpu * c.gpus,
+            start,
             12,
             args.sweep_steps,
             stop=lambda hi, mid: hi <= bound or mid < floor or time.monotonic() >= deadline,
+            first=warm_index(start, hint),
         ),
         attainment,
     )
@@ -238,6 +294,12 @@ def goodput(
         "pruned": found.stopped,
         "points": sorted(points, key=lambda r: r["rate"]),
     }
+
+
+def _work_bound_rate(args: argparse.Namespace) -> float:
+    """The work bound of the plan's workload, req/s over all ``--gpus``."""
+    specs = workload(argparse.Namespace(**{**vars(args), "request_rate": args.min_rate_per_gpu * args.gpus}))
+    return work_bound(load_sim_profile(args.profile), specs, args.block_size).rate_per_gpu * args.gpus
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -256,12 +318,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    rows: list[tuple[float, Candidate, dict[str, Any]]] = []
+    rows: list[Row] = []
     best: dict[str, float] = {}  # family -> best goodput (req/s) so far
 
-    deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else math.inf
     skipped: list[str] = []
-    jobs = max(1, args.jobs)
+    if args.exhaustive:
+        args.prune = args.early_stop = False
+    warm = not args.exhaustive
+    # Where a candidate with nothing measured yet enters the rate grid: near the work bound, the
+    # most any layout sustains for long (finite runs pass it a little, overloaded ones fail fast).
+    bound_rate = _work_bound_rate(args) if warm else 0.0
+    deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else math.inf
+    jobs = 1 if args.exhaustive else max(1, args.jobs)
     pool = concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else None
 
     def run_all(cs: list[Candidate]) -> None:
@@ -275,10 +343,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     skipped.append(c.label)
                     continue
                 bound = best.get(c.family, 0.0) if args.prune else 0.0
+                hint = (best.get(c.family) or max(best.values(), default=0.0) or bound_rate) if warm else 0.0
                 if pool is None:
-                    record(c, goodput(c, args, bound, _progress, deadline))
+                    record(c, goodput(c, args, bound, _progress, deadline, hint))
                     continue
-                running[pool.submit(goodput, c, args, bound, _progress, deadline)] = c
+                running[pool.submit(goodput, c, args, bound, _progress, deadline, hint)] = c
             if running:
                 done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for f in done:
@@ -300,12 +369,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     first = candidates(
         args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
     )
+    if warm:
+        coloc = [c for c in first if c.colocated]
+        first = coloc + coarse_to_fine([c for c in first if not c.colocated])
     run_all(first)
     tried = {(c.prefill, c.budget) for c in first if not c.colocated}
     coarse = splits(args.gpus, args.max_splits)
     step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
     while step >= 1:  # local search around the best split: halve the step each round
-        top = max((r for r in rows if not r[1].colocated), key=lambda r: r[0])[1].prefill
+        top = max((r for r in rows if not r[1].colocated), key=rank)[1].prefill
         near = []
         for p in (top - step, top + step):
             for b in args.prefill_budgets:
@@ -315,25 +387,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         run_all(near)
         step //= 2
     if args.conditional:
-        chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=lambda r: r[0], default=None)
+        chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=rank, default=None)
         budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
-        run_all([Candidate(0, 0, args.gpus, budget, conditional=True)]
-                + [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse])  # fmt: skip
+        cond = [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse]
+        run_all(
+            [Candidate(0, 0, args.gpus, budget, conditional=True), *(coarse_to_fine(cond) if warm else cond)]
+        )
     if pool is not None:
         pool.shutdown()
     if not rows:
         print("pdserve plan: error: the time budget ended before any candidate was measured", file=sys.stderr)
         return 1
-    rows.sort(key=lambda r: -r[0])
+    rows.sort(key=rank, reverse=True)
     # Every family is deployable (prefill-priority with --colocated-schedule); ties keep the
     # earlier family in the search order: chunked colocation first.
     best_per_gpu, rec, rec_result = rows[0]
 
-    def family_best(name: str) -> tuple[float, Candidate, dict[str, Any]] | None:
-        return max((r for r in rows if r[1].family == name), key=lambda r: r[0], default=None)
+    def family_best(name: str) -> Row | None:
+        return max((r for r in rows if r[1].family == name), key=rank, default=None)
 
     pure_coloc = [r for r in rows if r[1].colocated and not r[1].conditional]
-    coloc = max(pure_coloc, key=lambda r: r[0], default=None)
+    coloc = max(pure_coloc, key=rank, default=None)
     chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best(SPLIT)
     conditional = family_best(CONDITIONAL)
     print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")

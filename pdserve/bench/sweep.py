@@ -47,19 +47,37 @@ def search(
     steps: int,
     target: float = 0.9,
     stop: Callable[[float, float], bool] | None = None,
+    first: int = 0,
 ) -> Search:
     """DistServe's goodput search as a generator: it yields the next rate to measure and is sent
     that rate's attainment. The rate doubles from ``start`` (at most ``doublings`` times) until
     attainment falls below ``target``, then ``steps`` bisections narrow the bracket;
     ``stop(failing rate, next rate)`` may end them early (e.g. the candidate cannot win any more).
-    Drive it with ``run_search`` or, for async measurements, as ``sweep`` does."""
-    lo, hi = 0.0, start
-    for _ in range(doublings):
-        if (yield hi) < target:
-            break
-        lo, hi = hi, hi * 2
+    Drive it with ``run_search`` or, for async measurements, as ``sweep`` does.
+
+    ``first``: the rate grid ``start · 2^k`` is entered at ``k = first`` rather than 0 (a warm
+    start, e.g. near a similar candidate's goodput): from there it climbs while the target is
+    met and otherwise descends until it is, so with attainment falling as the rate grows the
+    bracket, and every rate bisected after it, are the ones a search from ``k = 0`` finds —
+    without measuring the low rates (the slowest to simulate) on the way."""
+    grid = [start * 2**k for k in range(doublings)]
+    entry = max(0, min(first, doublings - 1))
+    lo, hi = 0.0, grid[entry]
+    if (yield hi) >= target:
+        lo = hi
+        for rate in grid[entry + 1 :]:
+            if (yield rate) < target:
+                hi = rate
+                break
+            lo = rate
+        else:
+            return Bracket(lo, None)
     else:
-        return Bracket(lo, None)
+        for rate in reversed(grid[:entry]):
+            if (yield rate) >= target:
+                lo = rate
+                break
+            hi = rate
     for _ in range(steps):
         mid = (lo + hi) / 2 if lo else hi / 2
         if stop is not None and stop(hi, mid):

@@ -8,8 +8,11 @@ import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.sweep import run_search, search
 from pdserve.bench.workload import (
     WorkloadError,
     arrival_times,
@@ -262,3 +265,35 @@ def test_trace_start_row_varies_a_replay_and_wraps_around(tmp_path: Path) -> Non
 
     assert workload(0, 0) == workload(0, 1) == [10, 20, 30]  # a seed leaves a trace's lengths alone
     assert workload(1, 0) == [20, 30, 40]
+
+
+@given(
+    st.floats(0.01, 5000, allow_nan=False),
+    st.integers(0, 14),
+    st.integers(0, 4),
+    st.integers(1, 12),
+)
+def test_a_warm_started_search_finds_the_cold_searchs_bracket(
+    threshold: float, first: int, steps: int, doublings: int
+) -> None:
+    """With attainment falling as the rate grows, entering the rate grid anywhere gives the
+    bracket, and the goodput, that doubling from the bottom gives."""
+
+    def measure(rate: float) -> float:
+        return 1.0 if rate <= threshold else 0.5
+
+    cold_rates: list[float] = []
+    warm_rates: list[float] = []
+
+    def cold(rate: float) -> float:
+        cold_rates.append(rate)
+        return measure(rate)
+
+    def warm(rate: float) -> float:
+        warm_rates.append(rate)
+        return measure(rate)
+
+    a = run_search(search(1.0, doublings, steps), cold)
+    b = run_search(search(1.0, doublings, steps, first=first), warm)
+    assert a == b
+    assert warm_rates[-steps:] == cold_rates[-steps:] or not a.bracketed or steps == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from typing import Any
 
 import pytest
 
@@ -189,7 +190,7 @@ def test_plan_in_parallel_recommends_what_the_sequential_search_does(
     assert one["recommended"] == two["recommended"]
     assert one["recommended_per_gpu"] == two["recommended_per_gpu"]
     assert one["not_measured"] == two["not_measured"] == []
-    short = summary("--jobs", "1", "--time-budget", "1")
+    short = summary("--jobs", "1", "--time-budget", "0.05")
     assert short["not_measured"]  # the first candidate ran (its bisection cut short), the rest did not
 
 
@@ -226,3 +227,34 @@ def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str) -> None:
     else:
         assert fast["stopped_early"] and full["slo_attainment"] <= fast["slo_attainment"] < 0.9
         assert fast["simulation_wall_s"] < full["simulation_wall_s"]
+
+
+def test_fast_plan_recommends_what_the_exhaustive_search_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """Warm starts, coarse-to-fine order, pruning and early-stopped points change what is
+    measured, not the answer: the same recommendation and goodputs as every candidate's full
+    bisection one at a time, with fewer points simulated to the end."""
+    from pdserve.simulator.plan import add_plan_args, cmd_plan
+
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    base = ["--gpus", "6", "--num-prompts", "80", "--random-input-len", "700", "--random-output-len", "40",
+            "--goodput", "ttft:250", "tpot:100", "--sweep-steps", "2", "--colocated-budgets", "2048",
+            "--priority-budgets", "2048", "--prefill-budgets", "4096", "--max-splits", "5",
+            "--jobs", "1"]  # fmt: skip
+
+    def summary(*extra: str) -> tuple[dict[str, Any], int]:
+        assert cmd_plan(p.parse_args([*base, *extra])) == 0
+        captured = capsys.readouterr()
+        result: dict[str, Any] = json.loads(captured.out.strip().splitlines()[-1])
+        return result, captured.err.count("-> attainment")
+
+    (fast, fast_points), (slow, slow_points) = summary(), summary("--exhaustive")
+    for key in (
+        "recommended",
+        "recommended_per_gpu",
+        "best_split",
+        "best_split_per_gpu",
+        "best_chunked_per_gpu",
+    ):
+        assert fast[key] == slow[key], key
+    assert fast_points < slow_points
