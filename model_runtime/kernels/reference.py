@@ -11,12 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.model_runtime.model.attention import gather_blocks
+from pdserve.model_runtime.model.layers import rms_norm, rotate
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 statistics whatever the activation dtype, as the reference implementation does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+__all__ = ["add_rms_norm", "paged_decode", "paged_prefill", "rms_norm", "rope_write_kv", "silu_mul"]
 
 
 def add_rms_norm(
@@ -31,13 +29,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x`` = [..., 2 * n] holding gate then up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x`` [T, heads, D] with ``cos``/``sin`` [T, 1, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def rope_write_kv(
@@ -69,12 +60,6 @@ def rope_write_kv(
     kv_layer[blocks, 1, offsets] = v
 
 
-def _gather(kv_layer: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = blocks.reshape(-1).long()
-    shape = (*blocks.shape[:-1], -1, *kv_layer.shape[-2:])
-    return kv_layer[:, 0].index_select(0, rows).view(shape), kv_layer[:, 1].index_select(0, rows).view(shape)
-
-
 def paged_decode(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -86,7 +71,7 @@ def paged_decode(
     """One query token per row: ``q`` [B, Hq, D] over the first ``seq_lens[b]`` cached tokens of
     row ``b`` (the last ``window`` of them when ``window > 0``); rows of length 0 give zeros."""
     rows, n_q, dim = q.shape
-    keys, values = _gather(kv_layer, block_tables)  # [B, L, Hkv, D]
+    keys, values = gather_blocks(kv_layer, block_tables)  # [B, L, Hkv, D]
     n_kv = keys.shape[2]
     k_pos = torch.arange(keys.shape[1], device=q.device)
     lens = seq_lens.long().unsqueeze(1)
@@ -121,7 +106,7 @@ def paged_prefill(
     for i, start in enumerate(start_pos.tolist()):
         a, b = bounds[i], bounds[i + 1]
         end = start + b - a
-        keys, values = _gather(kv_layer, block_tables[i, : -(-end // block_size)])
+        keys, values = gather_blocks(kv_layer, block_tables[i, : -(-end // block_size)])
         q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)
         k_pos = torch.arange(end, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos

@@ -49,8 +49,9 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
 
 
-def _gather(kv_layer: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``blocks`` ([..., nb]) as [..., nb * block_size, heads, dim] each.
+def gather_blocks(kv_layer: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``blocks`` ([..., nb], int32 or int64) as [..., nb * block_size, heads,
+    dim] each.
 
     One ``index_select`` of the key half and one of the value half, each straight into a
     contiguous result (plain advanced indexing followed by a K/V split costs two copies and is
@@ -74,7 +75,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        keys, values = _gather(kv_layer, meta.decode_block_tables)  # [Bd, L, Hkv, D]
+        keys, values = gather_blocks(kv_layer, meta.decode_block_tables)  # [Bd, L, Hkv, D]
         qd = q[: meta.decode_rows.numel()] if meta.decode_contiguous else q[meta.decode_rows]
         bd, n_q, dim = qd.shape
         n_kv = keys.shape[2]
@@ -95,7 +96,7 @@ def paged_attention(
         qs = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         ks, vs = k[p.token_start : p.token_end], v[p.token_start : p.token_end]
         if p.cached_blocks is not None:
-            ck, cv = _gather(kv_layer, p.cached_blocks)
+            ck, cv = gather_blocks(kv_layer, p.cached_blocks)
             ks = torch.cat((ck[: p.start_pos], ks), dim=0)
             vs = torch.cat((cv[: p.start_pos], vs), dim=0)
         o = F.scaled_dot_product_attention(
