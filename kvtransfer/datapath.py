@@ -427,9 +427,6 @@ class CudaIpcPath(_DirectWritePath):
     def computed_marker(self) -> object | None:
         return cuda_marker(self.cache.device)
 
-    def _order_after(self, marker: object | None) -> None:
-        order_after(self._stream, marker)
-
     def push_layers(
         self,
         conn: Connection,
@@ -439,8 +436,11 @@ class CudaIpcPath(_DirectWritePath):
         dst: Sequence[int],
         after: object | None = None,
     ) -> int:
+        # Ordered before entering the copy stream: without a marker, "everything on the caller's
+        # current stream" must name the caller's stream, not the copy stream itself.
+        order_after(self._stream, after)
         with torch.cuda.stream(self._stream):
-            return super().push_layers(conn, transfer_id, layers, src, dst, after)
+            return super().push_layers(conn, transfer_id, layers, src, dst)
 
     def _written(self, conn: Connection) -> None:
         self._stream.synchronize()  # the bytes are in the peer's memory before we say so

@@ -330,16 +330,18 @@ class Sender(TransferTable[Outgoing]):
         )
 
     def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
+        with self._lock:  # layer_ready sets both under this lock: read them as one pair
+            ready, marker = t.layers_ready, t.computed
         with t.lock:
-            if t.state is not TransferState.TRANSFERRING or t.layers_sent >= t.layers_ready:
+            if t.state is not TransferState.TRANSFERRING or t.layers_sent >= ready:
                 return
             if conn.closed.is_set():
                 raise ConnectionLost(f"connection to {conn.peer} is closed")
             if t.write_until_ns is not None and time.monotonic_ns() >= t.write_until_ns:
                 raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
-            layers = range(t.layers_sent, t.layers_ready)
+            layers = range(t.layers_sent, ready)
             t.nbytes += self.path.push_layers(
-                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=t.computed
+                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker
             )
             t.layers_sent = layers.stop
             if t.layers_sent == self.num_layers:

@@ -16,7 +16,6 @@ Two backends share the model's weights, its scheduler and its KV cache layout:
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 
 
@@ -64,13 +63,11 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-def decode_splits(rows: int, kv_heads: int, max_tokens: int, num_sms: int, tile: int = 64) -> int:
-    """Split-K factor for decode attention: enough programs to fill the device twice over, no
-    split shorter than four tiles, at least one."""
-    programs = max(1, rows * kv_heads)
-    wanted = math.ceil(2 * num_sms / programs)
-    longest = max(1, max_tokens // (4 * tile))
-    return max(1, min(wanted, longest))
+# Decode attention's split-K unit: positions one program reads before the splits are merged.
+# Fixed rather than sized to the batch, so a row's result depends on its own length alone (the
+# same tokens whatever shares its step); 256 gives a 1k-token row four programs per KV head and
+# an 8k-token row thirty-two, and is a multiple of the kernel's 64-position tile.
+DECODE_SPLIT_TOKENS = 256
 
 
 # A step's token budget. On a CPU, 512 keeps a step's activations in cache and a decode batch

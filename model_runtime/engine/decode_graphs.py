@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.model_runtime.backend import bucket_for
-from pdserve.model_runtime.engine.step_inputs import Stager, StepInputs, StepLayout, pack_step, unpack
+from pdserve.model_runtime.engine.step_inputs import Stager, StepInputs, StepLayout, unpack
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
@@ -33,7 +33,6 @@ class DecodeGraphs:
         decode_width: int,
         block_size: int,
         window: int,
-        splits: dict[int, int],
         capture: bool,
     ) -> None:
         self.model = model
@@ -45,8 +44,7 @@ class DecodeGraphs:
         self.stager = Stager(model.device, capacity=max(layout.size for layout in self.layouts.values()))
         buffer = self.stager.device_buffer
         self.inputs: dict[int, StepInputs] = {
-            b: unpack(buffer, layout, 0, window, splits[b], sample_all=True)
-            for b, layout in self.layouts.items()
+            b: unpack(buffer, layout, 0, window, sample_all=True) for b, layout in self.layouts.items()
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -57,16 +55,34 @@ class DecodeGraphs:
         inp = self.inputs[bucket]
         return self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_cache, None)
 
-    def _stage_padding(self, bucket: int) -> None:
-        # Warm-up runs execute for real: all-padding rows write and read no KV.
-        self.stager.stage(
-            pack_step((), self.block_size, pad_to=bucket, decode_width=self.decode_width).values
-        )
+    def _stage(self, chunks: Sequence[ScheduledChunk], bucket: int) -> None:
+        """Write the step into the bucket's layout in the host buffer and upload it.
+
+        Only what changes is written: each row's id, position, slot and length, and the used
+        prefix of its block table (as wide as ``max_model_len`` allows and mostly unused:
+        rewriting every column each step would cost more host time than the GPU's step). Columns
+        past a row's length are never read (the kernels stop at the length), so stale ones are
+        harmless; padding rows (and the warm-up runs, all padding) get slot -1 and length 0, so
+        they write and read no KV.
+        """
+        b, width, n = bucket, self.decode_width, len(chunks)
+        host = self.stager.host(self.layouts[bucket].size)
+        ids, pos, slots, lens = host[:b], host[b : 2 * b], host[2 * b : 3 * b], host[3 * b : 4 * b]
+        tables = host[4 * b :].reshape(b, width)
+        bs = self.block_size
+        for i, c in enumerate(chunks):
+            p = c.start_pos
+            ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
+            slots[i] = c.block_table[p // bs] * bs + p % bs
+            used = p // bs + 1
+            tables[i, :used] = c.block_table[:used]
+        ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 0
+        self.stager.upload(host.size)
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._stage_padding(bucket)
+            self._stage((), bucket)
             side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -97,11 +113,10 @@ class DecodeGraphs:
         """Logits of the step's rows (in ``sample_ids`` order) and those ids; ``fits`` must hold."""
         bucket = bucket_for(len(chunks), self.buckets)
         assert bucket is not None
-        packed = pack_step(chunks, self.block_size, pad_to=bucket, decode_width=self.decode_width)
-        self.stager.stage(packed.values)
+        self._stage(chunks, bucket)
         if self.graphs:
             self.graphs[bucket].replay()
             logits = self.outputs[bucket]
         else:
             logits = self._forward(bucket)
-        return logits[: packed.real_rows], packed.sample_ids
+        return logits[: len(chunks)], [c.request_id for c in chunks]

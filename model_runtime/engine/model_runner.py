@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model_runtime.backend import Backend, decode_splits, graph_buckets
+from pdserve.model_runtime.backend import Backend, graph_buckets
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.engine.batch import build_batch
 from pdserve.model_runtime.engine.decode_graphs import DecodeGraphs
@@ -62,18 +62,9 @@ class ModelRunner:
         if self.paged and graphs is not None:
             buckets = graph_buckets(graphs.max_rows)
             width = -(-graphs.max_model_len // block_size)
-            splits = {b: self._splits(b, width * block_size) for b in buckets}
             self.graphs = DecodeGraphs(
-                model, kv_cache, buckets, width, block_size, self.window, splits, capture=graphs.capture
+                model, kv_cache, buckets, width, block_size, self.window, capture=graphs.capture
             )
-
-    def _splits(self, rows: int, max_tokens: int) -> int:
-        sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 4
-        )
-        return decode_splits(rows, self.config.num_kv_heads, max_tokens, sms)
 
     def release(self, request_id: str) -> None:
         """The request is gone: drop its penalty counts (the only per-request state; seeded
@@ -126,10 +117,8 @@ class ModelRunner:
             return self.graphs.run(chunks)
         assert self.stager is not None
         packed = pack_step(chunks, self.block_size)
-        decodes = packed.layout.decodes
-        splits = self._splits(decodes, packed.layout.decode_width * self.block_size) if decodes else 1
         inp = unpack(
-            self.stager.stage(packed.values), packed.layout, packed.prefill_max_q, self.window, splits, False
+            self.stager.stage(packed.values), packed.layout, packed.prefill_max_q, self.window, False
         )
         logits = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.sample_rows, on_layer

@@ -170,6 +170,7 @@ class Runtime:
 def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) -> int:
     """KV blocks that fit in the device memory free now (after the weights), less the reserve for
     the largest step's activations and the decode graphs."""
+    torch.cuda.empty_cache()  # what loading freed counts as free
     free, _ = torch.cuda.mem_get_info()
     reserve = step_reserve_bytes(
         config.scheduler.max_num_batched_tokens,

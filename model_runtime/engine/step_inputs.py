@@ -15,8 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from pdserve.model_runtime.backend import DECODE_SPLIT_TOKENS
 from pdserve.model_runtime.model.ops import PagedMetadata
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
@@ -134,7 +137,6 @@ def unpack(
     layout: StepLayout,
     prefill_max_q: int,
     window: int,
-    decode_splits: int,
     sample_all: bool,
 ) -> StepInputs:
     """Views of ``buffer`` (int32, on the model's device, at least ``layout.size`` long)."""
@@ -162,7 +164,7 @@ def unpack(
         num_decodes=layout.decodes,
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
-        decode_splits=decode_splits,
+        decode_split_tokens=DECODE_SPLIT_TOKENS,
         prefill_block_tables=p_tables,
         prefill_cu_q=cu,
         prefill_start=starts,
@@ -205,10 +207,20 @@ class Stager:
     def stage(self, values: list[int]) -> torch.Tensor:
         """Copy ``values`` to the start of the device buffer; returns that buffer (whole)."""
         n = len(values)
+        host = self.host(n)
+        if n:
+            host[:] = values
+        return self.upload(n)
+
+    def host(self, n: int) -> npt.NDArray[np.int32]:
+        """The first ``n`` values of the host buffer, writable (the previous copy out of it has
+        finished); keeps what was written there before, which a caller may update in part."""
         self.reserve(n)
         self._wait()
-        if n:
-            self._host[:n] = torch.tensor(values, dtype=torch.int32)
+        return self._host[:n].numpy()
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Copy the host buffer's first ``n`` values to the device buffer; returns it (whole)."""
         self.device_buffer[:n].copy_(self._host[:n], non_blocking=self._pinned)
         if self._pinned:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]

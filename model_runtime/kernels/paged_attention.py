@@ -7,11 +7,14 @@ program loads a tile of token positions, maps them to cache addresses, and runs 
 softmax (FlashAttention's running max and sum) over them.
 
 * **Decode** (one query token per sequence) is split-K ("flash-decoding"): program
-  ``(row, kv_head, split)`` covers a slice of the sequence and all the query heads that share that
-  KV head (grouped-query attention: K and V are read once per group, and the group is the ``M`` of
-  the ``tl.dot``), writing a partial output and its log-sum-exp; a second kernel merges the
-  splits. The number of splits is fixed per call (``backend.decode_splits``), so a captured CUDA
-  graph keeps its grid; rows with ``seq_len == 0`` (a graph bucket's padding) produce zeros.
+  ``(row, kv_head, split)`` covers ``split_tokens`` positions of the sequence and all the query
+  heads that share that KV head (grouped-query attention: K and V are read once per group, and the
+  group is the ``M`` of the ``tl.dot``), writing a partial output and its log-sum-exp; a second
+  kernel merges the splits. The split size is fixed (``backend.DECODE_SPLIT_TOKENS``) and the grid
+  covers the block table's capacity, so a row's arithmetic depends on its own length only — not
+  on the batch it runs in (seeded sampling stays batch-independent) — and a captured CUDA graph
+  keeps its grid; splits past a row's length, and rows with ``seq_len == 0`` (a graph bucket's
+  padding), end at once and merge to nothing.
 * **Prefill** is varlen: program ``(sequence, query_head, query_tile)`` reads its sequence's keys
   from the cache (the step's own keys are written there first), so a chunk continuing a cached
   prefix and a fresh prompt are the same case; the causal mask is by absolute position.
@@ -31,7 +34,9 @@ import triton.language as tl
 
 from pdserve.model_runtime.kernels.launch import Kernel, next_power_of_2
 
-_MASKED = -1.0e30
+# A global a Triton kernel reads must be a constexpr (the compiler refuses plain Python globals;
+# the interpreter does not check).
+_MASKED = tl.constexpr(-1.0e30)
 
 
 def _decode_split_kernel(
@@ -55,7 +60,7 @@ def _decode_split_kernel(
     stride_lh,
     scale,
     window,
-    tokens_per_split,
+    split_tokens,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -69,8 +74,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(LENS + row)
     first = tl.maximum(seq_len - window, 0)
-    lo = tl.maximum(split * tokens_per_split, first)
-    hi = tl.minimum((split + 1) * tokens_per_split, seq_len)
+    lo = tl.maximum(split * split_tokens, first)
+    hi = tl.minimum((split + 1) * split_tokens, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
@@ -253,17 +258,18 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
-    num_splits: int,
+    split_tokens: int,
     block_n: int = 64,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [B, Hq, D] (one token per row) over each row's cached keys; [B, Hq, D]
-    (into ``out`` when given)."""
+    (into ``out`` when given). ``split_tokens``: positions per split, a multiple of ``block_n``."""
     rows, n_q, dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
     group = n_q // n_kv
-    capacity = block_tables.shape[1] * block_size
-    tokens_per_split = -(-capacity // (num_splits * block_n)) * block_n
+    if split_tokens <= 0 or split_tokens % block_n:
+        raise ValueError(f"split_tokens must be a positive multiple of {block_n}, got {split_tokens}")
+    num_splits = max(1, -(-block_tables.shape[1] * block_size // split_tokens))
     o_part = torch.empty(rows, n_q, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, n_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
@@ -275,7 +281,7 @@ def paged_decode(
         block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, _window(window), tokens_per_split,
+        scale, _window(window), split_tokens,
         GROUP=group, BLOCK_G=_tile(group), BLOCK_N=block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=dim, BLOCK_D=next_power_of_2(dim), PRECISION=_precision(q.dtype),
     )  # fmt: skip

@@ -71,7 +71,9 @@ def paged_decode(
     """One query token per row: ``q`` [B, Hq, D] over the first ``seq_lens[b]`` cached tokens of
     row ``b`` (the last ``window`` of them when ``window > 0``); rows of length 0 give zeros."""
     rows, n_q, dim = q.shape
-    keys, values = gather_blocks(kv_layer, block_tables)  # [B, L, Hkv, D]
+    # Table columns past a row's length may hold anything (graph layouts leave stale ones, which
+    # the kernels never read); here they are gathered and masked, so only made valid indices.
+    keys, values = gather_blocks(kv_layer, block_tables.clamp(0, kv_layer.shape[0] - 1))  # [B, L, Hkv, D]
     n_kv = keys.shape[2]
     k_pos = torch.arange(keys.shape[1], device=q.device)
     lens = seq_lens.long().unsqueeze(1)

@@ -33,7 +33,7 @@ class PagedMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [Bd, width]
     decode_seq_lens: torch.Tensor  # [Bd] tokens in the cache after this step's write
-    decode_splits: int
+    decode_split_tokens: int  # split-K unit of decode attention
     prefill_block_tables: torch.Tensor  # [Np, width]
     prefill_cu_q: torch.Tensor  # [Np + 1] row bounds, counted from row num_decodes
     prefill_start: torch.Tensor  # [Np] absolute position of each chunk's first token
@@ -123,7 +123,7 @@ class PagedOps:
         if nd == n_tok:
             out = kops.paged_decode(
                 q, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
-                meta.decode_splits,
+                meta.decode_split_tokens,
             )  # fmt: skip
             return cast(torch.Tensor, out).view(n_tok, cfg.q_size)
         prefill = kops.paged_prefill(
@@ -134,6 +134,6 @@ class PagedOps:
             return cast(torch.Tensor, prefill).view(n_tok, cfg.q_size)
         decode = kops.paged_decode(
             q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
-            meta.decode_splits,
+            meta.decode_split_tokens,
         )  # fmt: skip
         return torch.cat((decode, prefill)).view(n_tok, cfg.q_size)

@@ -60,6 +60,8 @@ def search(
     met and otherwise descends until it is, so with attainment falling as the rate grows the
     bracket, and every rate bisected after it, are the ones a search from ``k = 0`` finds —
     without measuring the low rates (the slowest to simulate) on the way."""
+    if doublings <= 0:
+        return Bracket(0.0, None)
     grid = [start * 2**k for k in range(doublings)]
     entry = max(0, min(first, doublings - 1))
     lo, hi = 0.0, grid[entry]

@@ -90,8 +90,8 @@ def test_kernels_on_cuda_match_their_references(dtype: torch.dtype) -> None:
     tables = torch.randperm(255, device="cuda", generator=gen)[: 5 * 64].view(5, 64).to(torch.int32) + 1
     q = torch.randn(5, 32, 128, generator=gen, device="cuda").to(dtype)
     for window in (0, 300):
-        for splits in (1, 8):
-            got = pa.paged_decode(q, kv, tables, lens, 0.088, window, splits)
+        for split_tokens in (64, 256, 4096):
+            got = pa.paged_decode(q, kv, tables, lens, 0.088, window, split_tokens)
             torch.testing.assert_close(got, reference.paged_decode(q, kv, tables, lens, 0.088, window), **tol)
     cu = torch.tensor([0, 300, 301, 1301], dtype=torch.int32, device="cuda")
     starts = torch.tensor([0, 700, 24], dtype=torch.int32, device="cuda")

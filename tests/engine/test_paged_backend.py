@@ -169,7 +169,7 @@ def test_forward_compiles_without_graph_breaks() -> None:
     ]
     packed = pack_step(chunks, BLOCK)
     buffer = torch.tensor(packed.values, dtype=torch.int32)
-    inp = unpack(buffer, packed.layout, packed.prefill_max_q, 0, 1, sample_all=False)
+    inp = unpack(buffer, packed.layout, packed.prefill_max_q, 0, sample_all=False)
     model = runner.model
 
     def forward(ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.model_runtime.backend import (
+    DECODE_SPLIT_TOKENS,
     GPU_STEP_TOKENS,
     Backend,
     bucket_for,
     choose_backend,
-    decode_splits,
     default_step_tokens,
     graph_buckets,
     kv_blocks_for_free_memory,
@@ -51,20 +51,8 @@ def test_graph_buckets_refuse_a_non_positive_cap() -> None:
         graph_buckets(0)
 
 
-@given(st.integers(1, 512), st.integers(1, 16), st.integers(1, 1 << 17), st.integers(1, 200))
-def test_decode_splits_fill_the_device_without_tiny_splits(
-    rows: int, heads: int, tokens: int, sms: int
-) -> None:
-    s = decode_splits(rows, heads, tokens, sms)
-    assert s >= 1
-    assert s == 1 or tokens // s >= 4 * 64  # no split shorter than four tiles
-    if s > 1:
-        assert rows * heads * (s - 1) < 2 * sms  # no more splits than filling the device needs
-
-
-def test_one_row_of_a_long_context_is_split_across_the_device() -> None:
-    assert decode_splits(1, 8, 8192, 132) == 32  # capped by 8192 / 256
-    assert decode_splits(64, 8, 8192, 132) == 1
+def test_decode_split_is_a_whole_number_of_kernel_tiles() -> None:
+    assert DECODE_SPLIT_TOKENS > 0 and DECODE_SPLIT_TOKENS % 64 == 0
 
 
 def test_kv_pool_from_free_memory() -> None:
