@@ -30,6 +30,7 @@ Sliding window (Mistral): a query at position ``p`` sees keys ``p - window < k <
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from pdserve.model_runtime.kernels.launch import Kernel, next_power_of_2
@@ -37,6 +38,39 @@ from pdserve.model_runtime.kernels.launch import Kernel, next_power_of_2
 # A global a Triton kernel reads must be a constexpr (the compiler refuses plain Python globals;
 # the interpreter does not check).
 _MASKED = tl.constexpr(-1.0e30)
+
+
+def _load_kv_fn(
+    KV, TABLE, pos, n_mask, kvh, offs_d, d_mask,
+    stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys and values [positions, dim] of ``pos`` (masked by ``n_mask``) through a row of the
+    block table at ``TABLE``."""
+    blk = tl.load(TABLE + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    base = blk * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_tok + kvh * stride_kv_head
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(KV + stride_kv_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+def _softmax_step_fn(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scores of ``q`` against ``k`` where ``allowed``, the
+    running max ``m_i`` and sum ``l_i`` rescaled, ``acc`` += weights @ ``v``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(allowed, s, _MASKED)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+# Device functions the kernels call: decorated now (kernels are decorated on first launch),
+# because a kernel resolves what it calls when it is compiled or interpreted.
+_load_kv = triton.jit(_load_kv_fn)
+_softmax_step = triton.jit(_softmax_step_fn)
 
 
 def _decode_split_kernel(
@@ -94,19 +128,11 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < hi
-        blk = tl.load(BT + row * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        base = blk * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_tok + kvh * stride_kv_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(KV + stride_kv_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(n_mask[None, :], s, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _load_kv(
+            KV, BT + row * stride_bt, pos, n_mask, kvh, offs_d, d_mask,
+            stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, BLOCK_SIZE,
+        )  # fmt: skip
+        m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale, PRECISION)
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     tl.store(
@@ -207,21 +233,13 @@ def _prefill_kernel(
         for start in range(lo, hi, BLOCK_N):
             k_pos = start + offs_n
             n_mask = k_pos < hi
-            blk = tl.load(BT + seq * stride_bt + k_pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            base = blk * stride_kv_block + (k_pos % BLOCK_SIZE) * stride_kv_tok + kvh * stride_kv_head
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(KV + stride_kv_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            k, v = _load_kv(
+                KV, BT + seq * stride_bt, k_pos, n_mask, kvh, offs_d, d_mask,
+                stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, BLOCK_SIZE,
+            )  # fmt: skip
             allowed = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(allowed, s, _MASKED)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
         tl.store(
             O + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
