@@ -48,7 +48,7 @@ def build_batch(
             sample_rows.append(len(ids) - 1)
             sample_ids.append(c.request_id)
         end_pos = c.start_pos + c.num_tokens
-        if c.num_tokens == 1 and c.start_pos > 0:
+        if c.single_token:
             decode_rows.append(row0)
             decode_tables.append(c.block_table[: -(-end_pos // block_size)])
             decode_lens.append(end_pos)

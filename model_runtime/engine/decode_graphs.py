@@ -65,11 +65,12 @@ class DecodeGraphs:
         harmless; padding rows (and the warm-up runs, all padding) get slot -1 and length 0, so
         they write and read no KV.
         """
-        b, width, n = bucket, self.decode_width, len(chunks)
+        n, bs = len(chunks), self.block_size
         host = self.stager.host(self.layouts[bucket].size)
-        ids, pos, slots, lens = host[:b], host[b : 2 * b], host[2 * b : 3 * b], host[3 * b : 4 * b]
-        tables = host[4 * b :].reshape(b, width)
-        bs = self.block_size
+        views = unpack(torch.from_numpy(host), self.layouts[bucket], 0, 0, sample_all=True)
+        ids, pos = views.input_ids.numpy(), views.positions.numpy()
+        slots, lens = views.meta.slot_mapping.numpy(), views.meta.decode_seq_lens.numpy()
+        tables = views.meta.decode_block_tables.numpy()
         for i, c in enumerate(chunks):
             p = c.start_pos
             ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
@@ -77,7 +78,7 @@ class DecodeGraphs:
             used = p // bs + 1
             tables[i, :used] = c.block_table[:used]
         ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 0
-        self.stager.upload(host.size)
+        self.stager.upload(len(host))
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -100,13 +101,7 @@ class DecodeGraphs:
         return (
             bool(chunks)
             and bucket_for(len(chunks), self.buckets) is not None
-            and all(
-                c.num_tokens == 1
-                and c.start_pos > 0
-                and c.sample
-                and -(-(c.start_pos + 1) // self.block_size) <= self.decode_width
-                for c in chunks
-            )
+            and all(c.is_decode and c.start_pos // self.block_size < self.decode_width for c in chunks)
         )
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:

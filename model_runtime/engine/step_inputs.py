@@ -5,9 +5,8 @@ Layout (``StepLayout``), segment after segment: input ids, positions and cache s
 ``rows`` tokens; the rows to sample; decode sequence lengths and block tables
 (``decodes × decode_width``); prefill row bounds, start positions and block tables. Decode rows come
 first (the forward's attention splits the batch there). A layout fixes every offset, so a CUDA
-graph captured over the views of one layout replays correctly for any step packed into it:
-``pad_to`` pads a decode-only step to a graph bucket with rows that write no KV (slot -1) and read
-none (length 0).
+graph captured over the views of one layout replays correctly for any step written into it
+(``decode_graphs`` pads to a bucket with rows that write no KV, slot -1, and read none, length 0).
 """
 
 from __future__ import annotations
@@ -57,27 +56,14 @@ class PackedStep:
     layout: StepLayout
     sample_ids: list[str]  # request id of each sampled row, in row order
     prefill_max_q: int
-    real_rows: int  # rows before padding
 
 
-def is_decode(c: ScheduledChunk) -> bool:
-    return c.num_tokens == 1 and c.start_pos > 0
-
-
-def pack_step(
-    chunks: Sequence[ScheduledChunk],
-    block_size: int,
-    *,
-    pad_to: int | None = None,
-    decode_width: int | None = None,
-) -> PackedStep:
-    """Pack ``chunks`` (decodes first, whatever their order). ``pad_to`` (decode-only steps):
-    pad the rows to that many and sample every row; ``decode_width``: block-table width (default:
-    the widest decode's)."""
-    decodes = [c for c in chunks if is_decode(c)]
-    prefills = [c for c in chunks if not is_decode(c)]
-    if pad_to is not None and (prefills or pad_to < len(decodes)):
-        raise ValueError(f"only a decode-only step of at most {pad_to} rows can be padded to {pad_to}")
+def pack_step(chunks: Sequence[ScheduledChunk], block_size: int) -> PackedStep:
+    """Pack ``chunks`` for an eager step (decodes first, whatever their order; block tables as
+    wide as the step's widest sequence). Graph steps write their fixed layouts in place instead
+    (``decode_graphs``)."""
+    decodes = [c for c in chunks if c.single_token]
+    prefills = [c for c in chunks if not c.single_token]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -91,45 +77,25 @@ def pack_step(
         if c.sample:
             sample_rows.append(len(ids) - 1)
             sample_ids.append(c.request_id)
-    real_rows = len(ids)
 
-    def blocks_of(c: ScheduledChunk) -> Sequence[int]:
-        return c.block_table[: -(-(c.start_pos + c.num_tokens) // block_size)]
+    def tables(group: list[ScheduledChunk]) -> tuple[int, list[int]]:
+        """The group's block tables, each cut to its sequence and padded to the widest."""
+        rows = [c.block_table[: -(-(c.start_pos + c.num_tokens) // block_size)] for c in group]
+        width = max((len(r) for r in rows), default=0)
+        return width, [b for r in rows for b in (*r, *[0] * (width - len(r)))]
 
-    d_width = (
-        decode_width if decode_width is not None else max((len(blocks_of(c)) for c in decodes), default=0)
-    )
-    n_decode = len(decodes)
-    if pad_to is not None:
-        padding = pad_to - n_decode
-        ids += [0] * padding
-        positions += [0] * padding
-        slots += [-1] * padding
-        n_decode = pad_to
-        sample_rows = []
-    dec_lens = [c.start_pos + 1 for c in decodes] + [0] * (n_decode - len(decodes))
-    dec_tables: list[int] = []
-    for c in decodes:
-        table = list(blocks_of(c))
-        if len(table) > d_width:
-            raise ValueError(f"a sequence of {len(table)} blocks exceeds the block-table width {d_width}")
-        dec_tables += table + [0] * (d_width - len(table))
-    dec_tables += [0] * ((n_decode - len(decodes)) * d_width)
-    p_width = max((len(blocks_of(c)) for c in prefills), default=0)
+    d_width, dec_tables = tables(decodes)
+    dec_lens = [c.start_pos + 1 for c in decodes]
+    p_width, p_tables = tables(prefills)
     cu = [0]
-    starts: list[int] = []
-    p_tables: list[int] = []
     for c in prefills:
         cu.append(cu[-1] + c.num_tokens)
-        starts.append(c.start_pos)
-        table = list(blocks_of(c))
-        p_tables += table + [0] * (p_width - len(table))
-    prefill_part = (cu + starts + p_tables) if prefills else []
+    prefill_part = (cu + [c.start_pos for c in prefills] + p_tables) if prefills else []
     values = ids + positions + slots + sample_rows + dec_lens + dec_tables + prefill_part
-    layout = StepLayout(len(ids), len(sample_rows), n_decode, d_width, len(prefills), p_width)
+    layout = StepLayout(len(ids), len(sample_rows), len(decodes), d_width, len(prefills), p_width)
     assert len(values) == layout.size
     max_q = max((c.num_tokens for c in prefills), default=0)
-    return PackedStep(values, layout, sample_ids, max_q, real_rows)
+    return PackedStep(values, layout, sample_ids, max_q)
 
 
 def unpack(

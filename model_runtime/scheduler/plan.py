@@ -75,8 +75,14 @@ class ScheduledChunk:
         return len(self.token_ids)
 
     @property
+    def single_token(self) -> bool:
+        """One new token after cached ones: attention batches it with the decode rows (it reads
+        the cache and its own freshly written key, whether or not it samples)."""
+        return len(self.token_ids) == 1 and self.start_pos > 0
+
+    @property
     def is_decode(self) -> bool:
-        return self.sample and len(self.token_ids) == 1 and self.start_pos > 0
+        return self.sample and self.single_token
 
 
 @dataclass(frozen=True)
