@@ -120,20 +120,16 @@ class PagedOps:
         )
         q = qkv[:, : cfg.q_size].view(n_tok, cfg.num_heads, cfg.head_dim)
         nd = meta.num_decodes
-        if nd == n_tok:
-            out = kops.paged_decode(
-                q, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
+        parts: list[torch.Tensor] = []
+        if nd:
+            parts.append(kops.paged_decode(
+                q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
                 meta.decode_split_tokens,
-            )  # fmt: skip
-            return cast(torch.Tensor, out).view(n_tok, cfg.q_size)
-        prefill = kops.paged_prefill(
-            q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_start,
-            meta.prefill_max_q, self.scale, meta.window,
-        )  # fmt: skip
-        if nd == 0:
-            return cast(torch.Tensor, prefill).view(n_tok, cfg.q_size)
-        decode = kops.paged_decode(
-            q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
-            meta.decode_split_tokens,
-        )  # fmt: skip
-        return torch.cat((decode, prefill)).view(n_tok, cfg.q_size)
+            ))  # fmt: skip
+        if nd < n_tok:
+            parts.append(kops.paged_prefill(
+                q[nd:], kv_layer, meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_start,
+                meta.prefill_max_q, self.scale, meta.window,
+            ))  # fmt: skip
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.view(n_tok, cfg.q_size)

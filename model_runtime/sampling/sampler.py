@@ -188,9 +188,11 @@ def filter_probs(
 
 
 def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_()
-    for i, r in enumerate(rows):
-        seed = r.seed
+    seeds = [r.seed for r in rows]
+    noise = torch.empty_like(probs)
+    if None in seeds:  # one draw for the whole batch; seeded rows are drawn again below
+        noise.exponential_()
+    for i, seed in enumerate(seeds):
         if seed is not None:
             g = torch.Generator(device=probs.device).manual_seed(seed)
             noise[i].exponential_(generator=g)
