@@ -22,7 +22,8 @@ follows a change within ``cooldown`` intervals. Nothing arriving is not a reason
 to divide by zero: the prediction of an empty window is an unloaded worker's, so the pools
 step down to their minimum (whatever the corrections learned under load say of an idle worker).
 Measurements from workers still warming up are the caller's to
-leave out (``Observation.warming``: the layout is held while any is).
+leave out (``Observation.warming``: the layout is held while any is, unless the arriving load
+alone is predicted to outgrow it).
 """
 
 from __future__ import annotations
@@ -143,10 +144,15 @@ class Planner:
         return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
 
     def _learn(self, obs: Observation) -> None:
-        """Fold the window's measured tails into the correction (only with enough requests)."""
+        """Fold the window's measured tails into the correction (only with enough requests, and
+        only where the model has the layout keeping up: a layout it already sees overloaded
+        measures a growing queue, whose tails say how long the overload lasted, not how far
+        off the model is — learning from them overshoots the next scale-up)."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
         raw = self.predict(obs, obs.layout, corrected=False)
+        if not self._meets(raw, 1.0):
+            return
         new = []
         for measured, predicted, old in ((obs.ttft_s, raw.ttft_s, self.correction[0]),
                                          (obs.tpot_s, raw.tpot_s, self.correction[1])):  # fmt: skip
@@ -176,36 +182,32 @@ class Planner:
             self._learn(obs)
         now_pred = self.predict(obs, current)
         if obs.warming:
+            # A warm-up skews what the workers measure (their first steps, the backlog they were
+            # started for), not what arrives: a load that even the layout with its new workers
+            # cannot keep up with grows it further, on the prediction alone.
+            if obs.load.rate > 0 and current == obs.layout and not now_pred.feasible:
+                return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
         measured_miss = obs.requests >= c.min_requests and obs.attainment < c.quantile  # False for NaN
+        if up_only and not measured_miss and now_pred.feasible:
+            # A check's short window sees the trace's bursts as well as steps: between decisions
+            # only what is certain grows the pools (a measured miss, or a load the layout cannot
+            # keep up with at all); a tail merely predicted over the target waits for the
+            # decision's full window.
+            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
         if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
             # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
             return self._change(
                 obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
             )
-        ranked = sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
+        ranked = self._ranked(current)
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
         # (learned under load, queueing included) would price an idle worker as a busy one.
         idle = obs.load.rate == 0 and obs.requests == 0
         predicted_ok = idle or self._meets(now_pred, 1.0)
         if measured_miss or not predicted_ok:
-            # a miss the model does not see (yet) calls for more workers, not another split
-            least = current.workers + (1 if predicted_ok else 0)
-            need = next((l for l in ranked if l.workers >= least and l != current
-                         and self._meets(self.predict(obs, l), 1.0)), None)  # fmt: skip
-            why = (
-                f"attainment {obs.attainment:.2f} < {c.quantile}"
-                if measured_miss
-                else f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms"
-            )
-            if need is None:
-                top = Layout(c.bounds.max_prefill, c.bounds.max_decode)
-                if top == current:
-                    return Decision(obs.t, Reason.HOLD, current, now_pred, f"at the bounds; {why}")
-                return self._change(obs, Reason.OVERLOADED, top, self.predict(obs, top), why)
-            reason = Reason.SWITCH if need.workers == current.workers else Reason.SCALE_UP
-            return self._change(obs, reason, need, self.predict(obs, need), why)
+            return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
         if up_only:
             return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
         # Down: only by stopping workers, to the largest of the last intervals' smallest
@@ -228,6 +230,31 @@ class Planner:
                                     f"{best.prefill}P+{best.decode}D met the SLO with margin {c.margin} "
                                     f"for {c.down_after} intervals")  # fmt: skip
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _ranked(self, current: Layout) -> list[Layout]:
+        return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
+
+    def _grow(
+        self, obs: Observation, current: Layout, now_pred: Prediction, measured_miss: bool, predicted_ok: bool
+    ) -> Decision:
+        """The smallest layout predicted to meet (a miss the model does not see yet calls for
+        more workers, not another split), else the bounds' largest."""
+        c = self.config
+        least = current.workers + (1 if predicted_ok else 0)
+        need = next((l for l in self._ranked(current) if l.workers >= least and l != current
+                     and self._meets(self.predict(obs, l), 1.0)), None)  # fmt: skip
+        why = (
+            f"attainment {obs.attainment:.2f} < {c.quantile}"
+            if measured_miss
+            else f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms"
+        )
+        if need is None:
+            top = Layout(c.bounds.max_prefill, c.bounds.max_decode)
+            if top == current:
+                return Decision(obs.t, Reason.HOLD, current, now_pred, f"at the bounds; {why}")
+            return self._change(obs, Reason.OVERLOADED, top, self.predict(obs, top), why)
+        reason = Reason.SWITCH if need.workers == current.workers else Reason.SCALE_UP
+        return self._change(obs, reason, need, self.predict(obs, need), why)
 
     def _change(
         self, obs: Observation, reason: Reason, to: Layout, pred: Prediction, detail: str

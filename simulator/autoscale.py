@@ -86,7 +86,9 @@ class SimAutoscaler:
         window = self.submitted[
             bisect.bisect_right(self.arrivals, now - span) : bisect.bisect_right(self.arrivals, now)
         ]
-        arrived = [sr for sr in window if not sr.rejected]
+        # every arrival, refused ones too, as the router counts them (``Router.admit``): the
+        # load to size for is what is offered, not what the current layout could take
+        arrived = window
         prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
         output = statistics.fmean(sr.work.params.max_tokens for sr in arrived) if arrived else 0.0
         firsts = [sr for sr in arrived if sr.token_times]

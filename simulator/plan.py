@@ -20,8 +20,8 @@ bisection (the rate doubled until joint attainment falls below 90 %, then bisect
   layouts, per the question "does conditional disaggregation ever lose to a fixed choice?".
 
 Colocated layouts are candidates like any other, so the answer may be "do not split". A
-candidate whose bisection can no longer beat the best of its family so far stops early
-(``pruned``: its goodput is below the rate where it failed); ``--no-prune`` measures all.
+candidate is first measured at the best goodput of its family so far and stops there if it
+misses (``pruned``: its goodput is below that rate); ``--no-prune`` measures all.
 The recommendation is the best layout of any family, each runnable by ``pdserve serve`` with
 the printed flags (prefill-priority colocation with ``--colocated-schedule prefill-priority``);
 the summary also reports the recommendation against prefill-priority colocation, the baseline
@@ -185,8 +185,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "--no-early-stop",
         dest="early_stop",
         action="store_false",
-        help="simulate every point to its last request, even once it can no longer reach 90%% (the "
-        "answers are the same; the exhaustive reference run uses this)",
+        help="simulate every point to its last request, even once it has certainly passed or failed "
+        "90%% (the answers are the same; the exhaustive reference run uses this)",
     )
     p.add_argument(
         "--no-conditional",
@@ -250,9 +250,10 @@ def goodput(
     hint: float = 0.0,
 ) -> dict[str, Any]:
     """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
-    × GPUs until a miss, then ``--sweep-steps`` bisections. Stops as soon as the bracket's
-    failing end is <= ``bound`` (it cannot beat that) or the next rate is under
-    ``--floor-per-gpu``: ``pruned``, goodput a lower bound and below ``failed_at``. ``hint``
+    × GPUs until a miss, then ``--sweep-steps`` bisections. ``bound`` (the family's best so
+    far) is measured first: a miss there ends it (it cannot beat that), as does a next rate
+    under ``--floor-per-gpu``: ``pruned``, goodput a lower bound (0: unknown) and below
+    ``failed_at``. ``hint``
     (req/s, a similar candidate's goodput) enters the doubling near it (``search``'s warm start:
     the same bracket, fewer low rates measured)."""
 
@@ -266,6 +267,7 @@ def goodput(
             {
                 "rate": rate,
                 "stopped_early": bool(m.get("stopped_early")),
+                "wall_s": round(m["simulation_wall_s"], 3),
                 "work_bound_per_gpu": m["work_bound_rate_per_gpu"],
                 **{k: m[k] for k in POINT_KEYS},
             }
@@ -282,8 +284,9 @@ def goodput(
             start,
             12,
             args.sweep_steps,
-            stop=lambda hi, mid: hi <= bound or mid < floor or time.monotonic() >= deadline,
+            stop=lambda hi, mid: mid < floor or time.monotonic() >= deadline,
             first=warm_index(start, hint),
+            beat=bound,
         ),
         attainment,
     )
@@ -336,9 +339,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         """Measure ``cs`` (``--jobs`` at a time), each pruned against its family's best so far."""
         todo = list(cs)
         running: dict[concurrent.futures.Future[dict[str, Any]], Candidate] = {}
+
+        def pick() -> Candidate:
+            # A family's first candidate runs alone: one started beside it would have no best to
+            # be pruned against, so another family's candidate goes first where there is one.
+            busy = {c.family for c in running.values()}
+            i = next((i for i, c in enumerate(todo) if c.family in best or c.family not in busy), 0)
+            return todo.pop(i)
+
         while todo or running:
             while todo and len(running) < jobs:
-                c = todo.pop(0)
+                c = pick()
                 if time.monotonic() >= deadline:
                     skipped.append(c.label)
                     continue
@@ -357,6 +368,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         per_gpu = res["goodput_rate"] / c.gpus
         rows.append((per_gpu, c, res))
         best[c.family] = max(best.get(c.family, 0.0), res["goodput_rate"])
+        if res["pruned"] and not res["goodput_rate"]:  # missed the family's best at once
+            print(f"  {c.label:<40} goodput < {res['failed_at']:.2f} req/s (pruned)", flush=True)
+            return
         if res["pruned"]:
             note = f" (< {res['failed_at']:.2f}, pruned)"
         else:
@@ -369,15 +383,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     first = candidates(
         args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
     )
-    if warm:
-        coloc = [c for c in first if c.colocated]
-        first = coloc + coarse_to_fine([c for c in first if not c.colocated])
-    run_all(first)
-    tried = {(c.prefill, c.budget) for c in first if not c.colocated}
+    order = coarse_to_fine if warm else list
+    run_all([c for c in first if c.colocated])
+    pairs = [c for c in first if not c.colocated]
     coarse = splits(args.gpus, args.max_splits)
+    cond: list[Candidate] = []
+    if args.conditional:  # on the best chunked-colocation budget: measured by now
+        chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=rank, default=None)
+        budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
+        on = [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse]
+        cond = [Candidate(0, 0, args.gpus, budget, conditional=True), *order(on)]
+    run_all([*order(pairs), *cond])
+    tried = {(c.prefill, c.budget) for c in pairs}
     step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
     while step >= 1:  # local search around the best split: halve the step each round
-        top = max((r for r in rows if not r[1].colocated), key=rank)[1].prefill
+        top = max((r for r in rows if r[1].family == SPLIT), key=rank)[1].prefill
         near = []
         for p in (top - step, top + step):
             for b in args.prefill_budgets:
@@ -386,13 +406,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     near.append(Candidate(p, args.gpus - p, 0, b))
         run_all(near)
         step //= 2
-    if args.conditional:
-        chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=rank, default=None)
-        budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
-        cond = [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse]
-        run_all(
-            [Candidate(0, 0, args.gpus, budget, conditional=True), *(coarse_to_fine(cond) if warm else cond)]
-        )
     if pool is not None:
         pool.shutdown()
     if not rows:

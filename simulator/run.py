@@ -147,7 +147,9 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     scaler = autoscaler(args, profile, slo, colocated, cluster, tracked)
     stop_below = getattr(args, "stop_below", None)
     if stop_below is not None and specs and not slo.empty:
-        cluster.early_stop = EarlyStop(slo, len(specs), stop_below, already_missed=len(results))
+        cluster.early_stop = EarlyStop(
+            slo, len(specs), stop_below, len(results), on_pass=getattr(args, "stop_on_pass", True)
+        )
     t0 = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - t0
@@ -160,8 +162,9 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     duration = end - min((s.arrival_s for s in specs), default=0.0)
     m = summarize(results, duration, Slo.parse(args.goodput))
     if cluster.early_stop is not None and cluster.early_stop.stopped:
-        # The other metrics describe the requests finished by then; attainment is the most the
-        # point could still have reached, already below the target.
+        # The other metrics describe the requests finished by then; attainment is what the point
+        # was known to reach on its side of the target (the most a failing one could still
+        # reach, the least a passing one reaches).
         m["slo_attainment"] = cluster.early_stop.attainment_bound
         m["stopped_early"] = True
     bound = work_bound(profile, submitted, args.block_size)

@@ -48,6 +48,7 @@ def search(
     target: float = 0.9,
     stop: Callable[[float, float], bool] | None = None,
     first: int = 0,
+    beat: float = 0.0,
 ) -> Search:
     """DistServe's goodput search as a generator: it yields the next rate to measure and is sent
     that rate's attainment. The rate doubles from ``start`` (at most ``doublings`` times) until
@@ -59,16 +60,31 @@ def search(
     start, e.g. near a similar candidate's goodput): from there it climbs while the target is
     met and otherwise descends until it is, so with attainment falling as the rate grows the
     bracket, and every rate bisected after it, are the ones a search from ``k = 0`` finds —
-    without measuring the low rates (the slowest to simulate) on the way."""
+    without measuring the low rates (the slowest to simulate) on the way.
+
+    ``beat``: a goodput the caller only cares to know about if this one reaches it (the best
+    rival so far, on the same grid). It is measured first: a miss ends the search at once
+    (``stopped``, ``failed_at = beat``, goodput 0: unknown, below ``beat``); a pass makes every
+    rate at or below it count as met without measuring it. With attainment falling as the rate
+    grows, a search that reaches ``beat`` ends where a search without it ends."""
     if doublings <= 0:
         return Bracket(0.0, None)
+    known = 0.0  # every rate at or below it meets the target (implied, not measured again)
+    if beat > 0:
+        if (yield beat) < target:
+            return Bracket(0.0, beat, stopped=True)
+        known = beat
+
+    def met(rate: float) -> Generator[float, float, bool]:
+        return rate <= known or (yield rate) >= target
+
     grid = [start * 2**k for k in range(doublings)]
     entry = max(0, min(first, doublings - 1))
     lo, hi = 0.0, grid[entry]
-    if (yield hi) >= target:
+    if (yield from met(hi)):
         lo = hi
         for rate in grid[entry + 1 :]:
-            if (yield rate) < target:
+            if not (yield from met(rate)):
                 hi = rate
                 break
             lo = rate
@@ -76,7 +92,7 @@ def search(
             return Bracket(lo, None)
     else:
         for rate in reversed(grid[:entry]):
-            if (yield rate) >= target:
+            if (yield from met(rate)):
                 lo = rate
                 break
             hi = rate
@@ -84,7 +100,7 @@ def search(
         mid = (lo + hi) / 2 if lo else hi / 2
         if stop is not None and stop(hi, mid):
             return Bracket(lo, hi, stopped=True)
-        if (yield mid) >= target:
+        if (yield from met(mid)):
             lo = mid
         else:
             hi = mid

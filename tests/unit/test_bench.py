@@ -297,3 +297,37 @@ def test_a_warm_started_search_finds_the_cold_searchs_bracket(
     b = run_search(search(1.0, doublings, steps, first=first), warm)
     assert a == b
     assert warm_rates[-steps:] == cold_rates[-steps:] or not a.bracketed or steps == 0
+
+
+@given(
+    st.floats(0.01, 5000, allow_nan=False),
+    st.integers(0, 14),
+    st.integers(0, 4),
+    st.integers(1, 12),
+    st.integers(0, 11),
+    st.integers(0, 4),
+)
+def test_a_search_told_what_to_beat_ends_as_the_full_search_or_at_once(
+    threshold: float, first: int, steps: int, doublings: int, k: int, depth: int
+) -> None:
+    """``beat`` (a rival's goodput on the same grid: a doubling, or a point bisected inside
+    one) costs one measurement: a miss there ends the search (the full search would end below
+    it); a pass gives the full search's answer, never measuring a rate at or below ``beat``."""
+    from pdserve.bench.sweep import run_search, search
+
+    beat = 2.0**k * (1 + (2**depth - 1) / 2**depth)  # somewhere inside the bracket [2^k, 2^k+1]
+    measured: list[float] = []
+
+    def measure(rate: float) -> float:
+        measured.append(rate)
+        return 1.0 if rate <= threshold else 0.5
+
+    full = run_search(search(1.0, doublings, steps), lambda r: 1.0 if r <= threshold else 0.5)
+    told = run_search(search(1.0, doublings, steps, first=first, beat=beat), measure)
+    assert measured[0] == beat
+    if threshold < beat:
+        assert told.stopped and told.failed_at == beat and measured == [beat]
+        assert full.goodput < beat
+    else:
+        assert told == full
+        assert all(r > beat for r in measured[1:])

@@ -114,6 +114,19 @@ def test_warming_workers_hold_the_layout_and_teach_nothing() -> None:
     plan = Planner(H100, SLO)
     d = plan.decide(obs(0, Layout(2, 2), 30.0, requests=500, attainment=0.2, ttft_s=5.0, warming=True))
     assert d.reason is Reason.WARMING and d.layout == Layout(2, 2) and plan.correction == (1.0, 1.0)
+    # the load kept rising while they started: what arrives still grows the pools, at once
+    d = plan.decide(obs(10, Layout(2, 2), 100.0, requests=500, attainment=0.0, ttft_s=9.0, warming=True))
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > 4 and plan.correction == (1.0, 1.0)
+    assert d.predicted.ttft_s <= 0.25 and "predicted" in d.detail
+
+
+def test_an_overloaded_layouts_queue_teaches_the_model_nothing() -> None:
+    """Tails measured while the model already sees the layout overloaded are a queue's length,
+    not the model's error: the correction stays, so the scale-up is sized by the load."""
+    plan = Planner(H100, SLO)
+    d = plan.decide(obs(0, Layout(1, 1), 100.0, requests=500, attainment=0.0, ttft_s=30.0, tpot_s=2.0))
+    assert d.reason is Reason.SCALE_UP and plan.correction == (1.0, 1.0)
+    assert d.layout == Planner(H100, SLO).decide(obs(0, Layout(1, 1), 100.0)).layout
 
 
 def test_nothing_fits_goes_to_the_bounds_once() -> None:
@@ -131,3 +144,23 @@ def test_bad_config_is_refused() -> None:
         PlannerConfig(0.0, 0.1)
     with pytest.raises(ValueError):
         PlannerConfig(0.25, 0.1, margin=0.0)
+
+
+def test_a_check_between_decisions_grows_only_on_what_is_certain() -> None:
+    """A short window's burst that only pushes a predicted tail over the target waits for the
+    decision; a load the layout cannot keep up with at all, or a measured miss, grows at once."""
+    plan = Planner(H100, SLO)
+    layout = Layout(3, 2)
+    tight = next(
+        r
+        for r in (x / 2 for x in range(2, 400))
+        if not plan._meets(plan.predict(obs(0, layout, r), layout), 1.0)
+    )
+    assert plan.predict(obs(0, layout, tight), layout).feasible  # over the target, still keeping up
+    d = plan.decide(obs(10, layout, tight), up_only=True)
+    assert d.reason is Reason.HOLD and d.layout == layout
+    d = plan.decide(obs(20, layout, tight, requests=500, attainment=0.5), up_only=True)
+    assert d.reason is Reason.SCALE_UP
+    plan = Planner(H100, SLO)
+    assert plan.decide(obs(10, layout, 200.0), up_only=True).reason in (Reason.SCALE_UP, Reason.OVERLOADED)
+    assert Planner(H100, SLO).decide(obs(30, layout, tight)).reason is Reason.SCALE_UP  # the decision acts

@@ -207,22 +207,41 @@ def test_early_stop_counts_certain_misses_once() -> None:
     assert not es.finished("b", slow)  # already counted at its first token
     assert es.misses == 2 and es.attainment_bound == 0.9
     assert es.failed("c")  # 3 of 20: at most 0.85 now
-    assert es.stopped and es.attainment_bound == pytest.approx(0.85)
+    assert es.stopped and not es.passed and es.attainment_bound == pytest.approx(0.85)
     with pytest.raises(ValueError):
         EarlyStop(Slo(ttft_ms=1), total=0, target=0.9)
 
 
+def test_early_stop_passes_once_the_good_ones_alone_reach_the_target() -> None:
+    from pdserve.bench.metrics import RequestResult, Slo
+    from pdserve.simulator.early_stop import EarlyStop
+
+    ok = RequestResult(1, success=True, output_len=3, ttft=0.05, itls=[0.005, 0.005], latency=0.06)
+    es = EarlyStop(Slo(ttft_ms=100, tpot_ms=10), total=10, target=0.9)
+    assert not es.first_token("late", 0.2)
+    assert not es.finished("late", ok)  # counted out at its first token, not good now
+    assert not any(es.finished(f"r{i}", ok) for i in range(8))  # 8 of 10: could still fail
+    assert es.finished("r8", ok) and es.passed and es.attainment_bound == 0.9  # 9 of 10, whatever r9 does
+    held = EarlyStop(Slo(ttft_ms=100, tpot_ms=10), total=2, target=0.5, on_pass=False)
+    assert not held.finished("a", ok) and not held.finished("b", ok) and not held.passed
+
+
 @pytest.mark.parametrize("rate", ["2", "40"])
-def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str) -> None:
+@pytest.mark.parametrize("on_pass", [True, False])
+def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str, on_pass: bool) -> None:
     """An overloaded point ends early with an attainment bound below 90 %, the full run's answer;
-    a passing point runs to its end and reports exactly what the full run reports."""
+    a passing point ends once 90 % have met the SLO, with a bound the full run reaches (or, told
+    not to, runs to its end and reports exactly what the full run reports)."""
     flags = ("--prefill", "1", "--decode", "1", "--num-prompts", "300", "--random-input-len", "1500",
              "--random-output-len", "60", "--goodput", "ttft:250", "tpot:100",
              "--request-rate", rate)  # fmt: skip
     full = simulate(args(*flags))
-    fast = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9}))
+    fast = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9, "stop_on_pass": on_pass}))
     assert (full["slo_attainment"] >= 0.9) == (fast["slo_attainment"] >= 0.9)
-    if full["slo_attainment"] >= 0.9:
+    if full["slo_attainment"] >= 0.9 and on_pass:
+        assert fast["stopped_early"] and 0.9 <= fast["slo_attainment"] <= full["slo_attainment"]
+        assert fast["completed"] < full["completed"]  # the rest were never simulated
+    elif full["slo_attainment"] >= 0.9:
         assert not fast.get("stopped_early") and fast["slo_attainment"] == full["slo_attainment"]
     else:
         assert fast["stopped_early"] and full["slo_attainment"] <= fast["slo_attainment"] < 0.9
