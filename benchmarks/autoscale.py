@@ -71,7 +71,8 @@ def best_static(
     (ties: the higher attainment), else the highest attainment of all. Layouts are tried by
     total workers, every split of a total, up to the first total that meets; a layout ends
     early once it can no longer reach 90 % (its attainment then is the most it could still
-    have reached)."""
+    have reached — so when none meets, the pick among them is by those bounds, and only the
+    pick is run again to its end)."""
     static: list[dict[str, Any]] = []
     for n in range(2, max_prefill + max_decode + 1):
         for p in range(max(1, n - max_decode), min(max_prefill, n - 1) + 1):

@@ -8,7 +8,10 @@ what was predicted for the layout that produced them. Then::
 
     current layout misses (measured or predicted)   -> the smallest layout that meets, at once
                                                        (SCALE_UP; a worker moved between the
-                                                       pools instead when that is enough: SWITCH)
+                                                       pools instead when that is enough: SWITCH;
+                                                       between decisions and during a warm-up
+                                                       only a measured miss or a load it cannot
+                                                       keep up with at all counts)
     fewer workers meet with margin in each of
     the last ``down_after`` intervals               -> the largest of those intervals' smallest
                                                        such layouts (SCALE_DOWN: workers stop,
@@ -23,7 +26,7 @@ to divide by zero: the prediction of an empty window is an unloaded worker's, so
 step down to their minimum (whatever the corrections learned under load say of an idle worker).
 Measurements from workers still warming up are the caller's to
 leave out (``Observation.warming``: the layout is held while any is, unless the arriving load
-alone is predicted to outgrow it).
+alone is more than it can keep up with).
 """
 
 from __future__ import annotations
@@ -145,13 +148,13 @@ class Planner:
 
     def _learn(self, obs: Observation) -> None:
         """Fold the window's measured tails into the correction (only with enough requests, and
-        only where the model has the layout keeping up: a layout it already sees overloaded
-        measures a growing queue, whose tails say how long the overload lasted, not how far
-        off the model is — learning from them overshoots the next scale-up)."""
+        only where the model has the layout keeping up: on a layout it sees unable to keep up
+        the tails measure a growing queue — how long the overload lasted, not how far off the
+        model is — and learning from them overshoots the next scale-up)."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
         raw = self.predict(obs, obs.layout, corrected=False)
-        if not self._meets(raw, 1.0):
+        if not raw.feasible:
             return
         new = []
         for measured, predicted, old in ((obs.ttft_s, raw.ttft_s, self.correction[0]),
@@ -173,8 +176,9 @@ class Planner:
 
     def decide(self, obs: Observation, up_only: bool = False) -> Decision:
         """The decision for ``obs``. ``up_only``: a check between decisions, on a shorter
-        window — it may grow the pools (a load step should not wait for the next decision) but
-        learns nothing, counts no interval and never shrinks them."""
+        window — it may grow the pools (a load step should not wait for the next decision),
+        but only on a measured miss or a load the layout cannot keep up with at all; it learns
+        nothing, counts no interval and never shrinks them."""
         c = self.config
         current = c.bounds.clamp(obs.layout)
         if not up_only:
@@ -189,18 +193,18 @@ class Planner:
                 return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
         measured_miss = obs.requests >= c.min_requests and obs.attainment < c.quantile  # False for NaN
-        if up_only and not measured_miss and now_pred.feasible:
-            # A check's short window sees the trace's bursts as well as steps: between decisions
-            # only what is certain grows the pools (a measured miss, or a load the layout cannot
-            # keep up with at all); a tail merely predicted over the target waits for the
-            # decision's full window.
-            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
         if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
             # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
             return self._change(
                 obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
             )
+        if up_only and not measured_miss and now_pred.feasible:
+            # A check's short window sees the trace's bursts as well as steps: between decisions
+            # only what is certain grows the pools (a measured miss, or a load the layout cannot
+            # keep up with at all); a tail merely predicted over the target waits for the
+            # decision's full window.
+            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
         ranked = self._ranked(current)
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
         # (learned under load, queueing included) would price an idle worker as a busy one.

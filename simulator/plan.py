@@ -341,8 +341,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         running: dict[concurrent.futures.Future[dict[str, Any]], Candidate] = {}
 
         def pick() -> Candidate:
-            # A family's first candidate runs alone: one started beside it would have no best to
-            # be pruned against, so another family's candidate goes first where there is one.
+            # While a family's first candidate runs, its next one would have no best to be
+            # pruned against: another family's candidate goes first where there is one.
             busy = {c.family for c in running.values()}
             i = next((i for i, c in enumerate(todo) if c.family in best or c.family not in busy), 0)
             return todo.pop(i)
@@ -397,7 +397,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tried = {(c.prefill, c.budget) for c in pairs}
     step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
     while step >= 1:  # local search around the best split: halve the step each round
-        top = max((r for r in rows if r[1].family == SPLIT), key=rank)[1].prefill
+        measured = [r for r in rows if r[1].family == SPLIT]
+        if not measured:  # the time budget ended before any split
+            break
+        top = max(measured, key=rank)[1].prefill
         near = []
         for p in (top - step, top + step):
             for b in args.prefill_budgets:

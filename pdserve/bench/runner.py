@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import math
 import random
 import sys
@@ -18,6 +19,7 @@ from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
     RateCurve,
     RequestSpec,
+    TraceRow,
     WorkloadError,
     arrival_times,
     length_pairs_random,
@@ -25,6 +27,7 @@ from pdserve.bench.workload import (
     read_sharegpt_lengths,
     read_trace,
     synthetic_requests,
+    trace_prompts,
     trace_requests,
 )
 from pdserve.flags import add_goodput, add_result, add_temperature, save_result
@@ -125,27 +128,46 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     return [dataclasses.replace(s, arrival_s=curve.warp(s.arrival_s)) for s in specs]
 
 
+@functools.lru_cache(maxsize=1)
+def _trace_replay(
+    path: Path, stamp: tuple[int, int], start: int, n: int, vocab: int, block_size: int, seed: int
+) -> tuple[tuple[TraceRow, ...], tuple[tuple[int, ...], ...]]:
+    """The rows a trace replay uses and their prompts: the same for every rate, so a rate
+    search over a fixed ``--num-prompts`` (``pdserve plan``'s points) reads the trace and draws
+    its prompts once, not once a point (with ``--duration`` the count, hence the key, moves
+    with the rate). ``stamp`` (the file's mtime and size) keys a rewritten file apart; one
+    entry is kept (a search replays one workload)."""
+    rows = read_trace(path)
+    if start + n > len(rows):
+        print(
+            f"{path}: {len(rows)} rows for rows {start}..{start + n - 1}: replaying the trace lap after lap",
+            file=sys.stderr,
+        )
+    used = loop_trace(rows, n, start)[:n]
+    return tuple(used), tuple(trace_prompts(used, vocab, block_size, random.Random(seed)))
+
+
 def _constant_rate_workload(args: argparse.Namespace) -> list[RequestSpec]:
     rng = random.Random(args.seed)
     n = num_prompts(args)
     if args.dataset_name == "trace":
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name trace needs --dataset-path")
-        rows = read_trace(args.dataset_path)
-        start = getattr(args, "trace_start", 0)
-        if start + n > len(rows):
-            print(
-                f"{args.dataset_path}: {len(rows)} rows for rows {start}..{start + n - 1}: replaying the "
-                "trace lap after lap",
-                file=sys.stderr,
-            )
-        rows = loop_trace(rows, n, start)
+        path = Path(args.dataset_path)  # as given: its suffix chooses the parser
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise WorkloadError(f"{args.dataset_path}: {e.strerror or e}") from None
+        rows, prompts = _trace_replay(
+            path, (st.st_mtime_ns, st.st_size), getattr(args, "trace_start", 0), n, args.vocab_size,
+            args.block_size, args.seed,
+        )  # fmt: skip
         scale = args.time_scale
         if math.isfinite(args.request_rate):  # replay the trace's pattern at this mean rate
             span = rows[n - 1].timestamp_s - rows[0].timestamp_s if len(rows) >= n > 1 else 0.0
             native = (n - 1) / span if span > 0 else math.inf
             scale = args.request_rate / native if math.isfinite(native) else 1.0
-        return trace_requests(rows, n, scale, args.vocab_size, args.block_size, rng)
+        return trace_requests(rows, n, scale, args.vocab_size, args.block_size, rng, prompts)
     if args.dataset_name == "sharegpt":
         if args.dataset_path is None:
             raise WorkloadError("--dataset-name sharegpt needs --dataset-path (a lengths CSV)")

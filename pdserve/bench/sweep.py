@@ -63,20 +63,24 @@ def search(
     without measuring the low rates (the slowest to simulate) on the way.
 
     ``beat``: a goodput the caller only cares to know about if this one reaches it (the best
-    rival so far, on the same grid). It is measured first: a miss ends the search at once
-    (``stopped``, ``failed_at = beat``, goodput 0: unknown, below ``beat``); a pass makes every
-    rate at or below it count as met without measuring it. With attainment falling as the rate
-    grows, a search that reaches ``beat`` ends where a search without it ends."""
+    rival so far). It is measured first: a miss ends the search at once (``stopped``,
+    ``failed_at = beat``, goodput 0: unknown, below ``beat``); after a pass the search runs as
+    it would without ``beat`` (that rate is not measured twice). Rates at or below a passing
+    ``beat`` are measured, not assumed met: a finite run's attainment is not always monotone
+    in the rate (near 90 % one rate may miss where a higher one passes), and the answer must
+    be the one the search without ``beat`` gives. With attainment falling as the rate grows,
+    a miss at ``beat`` means that search ends below it."""
     if doublings <= 0:
         return Bracket(0.0, None)
-    known = 0.0  # every rate at or below it meets the target (implied, not measured again)
-    if beat > 0:
-        if (yield beat) < target:
-            return Bracket(0.0, beat, stopped=True)
-        known = beat
+    seen: dict[float, bool] = {}
 
     def met(rate: float) -> Generator[float, float, bool]:
-        return rate <= known or (yield rate) >= target
+        if rate not in seen:
+            seen[rate] = (yield rate) >= target
+        return seen[rate]
+
+    if beat > 0 and not (yield from met(beat)):
+        return Bracket(0.0, beat, stopped=True)
 
     grid = [start * 2**k for k in range(doublings)]
     entry = max(0, min(first, doublings - 1))
@@ -98,7 +102,7 @@ def search(
             hi = rate
     for _ in range(steps):
         mid = (lo + hi) / 2 if lo else hi / 2
-        if stop is not None and stop(hi, mid):
+        if stop is not None and mid not in seen and stop(hi, mid):  # a known rate costs nothing
             return Bracket(lo, hi, stopped=True)
         if (yield from met(mid)):
             lo = mid

@@ -156,16 +156,10 @@ def loop_trace(rows: Sequence[TraceRow], n: int, start: int = 0) -> list[TraceRo
     return out
 
 
-def trace_requests(
-    rows: Sequence[TraceRow], n: int, time_scale: float, vocab: int, block_size: int, rng: random.Random
-) -> list[RequestSpec]:
-    """The first ``n`` rows as requests, arrivals relative to the first and sped up by ``time_scale``."""
-    if time_scale <= 0:
-        raise WorkloadError("--time-scale must be > 0")
-    rows = list(rows[:n])
-    if not rows:
-        return []
-    start = rows[0].timestamp_s
+def trace_prompts(
+    rows: Sequence[TraceRow], vocab: int, block_size: int, rng: random.Random
+) -> list[tuple[int, ...]]:
+    """A prompt per row: rows sharing a prefix hash share those blocks' tokens."""
     blocks: dict[int, tuple[int, ...]] = {}
     out = []
     for r in rows:
@@ -182,8 +176,33 @@ def trace_requests(
             )
         else:
             ids = random_prompt(r.input_len, vocab, rng)
-        out.append(RequestSpec((r.timestamp_s - start) / time_scale, ids, r.input_len, r.output_len))
+        out.append(ids)
     return out
+
+
+def trace_requests(
+    rows: Sequence[TraceRow],
+    n: int,
+    time_scale: float,
+    vocab: int,
+    block_size: int,
+    rng: random.Random,
+    prompts: Sequence[tuple[int, ...]] | None = None,
+) -> list[RequestSpec]:
+    """The first ``n`` rows as requests, arrivals relative to the first and sped up by
+    ``time_scale``. ``prompts``: ``trace_prompts`` of those rows made earlier (they do not
+    depend on the rate), else made here from ``rng``."""
+    if time_scale <= 0:
+        raise WorkloadError("--time-scale must be > 0")
+    rows = list(rows[:n])
+    if not rows:
+        return []
+    ids = trace_prompts(rows, vocab, block_size, rng) if prompts is None else prompts
+    start = rows[0].timestamp_s
+    return [
+        RequestSpec((r.timestamp_s - start) / time_scale, p, r.input_len, r.output_len)
+        for r, p in zip(rows, ids, strict=True)
+    ]
 
 
 def synthetic_requests(

@@ -121,12 +121,16 @@ def test_warming_workers_hold_the_layout_and_teach_nothing() -> None:
 
 
 def test_an_overloaded_layouts_queue_teaches_the_model_nothing() -> None:
-    """Tails measured while the model already sees the layout overloaded are a queue's length,
-    not the model's error: the correction stays, so the scale-up is sized by the load."""
+    """Tails measured while the model sees the layout unable to keep up (here its one decode
+    worker; its prefill TTFT is finite) are a queue's length, not the model's error: neither
+    correction moves, so the scale-up is sized by the load."""
+    layout = Layout(4, 1)
+    raw = Planner(H100, SLO).predict(obs(0, layout, 55.0), layout)
+    assert math.isfinite(raw.ttft_s) and not raw.feasible
     plan = Planner(H100, SLO)
-    d = plan.decide(obs(0, Layout(1, 1), 100.0, requests=500, attainment=0.0, ttft_s=30.0, tpot_s=2.0))
-    assert d.reason is Reason.SCALE_UP and plan.correction == (1.0, 1.0)
-    assert d.layout == Planner(H100, SLO).decide(obs(0, Layout(1, 1), 100.0)).layout
+    d = plan.decide(obs(0, layout, 55.0, requests=500, attainment=0.0, ttft_s=30.0, tpot_s=2.0))
+    assert d.reason in (Reason.SCALE_UP, Reason.SWITCH) and plan.correction == (1.0, 1.0)
+    assert d.layout == Planner(H100, SLO).decide(obs(0, layout, 55.0)).layout
 
 
 def test_nothing_fits_goes_to_the_bounds_once() -> None:
@@ -164,3 +168,10 @@ def test_a_check_between_decisions_grows_only_on_what_is_certain() -> None:
     plan = Planner(H100, SLO)
     assert plan.decide(obs(10, layout, 200.0), up_only=True).reason in (Reason.SCALE_UP, Reason.OVERLOADED)
     assert Planner(H100, SLO).decide(obs(30, layout, tight)).reason is Reason.SCALE_UP  # the decision acts
+
+
+def test_a_check_between_decisions_restores_the_bounds() -> None:
+    """A lost worker (or a raised minimum) is replaced at the next look, not the next decision."""
+    plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(2, 6, 1, 6)))
+    d = plan.decide(obs(10, Layout(1, 1), 1.0), up_only=True)
+    assert d.reason is Reason.SCALE_UP and d.layout == Layout(2, 1) and "bounds" in d.detail
