@@ -46,9 +46,12 @@ RANGES = {
     "repetition_penalty": Range(0.0, low_open=True),
     "frequency_penalty": Range(-2.0, 2.0),
     "presence_penalty": Range(-2.0, 2.0),
-    "top_k": Range(-1, integer=True, text="must be -1, 0 (disabled) or positive"),
+    # int32, as the gRPC API carries it (a larger k keeps every token, as 0 does)
+    "top_k": Range(-1, 2**31 - 1, integer=True, text="must be -1, 0 (disabled) or a positive int32"),
     "min_tokens": Range(0, integer=True),
 }
+# A seed seeds a 64-bit generator (either signedness, as torch takes it) and crosses the wire as one.
+SEED_RANGE = Range(-(2**63), 2**64 - 1, integer=True, text="must be a 64-bit integer: in [-2**63, 2**64 - 1]")
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
 # (softmax then yields NaN), and a distribution that sharp is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -122,8 +125,8 @@ class SamplingParams:
                 finite(name, value)
             if value not in allowed:
                 raise InvalidRequestError(name, f"{allowed.describe()}, got {value}")
-        if self.seed is not None:
-            integer("seed", self.seed)
+        if self.seed is not None and integer("seed", self.seed) not in SEED_RANGE:
+            raise InvalidRequestError("seed", f"{SEED_RANGE.describe()}, got {self.seed}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})"

@@ -74,7 +74,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = DEFAULT.include_stop_str_in_output
     return_token_ids: bool = Field(False, description="add prompt and completion token ids to choices")
-    priority: Int = Field(0, description="lower is served first")
+    # int32, as the gRPC API carries it
+    priority: Int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower is served first")
     slo_class: str = Field("", max_length=64, description="SLO class configured on the server ('': default)")
     slo_ttft_ms: float = Field(0.0, ge=0, description="this request's TTFT target (0: its class's)")
     slo_tpot_ms: float = Field(0.0, ge=0, description="this request's TPOT target (0: its class's)")

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pdserve.model_runtime.sampling_params import RANGES, Range
+from pdserve.model_runtime.sampling_params import RANGES, SEED_RANGE, Range
 from pdserve.router.config import Caps
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -103,6 +103,7 @@ def correct(
             props["model"] = {"type": "string", "enum": [model_id], "title": "Model"}
         limits = {
             **RANGES,  # the sampling ranges, and this server's caps:
+            "seed": SEED_RANGE,
             "max_tokens": Range(1, caps.max_tokens),
             "max_completion_tokens": Range(1, caps.max_tokens),
             "n": Range(1, caps.max_n),

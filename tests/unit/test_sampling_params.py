@@ -18,6 +18,9 @@ from pdserve.model_runtime.sampling_params import SamplingParams
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.5}),
         ("top_k", {"top_k": -2}),
+        ("top_k", {"top_k": 7099240947077430116352}),  # past any wire format: was a 500
+        ("seed", {"seed": 2**64}),
+        ("seed", {"seed": -(2**63) - 1}),
         ("min_p", {"min_p": 1.1}),
         ("repetition_penalty", {"repetition_penalty": 0.0}),
         ("frequency_penalty", {"frequency_penalty": 3.0}),
@@ -33,6 +36,11 @@ def test_invalid_values_name_the_field(field: str, kwargs: dict[str, object]) ->
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs).validate(vocab_size=100)  # type: ignore[arg-type]
     assert e.value.field == field
+
+
+def test_the_widest_integers_the_wire_carries_are_valid() -> None:
+    for kw in ({"top_k": 2**31 - 1}, {"seed": 2**64 - 1}, {"seed": -(2**63)}):
+        SamplingParams(max_tokens=4, **kw).validate(vocab_size=1000)  # type: ignore[arg-type]
 
 
 def test_defaults_and_create_are_valid() -> None:
