@@ -83,12 +83,11 @@ class SimAutoscaler:
         span = self.config.interval_s if span is None else span
         c, cfg = self.cluster, self.planner.config
         # both lists are in time order: each window is a slice (a look is not a pass over the run)
-        window = self.submitted[
-            bisect.bisect_right(self.arrivals, now - span) : bisect.bisect_right(self.arrivals, now)
-        ]
         # every arrival, refused ones too, as the router counts them (``Router.admit``): the
         # load to size for is what is offered, not what the current layout could take
-        arrived = window
+        arrived = self.submitted[
+            bisect.bisect_right(self.arrivals, now - span) : bisect.bisect_right(self.arrivals, now)
+        ]
         prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
         output = statistics.fmean(sr.work.params.max_tokens for sr in arrived) if arrived else 0.0
         firsts = [sr for sr in arrived if sr.token_times]

@@ -253,9 +253,8 @@ def goodput(
     × GPUs until a miss, then ``--sweep-steps`` bisections. ``bound`` (the family's best so
     far) is measured first: a miss there ends it (it cannot beat that), as does a next rate
     under ``--floor-per-gpu``: ``pruned``, goodput a lower bound (0: unknown) and below
-    ``failed_at``. ``hint``
-    (req/s, a similar candidate's goodput) enters the doubling near it (``search``'s warm start:
-    the same bracket, fewer low rates measured)."""
+    ``failed_at``. ``hint`` (req/s, a similar candidate's goodput) enters the doubling near it
+    (``search``'s warm start: the same bracket, fewer low rates measured)."""
 
     def attainment(rate: float) -> float:
         run = c.sim_args(args.policy)
