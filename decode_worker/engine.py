@@ -143,7 +143,7 @@ class DecodeEngine(RoleEngineBase):
         headroom = self.kv.num_free_blocks - blocks_needed(n, self.rt.block_size)
         if headroom < self.scheduler.num_running or not self.kv.allocate_slots(req, n):
             return None
-        blocks = tuple(self.kv.block_table(req.request_id))
+        blocks = self.kv.block_table_view(req.request_id)
         try:
             self.transport.expect(transfer_id, blocks)
         except BaseException:

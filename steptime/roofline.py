@@ -70,16 +70,17 @@ class RooflineProfile:
         """One forward pass over ``(new tokens, tokens already cached)`` per request."""
         tokens = 0
         attn_flops = 0.0
-        kv_read = 0.0
+        read = 0  # context tokens the decodes read (a decode token reads its whole context)
         per_layer = 4 * self.layers * self.heads * self.head_dim
         for new, cached in chunks:
             tokens += new
-            if is_decode_chunk(new, cached):  # a decode token reads its whole context
-                kv_read += (cached + 1) * self.kv_bytes_per_token
+            if is_decode_chunk(new, cached):
+                read += cached + 1
             else:
                 attn_flops += per_layer * new * (cached + new / 2)
         if tokens == 0:
             return 0.0
+        kv_read = read * self.kv_bytes_per_token
         linear = max(
             2 * self.params * tokens / (self.peak_flops * self.mfu),
             self.weight_bytes / (self.mem_bw * self.mbu),

@@ -47,6 +47,10 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockKey]] = {}
         self._num_published: dict[str, int] = {}
+        # the block table as an immutable tuple, built once per change of the table: a decode
+        # step hands every running request's table to the executor, and a table changes once
+        # every ``block_size`` tokens
+        self._views: dict[str, tuple[int, ...]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +62,16 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
+
+    def block_table_view(self, request_id: str) -> tuple[int, ...]:
+        """``block_table`` as a tuple, not rebuilt while the table is unchanged."""
+        view = self._views.get(request_id)
+        if view is None:
+            table = self._blocks.get(request_id)
+            if table is None:
+                return ()
+            view = self._views[request_id] = tuple(table)
+        return view
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
@@ -102,9 +116,18 @@ class KVCacheManager:
         ``computed_blocks`` (from ``get_computed_blocks``) are prefix hits taken on first allocation;
         the caller then advances ``req.num_computed_tokens`` past them.
         """
+        rid = req.request_id
+        table = self._blocks.get(rid)
+        if (
+            table is not None
+            and not computed_blocks
+            and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+        ):
+            return True  # the blocks it holds have room (most decode steps): nothing changes
         if not self.can_allocate(req, num_new_tokens, computed_blocks):
             return False
-        table = self._blocks.setdefault(req.request_id, [])
+        self._views.pop(rid, None)
+        table = self._blocks.setdefault(rid, [])
         self._num_published.setdefault(req.request_id, 0)
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -139,6 +162,7 @@ class KVCacheManager:
         table = self._blocks.pop(request_id, None)
         self._keys.pop(request_id, None)
         self._num_published.pop(request_id, None)
+        self._views.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
 
@@ -146,7 +170,7 @@ class KVCacheManager:
         return self.pool.stats()
 
     def check_integrity(self) -> PoolStats:
-        stray = (self._keys.keys() | self._num_published.keys()) - self._blocks.keys()
+        stray = (self._keys.keys() | self._num_published.keys() | self._views.keys()) - self._blocks.keys()
         if stray:
             raise AssertionError(
                 f"per-request KV state kept for requests without blocks: {sorted(stray)[:5]}"
@@ -159,4 +183,5 @@ class KVCacheManager:
             "kv_tables": len(self._blocks),
             "kv_keys": len(self._keys),
             "kv_published": len(self._num_published),
+            "kv_views": len(self._views),
         }

@@ -384,3 +384,15 @@ def test_a_passing_beat_does_not_stand_in_for_lower_rates() -> None:
     plain = run_search(search(1.0, 8, 3), measure)
     told = run_search(search(1.0, 8, 3, beat=8.5), measure)
     assert told == plain and plain.goodput < 8.0 and plain.failed_at is not None
+
+
+@given(st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=200))
+def test_summary_stats_equal_the_statistics_module(xs: list[float]) -> None:
+    """One sort serves the median and every percentile; the deviation is computed in floats."""
+    m = summarize([ok(x, []) for x in xs], 1.0, Slo())
+    ms = [x * 1000 for x in xs]
+    assert m["mean_ttft_ms"] == statistics.fmean(ms)
+    assert m["median_ttft_ms"] == statistics.median(ms)
+    std = statistics.pstdev(ms) if len(ms) > 1 else 0.0
+    assert m["std_ttft_ms"] == pytest.approx(std, rel=1e-9, abs=1e-9)
+    assert min(ms) <= m["p90_ttft_ms"] <= m["p99_ttft_ms"] <= max(ms)

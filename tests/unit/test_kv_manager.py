@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -78,7 +81,7 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
 
     looked_at = req("r", [*first, *shared, 9])
     kv.get_computed_blocks(looked_at)  # then the request is aborted while still queued
-    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0}
+    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0, "kv_views": 0}
 
     reused = req("r", [11, 12, 13, 14, *shared, 9])
     hits, _ = kv.get_computed_blocks(reused)
@@ -92,4 +95,25 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
     hits, tokens = kv.get_computed_blocks(victim)
     assert tokens == 4, "the second block's KV was computed after [11, 12, 13, 14], not [1, 2, 3, 4]"
     kv.check_integrity()
-    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0}
+    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0, "kv_views": 0}
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.booleans()), max_size=60))
+def test_block_table_view_always_equals_the_table(ops: list[tuple[int, int, bool]]) -> None:
+    """The cached tuple view is the live table after any sequence of allocations (decode steps
+    inside a block, across a boundary, refused ones) and frees, and goes with the request."""
+    kv = KVCacheManager(num_blocks=12, block_size=4)
+    reqs = {i: req(f"r{i}", list(range(3 + i))) for i in range(3)}
+    for i, n, free in ops:
+        r = reqs[i]
+        if free:
+            kv.free(r.request_id)
+            r.num_computed_tokens = 0
+        elif kv.allocate_slots(r, n):
+            r.num_computed_tokens += n
+        for other in reqs.values():
+            assert kv.block_table_view(other.request_id) == tuple(kv.block_table(other.request_id))
+        kv.check_integrity()
+    for r in reqs.values():
+        kv.free(r.request_id)
+    assert not any(kv.request_state().values())
