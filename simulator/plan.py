@@ -31,7 +31,7 @@ DistServe measured against.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.metrics import Slo
-from pdserve.bench.sweep import run_search, search
+from pdserve.bench.sweep import Bracket, Search, search
 from pdserve.flags import add_sweep_steps, save_result
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.plan_jobs import SearchPool
 from pdserve.simulator.run import add_simulate_args, simulate, workload
 
 COLOCATED_BUDGETS = (512, 2048, 8192)
@@ -206,6 +207,16 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """Candidates the search releases once ``ready()``: what ``release`` reads of the results
+    so far (a family's best) is settled."""
+
+    ready: Callable[[], bool]
+    release: Callable[[], list[Candidate]]
+    urgent: bool = False  # ahead of what already waits: the search's critical path
+
+
 Row = tuple[float, Candidate, dict[str, Any]]
 
 
@@ -217,9 +228,12 @@ def rank(row: Row) -> tuple[float, tuple[int, ...]]:
 
 def warm_index(start: float, hint: float) -> int:
     """Where to enter the rate grid ``start · 2^k`` for a candidate expected near ``hint``
-    req/s: the highest grid rate at or below half of it (0 without a hint)."""
+    req/s: the highest grid rate at or below it (0 without a hint). A candidate that reaches
+    it climbs from there; one that misses it descends, so the points measured are those of an
+    entry one grid step lower, less a passing point where the hint holds (passing points are
+    the slow ones) and plus one failing point (ended early) where goodput is under half of it."""
     k = 0
-    while start > 0 and start * 2 ** (k + 1) <= hint / 2:
+    while start > 0 and start * 2 ** (k + 1) <= hint:
         k += 1
     return k
 
@@ -241,54 +255,46 @@ def coarse_to_fine(items: Sequence[Candidate]) -> list[Candidate]:
     return out
 
 
-def goodput(
-    c: Candidate,
-    args: argparse.Namespace,
-    bound: float = 0.0,
-    progress: Callable[[str], None] | None = None,
-    deadline: float = math.inf,
-    hint: float = 0.0,
-) -> dict[str, Any]:
-    """The highest simulated rate with >= 90 % attainment: doubled from ``--min-rate-per-gpu``
-    × GPUs until a miss, then ``--sweep-steps`` bisections. ``bound`` (the family's best so
-    far) is measured first: a miss there ends it (it cannot beat that), as does a next rate
-    under ``--floor-per-gpu``: ``pruned``, goodput a lower bound (0: unknown) and below
-    ``failed_at``. ``hint`` (req/s, a similar candidate's goodput) enters the doubling near it
-    (``search``'s warm start: the same bracket, fewer low rates measured)."""
-
-    def attainment(rate: float) -> float:
-        run = c.sim_args(args.policy)
-        stop_below = 0.9 if getattr(args, "early_stop", True) else None
-        m = simulate(
-            argparse.Namespace(**{**vars(args), **run, "request_rate": rate, "stop_below": stop_below})
+def measure_point(args: argparse.Namespace, c: Candidate, rate: float) -> dict[str, Any]:
+    """``c`` simulated at ``rate`` req/s (ended early once its 90 % is certain, unless
+    ``--no-early-stop``): one point of its goodput search, as the plan reports it."""
+    stop_below = 0.9 if getattr(args, "early_stop", True) else None
+    m = simulate(
+        argparse.Namespace(
+            **{**vars(args), **c.sim_args(args.policy), "request_rate": rate, "stop_below": stop_below}
         )
-        points.append(
-            {
-                "rate": rate,
-                "stopped_early": bool(m.get("stopped_early")),
-                "wall_s": round(m["simulation_wall_s"], 3),
-                "work_bound_per_gpu": m["work_bound_rate_per_gpu"],
-                **{k: m[k] for k in POINT_KEYS},
-            }
-        )
-        if progress:
-            progress(f"    {c.label}: {rate:9.2f} req/s -> attainment {m['slo_attainment']:.3f}")
-        return float(m["slo_attainment"])
+    )
+    return {
+        "rate": rate,
+        "stopped_early": bool(m.get("stopped_early")),
+        "wall_s": round(m["simulation_wall_s"], 3),
+        "work_bound_per_gpu": m["work_bound_rate_per_gpu"],
+        **{k: m[k] for k in POINT_KEYS},
+    }
 
-    points: list[dict[str, Any]] = []
+
+def goodput_search(
+    c: Candidate, args: argparse.Namespace, bound: float = 0.0, deadline: float = math.inf, hint: float = 0.0
+) -> Search:
+    """``c``'s goodput search: the rate doubled from ``--min-rate-per-gpu`` × GPUs until a
+    miss, then ``--sweep-steps`` bisections. ``bound`` (the family's best so far) is measured
+    first: a miss there ends it (it cannot beat that), as does a next rate under
+    ``--floor-per-gpu`` or the deadline: ``pruned``, goodput a lower bound (0: unknown) and
+    below ``failed_at``. ``hint`` (req/s, a similar candidate's goodput) enters the doubling
+    near it (``search``'s warm start: the same bracket, fewer low rates measured)."""
     floor = getattr(args, "floor_per_gpu", 0.0) * c.gpus
     start = args.min_rate_per_gpu * c.gpus
-    found = run_search(
-        search(
-            start,
-            12,
-            args.sweep_steps,
-            stop=lambda hi, mid: mid < floor or time.monotonic() >= deadline,
-            first=warm_index(start, hint),
-            beat=bound,
-        ),
-        attainment,
+    return search(
+        start,
+        12,
+        args.sweep_steps,
+        stop=lambda hi, mid: mid < floor or time.monotonic() >= deadline,
+        first=warm_index(start, hint),
+        beat=bound,
     )
+
+
+def search_result(found: Bracket, points: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "goodput_rate": found.goodput,
         "failed_at": found.failed_at,
@@ -332,36 +338,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bound_rate = _work_bound_rate(args) if warm else 0.0
     deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else math.inf
     jobs = 1 if args.exhaustive else max(1, args.jobs)
-    pool = concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else None
 
-    def run_all(cs: list[Candidate]) -> None:
-        """Measure ``cs`` (``--jobs`` at a time), each pruned against its family's best so far."""
-        todo = list(cs)
-        running: dict[concurrent.futures.Future[dict[str, Any]], Candidate] = {}
+    def progress(c: Candidate, point: dict[str, Any]) -> None:
+        _progress(f"    {c.label}: {point['rate']:9.2f} req/s -> attainment {point['slo_attainment']:.3f}")
 
-        def pick() -> Candidate:
-            # While a family's first candidate runs, its next one would have no best to be
-            # pruned against: another family's candidate goes first where there is one.
-            busy = {c.family for c in running.values()}
-            i = next((i for i, c in enumerate(todo) if c.family in best or c.family not in busy), 0)
-            return todo.pop(i)
+    pool: SearchPool[Candidate] = SearchPool(jobs, functools.partial(measure_point, args), progress)
+    todo: list[Candidate] = []
 
-        while todo or running:
-            while todo and len(running) < jobs:
+    def pick() -> Candidate:
+        # While a family's first candidate runs, its next one would have no best to be
+        # pruned against: another family's candidate goes first where there is one.
+        busy = {c.family for c in pool.running}
+        i = next((i for i, c in enumerate(todo) if c.family in best or c.family not in busy), 0)
+        return todo.pop(i)
+
+    def settled(family: str) -> bool:
+        """Nothing of ``family`` waits or runs: its results so far are final."""
+        return not any(c.family == family for c in (*todo, *pool.running))
+
+    def run(stages: list[Stage]) -> None:
+        """Measure what ``stages`` release, ``--jobs`` at a time, each candidate pruned against
+        its family's best so far. A stage is released once what it reads is settled; there is
+        no barrier between stages, so no job idles while a released candidate waits."""
+        while True:
+            ready = next((st for st in stages if st.ready()), None)
+            while ready is not None:  # in order: a release may unsettle what a later stage reads
+                stages.remove(ready)
+                more = ready.release()
+                todo[:] = [*more, *todo] if ready.urgent else [*todo, *more]
+                ready = next((st for st in stages if st.ready()), None)
+            if not (todo or pool.running):
+                return  # with nothing left to measure every dependency is settled: no stage waits
+            while todo and pool.free() > 0:
                 c = pick()
                 if time.monotonic() >= deadline:
                     skipped.append(c.label)
                     continue
                 bound = best.get(c.family, 0.0) if args.prune else 0.0
                 hint = (best.get(c.family) or max(best.values(), default=0.0) or bound_rate) if warm else 0.0
-                if pool is None:
-                    record(c, goodput(c, args, bound, _progress, deadline, hint))
-                    continue
-                running[pool.submit(goodput, c, args, bound, _progress, deadline, hint)] = c
-            if running:
-                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                for f in done:
-                    record(running.pop(f), f.result())
+                pool.start(c, functools.partial(goodput_search, c, args, bound, deadline, hint))
+            # idle jobs measure ahead only when no candidate waits for one
+            for c, found, points in pool.wait(ahead=not todo):
+                record(c, search_result(found, points))
 
     def record(c: Candidate, res: dict[str, Any]) -> None:
         per_gpu = res["goodput_rate"] / c.gpus
@@ -383,22 +401,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
     )
     order = coarse_to_fine if warm else list
-    run_all([c for c in first if c.colocated])
     pairs = [c for c in first if not c.colocated]
     coarse = splits(args.gpus, args.max_splits)
-    cond: list[Candidate] = []
-    if args.conditional:  # on the best chunked-colocation budget: measured by now
+    tried = {(c.prefill, c.budget) for c in pairs}
+    # The local search around the best split halves its step each round; a round reads the
+    # best split of all before it, so it waits for them (and goes ahead of other work: the
+    # rounds are the search's critical path).
+    step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
+
+    def conditional() -> list[Candidate]:
+        # on the best chunked-colocation budget: settled by now
         chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=rank, default=None)
         budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
         on = [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse]
-        cond = [Candidate(0, 0, args.gpus, budget, conditional=True), *order(on)]
-    run_all([*order(pairs), *cond])
-    tried = {(c.prefill, c.budget) for c in pairs}
-    step = (coarse[1] - coarse[0]) // 2 if args.refine and len(coarse) > 1 else 0
-    while step >= 1:  # local search around the best split: halve the step each round
+        return [Candidate(0, 0, args.gpus, budget, conditional=True), *order(on)]
+
+    def refine() -> list[Candidate]:
+        nonlocal step
         measured = [r for r in rows if r[1].family == SPLIT]
-        if not measured:  # the time budget ended before any split
-            break
+        if step < 1 or not measured:  # done, or the time budget ended before any split
+            return []
         top = max(measured, key=rank)[1].prefill
         near = []
         for p in (top - step, top + step):
@@ -406,10 +428,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 if 0 < p < args.gpus and (p, b) not in tried:
                     tried.add((p, b))
                     near.append(Candidate(p, args.gpus - p, 0, b))
-        run_all(near)
         step //= 2
-    if pool is not None:
-        pool.shutdown()
+        if step >= 1:
+            stages.append(Stage(lambda: settled(SPLIT), refine, urgent=True))
+        return near
+
+    stages = [
+        # colocated first (the conditional family needs their best budget), then the splits
+        Stage(lambda: True, lambda: [c for c in first if c.colocated] + order(pairs)),
+    ]
+    if args.conditional:
+        stages.append(Stage(lambda: settled(CHUNKED), conditional))
+    if step >= 1:
+        stages.append(Stage(lambda: settled(SPLIT), refine, urgent=True))
+    try:
+        run(stages)
+    finally:
+        pool.close()
     if not rows:
         print("pdserve plan: error: the time budget ended before any candidate was measured", file=sys.stderr)
         return 1
