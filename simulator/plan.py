@@ -165,7 +165,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         default=os.cpu_count() or 1,
-        help="candidates simulated at once (default: all cores)",
+        help="points simulated at once (default: all cores; a job with no candidate to start measures ahead)",
     )
     p.add_argument(
         "--time-budget",
