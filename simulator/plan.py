@@ -32,115 +32,35 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.sweep import Bracket, Search, search
-from pdserve.flags import add_sweep_steps, save_result
+from pdserve.flags import add_sweep_steps
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.plan_candidates import (
+    CHUNKED,
+    COLOCATED_BUDGETS,
+    PREFILL_BUDGETS,
+    PRIORITY_BUDGETS,
+    SPLIT,
+    Candidate,
+    Row,
+    candidates,
+    coarse_to_fine,
+    rank,
+    splits,
+)
 from pdserve.simulator.plan_jobs import SearchPool
+from pdserve.simulator.plan_report import report
 from pdserve.simulator.run import add_simulate_args, simulate, workload
-
-COLOCATED_BUDGETS = (512, 2048, 8192)
-PRIORITY_BUDGETS = (2048, 8192)
-PREFILL_BUDGETS = (2048, 8192)
-CHUNKED, PRIORITY, SPLIT, CONDITIONAL = "chunked", "prefill-priority", "split", "conditional"
-_FAMILY_ORDER = (CHUNKED, PRIORITY, SPLIT, CONDITIONAL)
-POINT_KEYS = ("slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    prefill: int
-    decode: int
-    colocated: int
-    budget: int  # tokens per step: the colocated chunk budget, or the prefill workers' budget
-    schedule: str = CHUNKED  # colocated only: "chunked" or "prefill-priority"
-    conditional: bool = False  # the goodput policy with local prefill (on a split or colocated)
-
-    @property
-    def gpus(self) -> int:
-        return self.colocated or self.prefill + self.decode
-
-    @property
-    def canonical(self) -> tuple[int, int, int]:
-        """Where the candidate stands in the search's fixed order (families as ``candidates``
-        lists them, then fewer prefill workers, then the smaller budget): what breaks ties
-        between equal goodputs, so the order candidates happened to finish in never matters."""
-        return (_FAMILY_ORDER.index(self.family), self.prefill, self.budget)
-
-    @property
-    def family(self) -> str:
-        if self.conditional:
-            return CONDITIONAL
-        return self.schedule if self.colocated else SPLIT
-
-    @property
-    def label(self) -> str:
-        if self.conditional:
-            shape = f"{self.colocated} colocated" if self.colocated else f"{self.prefill}P+{self.decode}D"
-            return f"{shape} conditional, budget {self.budget}"
-        if self.colocated:
-            kind = "" if self.schedule == CHUNKED else f" {self.schedule}"
-            return f"{self.colocated} colocated{kind}, budget {self.budget}"
-        return f"{self.prefill}P+{self.decode}D, budget {self.budget}"
-
-    def sim_args(self, policy: str) -> dict[str, Any]:
-        """How ``simulate`` runs this candidate (static layouts use the plan's ``--policy``)."""
-        return {
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "colocated": self.colocated,
-            "max_num_batched_tokens": self.budget,
-            "decode_max_num_batched_tokens": 0,
-            "colocated_schedule": self.schedule,
-            "policy": "goodput" if self.conditional else policy,
-            "local_prefill": self.conditional,
-        }
-
-    def serve_flags(self, profile: str, policy: str, slo: str) -> str:
-        shape = (
-            f"--colocated {self.colocated}"
-            if self.colocated
-            else f"--prefill {self.prefill} --decode {self.decode}"
-        )
-        if self.colocated and self.schedule != CHUNKED:
-            shape += f" --colocated-schedule {self.schedule}"
-        routing = "--policy goodput" if self.conditional else f"--policy {policy}"
-        if not self.conditional and not self.colocated and policy == "goodput":
-            routing += " --no-local-prefill"
-        return (
-            f"pdserve serve {shape} --max-num-batched-tokens {self.budget} {routing} --slo {slo}"
-            f"  # profile {profile}"
-        )
-
-
-def splits(gpus: int, max_splits: int) -> list[int]:
-    """Prefill worker counts to try: 1..gpus-1 with a stride that keeps about ``max_splits``."""
-    stride = max(1, (gpus - 1) // max(1, max_splits))
-    return list(range(1, gpus, stride))
-
-
-def candidates(
-    gpus: int,
-    max_splits: int = 16,
-    colocated_budgets: Sequence[int] = COLOCATED_BUDGETS,
-    priority_budgets: Sequence[int] = (),
-    prefill_budgets: Sequence[int] = PREFILL_BUDGETS,
-) -> list[Candidate]:
-    out = [Candidate(0, 0, gpus, b) for b in colocated_budgets]
-    out += [Candidate(0, 0, gpus, b, PRIORITY) for b in priority_budgets]
-    for p in splits(gpus, max_splits):
-        out += [Candidate(p, gpus - p, 0, b) for b in prefill_budgets]
-    return out
 
 
 def _ints(text: str) -> list[int]:
@@ -207,6 +127,9 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+POINT_KEYS = ("slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
 @dataclass(frozen=True)
 class Stage:
     """Candidates the search releases once ``ready()``: what ``release`` reads of the results
@@ -217,42 +140,19 @@ class Stage:
     urgent: bool = False  # ahead of what already waits: the search's critical path
 
 
-Row = tuple[float, Candidate, dict[str, Any]]
-
-
-def rank(row: Row) -> tuple[float, tuple[int, ...]]:
-    """Higher goodput per GPU first; among equals, the earlier candidate in the fixed order."""
-    per_gpu, c, _ = row
-    return (per_gpu, tuple(-x for x in c.canonical))
-
-
 def warm_index(start: float, hint: float) -> int:
     """Where to enter the rate grid ``start · 2^k`` for a candidate expected near ``hint``
-    req/s: the highest grid rate at or below it (0 without a hint). A candidate that reaches
-    it climbs from there; one that misses it descends, so the points measured are those of an
-    entry one grid step lower, less a passing point where the hint holds (passing points are
-    the slow ones) and plus one failing point (ended early) where goodput is under half of it."""
+    req/s: the highest grid rate at or below it (0 without a hint). The search climbs from a
+    pass there and descends from a miss, so it measures the points an entry one grid step lower
+    would, less one passing point (the slow kind) where goodput reaches the entry rate and
+    plus one early-ended miss where goodput is under half of it. It skips one more low rate
+    than the lower entry: an answer differs from the search from the bottom only where a
+    finite run misses at that rate yet passes above it (not seen in the checks against
+    ``--exhaustive``)."""
     k = 0
     while start > 0 and start * 2 ** (k + 1) <= hint:
         k += 1
     return k
-
-
-def coarse_to_fine(items: Sequence[Candidate]) -> list[Candidate]:
-    """``items`` in the order a bisection of their index range visits them (the middle, then
-    the quarters, ...): measured in this order, a family's best shows up early, so warm starts
-    and pruning work for the rest. The set is unchanged."""
-    out: list[Candidate] = []
-    spans = [(0, len(items))]
-    while spans:
-        nxt = []
-        for a, b in spans:
-            if a < b:
-                m = (a + b) // 2
-                out.append(items[m])
-                nxt += [(a, m), (m + 1, b)]
-        spans = nxt
-    return out
 
 
 def measure_point(args: argparse.Namespace, c: Candidate, rate: float) -> dict[str, Any]:
@@ -342,7 +242,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def progress(c: Candidate, point: dict[str, Any]) -> None:
         _progress(f"    {c.label}: {point['rate']:9.2f} req/s -> attainment {point['slo_attainment']:.3f}")
 
-    pool: SearchPool[Candidate] = SearchPool(jobs, functools.partial(measure_point, args), progress)
     todo: list[Candidate] = []
 
     def pick() -> Candidate:
@@ -441,6 +340,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         stages.append(Stage(lambda: settled(CHUNKED), conditional))
     if step >= 1:
         stages.append(Stage(lambda: settled(SPLIT), refine, urgent=True))
+    pool: SearchPool[Candidate] = SearchPool(jobs, functools.partial(measure_point, args), progress)
     try:
         run(stages)
     finally:
@@ -448,83 +348,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not rows:
         print("pdserve plan: error: the time budget ended before any candidate was measured", file=sys.stderr)
         return 1
-    rows.sort(key=rank, reverse=True)
-    # Every family is deployable (prefill-priority with --colocated-schedule); ties keep the
-    # earlier family in the search order: chunked colocation first.
-    best_per_gpu, rec, rec_result = rows[0]
-
-    def family_best(name: str) -> Row | None:
-        return max((r for r in rows if r[1].family == name), key=rank, default=None)
-
-    pure_coloc = [r for r in rows if r[1].colocated and not r[1].conditional]
-    coloc = max(pure_coloc, key=rank, default=None)
-    chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best(SPLIT)
-    conditional = family_best(CONDITIONAL)
-    print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")
-    summary: dict[str, Any] = {
-        "gpus": args.gpus,
-        "goodput_slo": " ".join(args.goodput),
-        "recommended": rec.label,
-        "recommended_per_gpu": round(best_per_gpu, 3),
-        "not_measured": skipped,  # past --time-budget
-    }
-    if skipped:
-        print(f"  not measured (time budget): {', '.join(skipped)}")
-    # The bound of the workload the recommendation was measured on (its highest passing point).
-    passing = [p for p in rec_result["points"] if p["rate"] <= rec_result["goodput_rate"]]
-    if passing:
-        wb = float(max(passing, key=lambda p: p["rate"])["work_bound_per_gpu"])
-        summary["work_bound_per_gpu"] = round(wb, 3)
-        print(f"  {best_per_gpu / wb:.2f}x the work bound ({wb:.3f} per GPU, what no layout sustains unshed)")
-        if best_per_gpu > 1.05 * wb and getattr(args, "admission", "none") == "none":  # shedding may pass it
-            summary["transient"] = True
-            print(
-                "  warning: above the work bound, so these goodputs are a transient (the arrivals end before "
-                "the backlog they build is felt); give each point more arrivals (--duration SECONDS)",
-                flush=True,
-            )
-    for name, row in (
-        ("best colocated", coloc),
-        ("best chunked colocated", chunked),
-        ("prefill-priority colocated", priority),
-        ("best static split", split),
-        ("best conditional", conditional),
-    ):
-        if row is None:
-            continue
-        ratio = best_per_gpu / row[0] if row[0] else float("inf")
-        print(f"  {ratio:.2f}x {name} ({row[1].label}: {row[0]:.3f} per GPU)")
-    for key, row in (
-        ("best_chunked", chunked),
-        ("best_prefill_priority", priority),
-        ("best_split", split),
-        ("best_conditional", conditional),
-    ):
-        if row is not None:
-            summary[key] = row[1].label
-            summary[f"{key}_per_gpu"] = round(row[0], 3)
-            summary[f"recommended_over_{key}"] = round(best_per_gpu / row[0], 3) if row[0] else None
-    pure = max((r[0] for r in (chunked, split) if r is not None), default=0.0)
-    if conditional is not None and pure:
-        summary["conditional_over_better_pure"] = round(conditional[0] / pure, 3)
-        print(f"  conditional / better of chunked colocation and static split: {conditional[0] / pure:.2f}x")
-    slo = Slo.parse(args.goodput)
-    slo_flag = "default:" + ",".join(
-        f"{name}={ms:g}" for name, ms in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms)) if ms
-    )
-    print(f"  {rec.serve_flags(args.profile, args.policy, slo_flag)}")
-    summary["candidates"] = [
-        {
-            "label": c.label,
-            "family": c.family,
-            "per_gpu": round(pg, 3),
-            "goodput_rps": round(r["goodput_rate"], 2),
-            "bracketed": r["bracketed"],
-            "pruned": r["pruned"],
-            "points": r["points"],
-        }
-        for pg, c, r in rows
-    ]
-    save_result(args, summary, f"plan-{args.gpus}gpus.json")
-    print(json.dumps({k: v for k, v in summary.items() if k != "candidates"}, sort_keys=True))
+    report(args, rows, skipped)
     return 0

@@ -1,26 +1,29 @@
-"""Goodput searches run point by point on a pool of processes, idle jobs measuring ahead.
+"""Goodput searches run point by point on worker processes, idle ones measuring ahead.
 
 ``pdserve plan`` runs one goodput search (``pdserve.bench.sweep.search``) per candidate
 layout. A search is sequential — the rate it asks for next depends on the last one's
 attainment — so what a job is handed is one point (a candidate simulated at one rate), and a
-search waits on at most one point at a time. A job with nothing else to do (no search to
-start: at the end of a plan, or while the next candidates wait on a result) measures ahead:
-the rate a running search would ask for next if the point it waits on passes, then if it
-fails, then one answer deeper. The simulator is deterministic, so a point measured ahead is
-the answer the search gets when it asks; a wrong guess costs a job that would have idled.
-What a search reports (its bracket, its points, in the order asked) is exactly what it would
-be without measuring ahead.
+search waits on at most one point at a time. A job with nothing else to do (no point asked
+for: at the end of a plan, or while the next candidates wait on a result) measures ahead: the
+rates a running search would ask for next, breadth first over the outcomes of the point it
+waits on (a pass before a miss), up to ``AHEAD_DEPTH`` answers ahead. The simulator is
+deterministic, so a point measured ahead is the answer the search gets when it asks. A point
+asked for never waits on a guess: a job running one is stopped and replaced when a real point
+needs it. What a search reports (its bracket, its points, in the order asked) is exactly what
+it would be without measuring ahead.
 
 Contract: the caller ``start``\\ s a search while ``free()`` > 0 and collects finished ones
-with ``wait``; each finished search is returned once, and nothing of it is kept (its points
-measured ahead are dropped). ``close`` stops the jobs, measuring ahead or not; with one job
-points are measured in the caller's process, when asked.
+with ``wait`` (a finished search holds its slot until collected); each is returned once and
+nothing of it is kept. A job that dies fails ``wait`` with the point it was measuring.
+``close`` stops the jobs at once. With one job there are no processes: points are measured in
+the caller's process, when asked.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import queue
+import multiprocessing.connection
+import multiprocessing.process
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -29,11 +32,10 @@ from pdserve.bench.sweep import Bracket, Search
 
 K = TypeVar("K", bound=Hashable)
 Point = dict[str, Any]  # one measured point: at least "rate" and "slo_attainment"
-# (key, rate) -> the point; run in a job's process, so a module-level function (or a partial)
+# (key, rate) -> the point; run in a job's process (a module-level function, or a partial of one)
 Measure = Callable[[Any, float], Point]
-Finished = tuple[Any, Bracket, list[Point]]  # (key, where its search ended, its points in order)
 
-AHEAD_DEPTH = 3  # answers a guess looks past the point a search waits on
+AHEAD_DEPTH = 3  # answers a guess may look past the point a search waits on
 
 
 def replay(make: Callable[[], Search], answers: list[tuple[float, float]]) -> float | None:
@@ -51,6 +53,22 @@ def replay(make: Callable[[], Search], answers: list[tuple[float, float]]) -> fl
     finally:
         gen.close()
     return rate
+
+
+def _serve(conn: multiprocessing.connection.Connection, measure: Measure) -> None:
+    """A job's loop: measure each (key, rate) sent, answer (ok, point or error) until None."""
+    while (task := conn.recv()) is not None:
+        try:
+            conn.send((True, measure(*task)))
+        except Exception as e:  # handed to the caller, which raises it when the point is asked for
+            conn.send((False, RuntimeError(f"measuring {task[0]!r} at {task[1]:g}: {e!r}")))
+
+
+@dataclass
+class _Job:
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    task: tuple[Any, float] | None = None  # (key, rate) it measures now
 
 
 @dataclass
@@ -72,20 +90,19 @@ class SearchPool(Generic[K]):
         self.jobs = max(1, jobs)
         self.measure = measure
         self.on_point = on_point
-        self._pool = multiprocessing.Pool(self.jobs) if self.jobs > 1 else None
-        self._results: queue.Queue[tuple[K, float, Point | BaseException]] = queue.Queue()
+        self._ctx = multiprocessing.get_context()
+        self._jobs: list[_Job] = [self._spawn() for _ in range(self.jobs)] if self.jobs > 1 else []
         self._runs: dict[K, _Run[K]] = {}
-        self._flying: set[tuple[K, float]] = set()
-        self._done: list[Finished] = []
+        self._done: list[tuple[K, Bracket, list[Point]]] = []
 
     @property
     def running(self) -> list[K]:
         return list(self._runs)
 
     def free(self) -> int:
-        """Searches that could start now: one per job, less those running (points measured
-        ahead borrow idle jobs and do not count)."""
-        return self.jobs - len(self._runs)
+        """Searches that may start now: one per job, less those running or finished and not
+        yet collected (so that the caller sees each result before it starts the next)."""
+        return self.jobs - len(self._runs) - len(self._done)
 
     def start(self, key: K, make: Callable[[], Search]) -> None:
         """Begin ``make()``'s search for ``key`` (a fresh generator each call: guesses replay it)."""
@@ -101,44 +118,101 @@ class SearchPool(Generic[K]):
         self._runs[key] = run
         self._advance(run)
 
-    def wait(self, ahead: bool = True) -> list[Finished]:
+    def wait(self, ahead: bool = True) -> list[tuple[K, Bracket, list[Point]]]:
         """Block until at least one search has finished (at once if none runs); the finished
         ones. ``ahead``: idle jobs measure ahead meanwhile (the caller has nothing to start)."""
-        while not self._done and self._flying:
-            if ahead:
-                self._measure_ahead()
-            key, rate, got = self._results.get()
-            self._flying.discard((key, rate))
-            run = self._runs.get(key)
-            if run is None:  # its search ended before it asked
-                continue
-            if isinstance(got, BaseException):  # a guess's failure matters once it is asked for
-                run.failed[rate] = got
-            else:
-                run.known[rate] = got
-            if run.asked == rate:
-                self._advance(run)
+        while not self._done and self._runs:
+            self._dispatch(ahead)
+            busy = [j for j in self._jobs if j.task is not None]
+            ready = multiprocessing.connection.wait(
+                [j.conn for j in busy] + [j.process.sentinel for j in busy]
+            )
+            for job in busy:
+                if job.conn in ready or job.process.sentinel in ready:
+                    self._received(job)
         out, self._done = self._done, []
         return out
 
     def close(self) -> None:
         """Stop the jobs now (points measured ahead for nobody are not waited for)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        for job in self._jobs:
+            job.process.kill()
+        for job in self._jobs:
+            job.process.join()
+            job.conn.close()
+        self._jobs = []
+
+    # -- internals -------------------------------------------------------------------------------
+    def _spawn(self) -> _Job:
+        mine, theirs = self._ctx.Pipe()
+        process = self._ctx.Process(target=_serve, args=(theirs, self.measure), daemon=True)
+        process.start()
+        theirs.close()
+        return _Job(process, mine)
+
+    def _asked(self) -> set[tuple[Any, float]]:
+        return {(r.key, r.asked) for r in self._runs.values()}
+
+    def _dispatch(self, ahead: bool) -> None:
+        """Give every point asked for a job — an idle one, else one running a guess, stopped
+        and replaced — then, with ``ahead``, idle jobs the most useful guesses."""
+        asked = self._asked()
+        flying = {j.task for j in self._jobs if j.task is not None}
+        for task in asked - flying:
+            job = next((j for j in self._jobs if j.task is None), None)
+            if job is None:  # runs <= jobs: some job runs a guess
+                job = self._replace(next(j for j in self._jobs if j.task not in asked))
+            self._send(job, task)
+        if not ahead:
+            return
+        for idle in [j for j in self._jobs if j.task is None]:
+            guess = next(self._guesses(), None)
+            if guess is None:
+                return
+            self._send(idle, guess)
+
+    def _send(self, job: _Job, task: tuple[Any, float]) -> None:
+        job.task = task
+        job.conn.send(task)
+
+    def _replace(self, job: _Job) -> _Job:
+        job.process.kill()
+        job.process.join()
+        job.conn.close()
+        new = self._spawn()
+        self._jobs[self._jobs.index(job)] = new
+        return new
+
+    def _received(self, job: _Job) -> None:
+        assert job.task is not None
+        key, rate = job.task
+        try:
+            ok, got = job.conn.recv()
+        except (EOFError, OSError):  # the job died: its end of the pipe closed unanswered
+            job.process.join(1.0)  # reaped, so that its exit code is known
+            raise RuntimeError(
+                f"a plan job died (exit code {job.process.exitcode}) measuring {key!r} at {rate:g}"
+            ) from None
+        job.task = None
+        run = self._runs.get(key)
+        if run is None:  # its search ended before it asked
+            return
+        if ok:
+            run.known[rate] = got
+        else:  # a guess's failure matters once it is asked for
+            run.failed[rate] = got
+        if run.asked == rate:
+            self._advance(run)
 
     def _advance(self, run: _Run[K]) -> None:
         """Answer what ``run`` asks from what is known, until it asks for something that is not
-        (then it is measured: in a job, or here with one job) or it ends."""
+        (a job measures it; with one job it is measured here) or it ends."""
         while True:
             if run.asked in run.failed:
                 raise run.failed[run.asked]
             point = run.known.get(run.asked)
             if point is None:
-                if self._pool is not None:
-                    if (run.key, run.asked) not in self._flying:
-                        self._submit(run.key, run.asked)
+                if self._jobs:
                     return
                 point = run.known[run.asked] = self.measure(run.key, run.asked)
             attainment = float(point["slo_attainment"])
@@ -153,28 +227,11 @@ class SearchPool(Generic[K]):
                 self._done.append((run.key, stop.value, run.points))
                 return
 
-    def _submit(self, key: K, rate: float) -> None:
-        assert self._pool is not None
-        self._flying.add((key, rate))
-        results = self._results
-        self._pool.apply_async(
-            self.measure,
-            (key, rate),
-            callback=lambda p: results.put((key, rate, p)),
-            error_callback=lambda e: results.put((key, rate, e)),
-        )
-
-    def _measure_ahead(self) -> None:
-        while len(self._flying) < self.jobs:
-            guess = next(self._guesses(), None)
-            if guess is None:
-                return
-            self._submit(*guess)
-
     def _guesses(self) -> Iterator[tuple[K, float]]:
         """Points no job measures that a running search may ask for: searches in start order,
         for each the rates it asks next, breadth first over the outcomes of what it waits on,
         a pass before a miss (passing points are the slow ones to wait for)."""
+        flying = {j.task for j in self._jobs if j.task is not None}
         for run in list(self._runs.values()):
             frontier: list[tuple[list[tuple[float, float]], float]] = [([], run.asked)]
             for _ in range(AHEAD_DEPTH):
@@ -187,11 +244,8 @@ class SearchPool(Generic[K]):
                         nxt = replay(run.make, [*run.path, *path])
                         if nxt is None:
                             continue
-                        if (
-                            nxt not in run.known
-                            and nxt not in run.failed
-                            and (run.key, nxt) not in self._flying
-                        ):
+                        fresh = nxt not in run.known and nxt not in run.failed
+                        if fresh and (run.key, nxt) not in flying:
                             yield run.key, nxt
                         deeper.append((path, nxt))
                 frontier = deeper

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -87,21 +88,63 @@ def test_one_job_measures_only_what_is_asked() -> None:
     pool.close()
 
 
-def test_a_lone_search_is_measured_ahead_and_close_does_not_wait_for_guesses() -> None:
+def test_a_lone_search_is_measured_ahead() -> None:
     slow = functools.partial(measure, delay=0.2)
     pool: SearchPool[tuple[float, float]] = SearchPool(2, slow)
-    pool.start((9.5, 0.0), functools.partial(make, (9.5, 0.0)))
-    t0 = time.monotonic()
-    [(_, found, points)] = pool.wait(ahead=True)
-    lone = time.monotonic() - t0
+    try:
+        pool.start((9.5, 0.0), functools.partial(make, (9.5, 0.0)))
+        t0 = time.monotonic()
+        [(_, found, points)] = pool.wait(ahead=True)
+        lone = time.monotonic() - t0
+    finally:
+        pool.close()
     assert (found, [p["rate"] for p in points]) == sequential((9.5, 0.0), 0.0, 0)
-    # every point asked waited 0.2 s one at a time without guesses; the guessed ones were ready
+    # one at a time each point asked would take 0.2 s; those guessed were ready or running
     assert lone < 0.2 * len(points) - 0.1
-    pool.start((40.0, 0.0), functools.partial(make, (40.0, 0.0)))
-    pool.wait(ahead=True)
-    t0 = time.monotonic()
-    pool.close()  # guesses for a search that has ended may still be running: not waited for
-    assert time.monotonic() - t0 < 0.2
+
+
+def by_key(key: tuple[float, float, float], rate: float) -> dict[str, Any]:
+    """``measure`` taking ``key[2]`` seconds; a key with a negative delay kills its job."""
+    if key[2] < 0:
+        os._exit(3)
+    return measure(key[:2], rate, key[2])
+
+
+def make3(key: tuple[float, float, float]) -> Any:
+    return search(1.0, 12, 5)
+
+
+def test_a_point_asked_for_never_waits_on_a_guess_and_close_does_not_either() -> None:
+    pool: SearchPool[tuple[float, float, float]] = SearchPool(2, by_key)
+    try:
+        slow, fast = (9.5, 0.0, 5.0), (40.0, 0.0, 0.0)
+        pool.start(slow, functools.partial(make3, slow))
+        pool._dispatch(ahead=True)  # both jobs busy: the slow search's point and a guess for it
+        pool.start(fast, functools.partial(make3, fast))
+        t0 = time.monotonic()
+        [(key, _, _)] = pool.wait(ahead=False)  # the guess's job is replaced for the fast search
+        assert key == fast and time.monotonic() - t0 < 2.0
+    finally:
+        t0 = time.monotonic()
+        pool.close()  # the slow search's point runs for seconds yet
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_one_job_hands_back_each_search_before_the_next_starts() -> None:
+    pool: SearchPool[tuple[float, float]] = SearchPool(1, measure)
+    pool.start((3.0, 0.0), functools.partial(make, (3.0, 0.0)))
+    assert pool.free() == 0  # finished, not yet collected: the caller records it first
+    assert [k for k, _, _ in pool.wait()] == [(3.0, 0.0)] and pool.free() == 1
+
+
+def test_a_dead_job_fails_the_wait_with_its_point() -> None:
+    pool: SearchPool[tuple[float, float, float]] = SearchPool(2, by_key)
+    try:
+        pool.start((9.5, 0.0, -1.0), functools.partial(make3, (9.5, 0.0, -1.0)))
+        with pytest.raises(RuntimeError, match=r"a plan job died \(exit code 3\) measuring"):
+            pool.wait()
+    finally:
+        pool.close()
 
 
 def test_a_failed_point_is_raised_and_a_key_runs_once() -> None:
