@@ -8,9 +8,9 @@ for: at the end of a plan, or while the next candidates wait on a result) measur
 rates a running search would ask for next, breadth first over the outcomes of the point it
 waits on (a pass before a miss), up to ``AHEAD_DEPTH`` answers ahead. The simulator is
 deterministic, so a point measured ahead is the answer the search gets when it asks. A point
-asked for never waits on a guess: a job running one is stopped and replaced when a real point
-needs it. What a search reports (its bracket, its points, in the order asked) is exactly what
-it would be without measuring ahead.
+asked for waits on a guess only while that guess may still be asked for: a job running one no
+search can ask for any more is stopped and replaced. What a search reports (its bracket, its
+points, in the order asked) is exactly what it would be without measuring ahead.
 
 Contract: the caller ``start``\\ s a search while ``free()`` > 0 and collects finished ones
 with ``wait`` (a finished search holds its slot until collected); each is returned once and
@@ -154,14 +154,23 @@ class SearchPool(Generic[K]):
         return {(r.key, r.asked) for r in self._runs.values()}
 
     def _dispatch(self, ahead: bool) -> None:
-        """Give every point asked for a job — an idle one, else one running a guess, stopped
-        and replaced — then, with ``ahead``, idle jobs the most useful guesses."""
+        """Give every point asked for a job — an idle one, else one running a guess no search
+        can ask for any more, stopped and replaced — then, with ``ahead``, idle jobs the most
+        useful guesses."""
         asked = self._asked()
         flying = {j.task for j in self._jobs if j.task is not None}
-        for task in asked - flying:
+        useful: set[tuple[Any, float]] | None = None
+        for task in [(r.key, r.asked) for r in self._runs.values()]:  # in start order
+            if task in flying:
+                continue
             job = next((j for j in self._jobs if j.task is None), None)
             if job is None:  # runs <= jobs: some job runs a guess
-                job = self._replace(next(j for j in self._jobs if j.task not in asked))
+                if useful is None:
+                    useful = {(r.key, rate) for r in self._runs.values() for _, rate in self._tree(r)}
+                spent = next((j for j in self._jobs if j.task not in asked and j.task not in useful), None)
+                if spent is None:  # every guess may still be asked for: the point waits for one
+                    continue
+                job = self._replace(spent)
             self._send(job, task)
         if not ahead:
             return
@@ -233,19 +242,24 @@ class SearchPool(Generic[K]):
         a pass before a miss (passing points are the slow ones to wait for)."""
         flying = {j.task for j in self._jobs if j.task is not None}
         for run in list(self._runs.values()):
-            frontier: list[tuple[list[tuple[float, float]], float]] = [([], run.asked)]
-            for _ in range(AHEAD_DEPTH):
-                deeper = []
-                for hyp, rate in frontier:
-                    seen = run.known.get(rate)
-                    outcomes = [float(seen["slo_attainment"])] if seen is not None else [1.0, 0.0]
-                    for attainment in outcomes:
-                        path = [*hyp, (rate, attainment)]
-                        nxt = replay(run.make, [*run.path, *path])
-                        if nxt is None:
-                            continue
-                        fresh = nxt not in run.known and nxt not in run.failed
-                        if fresh and (run.key, nxt) not in flying:
-                            yield run.key, nxt
+            for _, rate in self._tree(run):
+                if rate not in run.known and rate not in run.failed and (run.key, rate) not in flying:
+                    yield run.key, rate
+
+    @staticmethod
+    def _tree(run: _Run[K]) -> Iterator[tuple[int, float]]:
+        """(depth, rate) of the rates ``run`` may ask for after the one it waits on, breadth
+        first over the outcomes still unknown (a pass before a miss), ``AHEAD_DEPTH`` deep."""
+        frontier: list[tuple[list[tuple[float, float]], float]] = [([], run.asked)]
+        for depth in range(1, AHEAD_DEPTH + 1):
+            deeper = []
+            for hyp, rate in frontier:
+                seen = run.known.get(rate)
+                outcomes = [float(seen["slo_attainment"])] if seen is not None else [1.0, 0.0]
+                for attainment in outcomes:
+                    path = [*hyp, (rate, attainment)]
+                    nxt = replay(run.make, [*run.path, *path])
+                    if nxt is not None:
+                        yield depth, nxt
                         deeper.append((path, nxt))
-                frontier = deeper
+            frontier = deeper

@@ -114,15 +114,24 @@ def make3(key: tuple[float, float, float]) -> Any:
     return search(1.0, 12, 5)
 
 
-def test_a_point_asked_for_never_waits_on_a_guess_and_close_does_not_either() -> None:
-    pool: SearchPool[tuple[float, float, float]] = SearchPool(2, by_key)
+def slow_above_one(key: tuple[float, float, float], rate: float) -> dict[str, Any]:
+    """``by_key``, but every rate above 1 takes 5 s."""
+    return measure(key[:2], rate, 5.0 if rate > 1 else key[2])
+
+
+def test_a_guess_no_search_can_ask_for_gives_way_and_close_does_not_wait() -> None:
+    pool: SearchPool[tuple[float, float, float]] = SearchPool(2, slow_above_one)
+    short = functools.partial(search, 1.0, 2, 0)  # rate 1, then rate 2 only if 1 passes
     try:
-        slow, fast = (9.5, 0.0, 5.0), (40.0, 0.0, 0.0)
-        pool.start(slow, functools.partial(make3, slow))
-        pool._dispatch(ahead=True)  # both jobs busy: the slow search's point and a guess for it
-        pool.start(fast, functools.partial(make3, fast))
+        missing = (0.5, 0.0, 0.3)  # misses at 1: its search ends there
+        pool.start(missing, short)
+        pool._dispatch(ahead=True)  # one job on its rate 1, the other guessing its rate 2 (5 s)
+        assert [k for k, _, _ in pool.wait()] == [missing]  # the guess at 2 runs on, for nobody
+        slow, fast = (40.0, 0.0, 5.0), (40.0, 0.0, 0.0)
+        pool.start(slow, functools.partial(search, 1.0, 1, 0))
+        pool.start(fast, functools.partial(search, 1.0, 1, 0))
         t0 = time.monotonic()
-        [(key, _, _)] = pool.wait(ahead=False)  # the guess's job is replaced for the fast search
+        [(key, _, _)] = pool.wait(ahead=False)  # the idle job takes one, the spent guess's the other
         assert key == fast and time.monotonic() - t0 < 2.0
     finally:
         t0 = time.monotonic()
