@@ -97,7 +97,7 @@ class SimAutoscaler:
         ended = c.finished[lo:hi]  # served ones end with their last token, refused ones on arrival
         ttfts, tpots, good = [], [], 0
         for sr in ended:
-            if sr.rejected or not sr.token_times:
+            if sr.rejected or sr.error or not sr.token_times:
                 continue
             t = sr.token_times
             ttft = t[0] - sr.arrival

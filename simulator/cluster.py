@@ -12,7 +12,8 @@ when the router sends them.
 
 The router side is the service's flow with the router's real dispatcher and the same
 feedback (first token, end, load reports): a remotely prefilled request reserves blocks on
-its decode worker (waiting for room when full) while its prompt goes to the prefill worker;
+its decode worker (waiting for room when full, up to the router's deadline: then it fails
+RESOURCE_EXHAUSTED, as the router fails it) while its prompt goes to the prefill worker;
 the prefill worker reports the first token, the KV moves when both sides are ready, and the
 decode worker starts once it is in. Locally prefilled requests (colocated, or conditional
 disaggregation) go to the decode worker's engine whole; rejected ones end at once as failures.
@@ -44,6 +45,7 @@ from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import SloClass
@@ -53,8 +55,6 @@ from pdserve.simulator.jitter import StepJitter
 from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerLoad, WorkerRole, WorkItem
-
-FOREVER_S = 1e12  # a reservation waits for room as long as it takes (the router has no deadline here)
 
 
 @dataclass
@@ -70,6 +70,7 @@ class SimRequest:
     cached: int = 0  # prompt tokens a prefix cache served
     done: bool = False
     rejected: bool = False
+    error: str = ""  # failed after it was dispatched (the router's answer to the client)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +81,8 @@ class SimRequest:
         t = self.token_times
         if self.rejected:
             return RequestResult(self.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected")
+        if self.error:
+            return RequestResult(self.num_prompt_tokens, error=self.error)
         if not self.done or not t:
             return RequestResult(self.num_prompt_tokens, error="not finished")
         return RequestResult(
@@ -230,8 +233,12 @@ class Cluster:
         slo: SloClass | None = None,
         shared_host: bool = False,
         jitter_seed: int = 0,
+        reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
     ) -> None:
         self.clock = Clock()
+        # as the router: a request whose decode worker finds no KV room in this long fails
+        # (RESOURCE_EXHAUSTED) rather than waiting on
+        self.reserve_timeout_s = reserve_timeout_s
         self.profile = profile
         self.calibration = calibration_of(profile)
         self.link = Link(self.clock, profile)
@@ -363,7 +370,7 @@ class Cluster:
         sr.prefill_worker = p
         sr.transfer_id = f"kv-{rid}"
         self.link.tokens[sr.transfer_id] = sr.num_prompt_tokens
-        reservation = d.decode.reserve(work, sr.transfer_id, timeout_s=FOREVER_S)
+        reservation = d.decode.reserve(work, sr.transfer_id, timeout_s=self.reserve_timeout_s)
         d.changed()
         if reservation.done():
             target = reservation.result()
@@ -380,9 +387,24 @@ class Cluster:
         d = sr.decode_worker
         assert d is not None
         target = fut.result()
-        if target is None or sr.done:  # given back: the request ended meanwhile
+        if sr.done:  # the request ended meanwhile (its reservation given back)
+            return
+        if target is None:  # no room by the deadline: the router fails it
+            d.later(lambda: self._no_room(sr))
             return
         d.later(lambda: self._granted(sr, target))
+
+    def _no_room(self, sr: SimRequest) -> None:
+        """As the router does when the reservation's wait runs out: RESOURCE_EXHAUSTED, and the
+        prefill worker lets go of the prompt (its first token may be out already)."""
+        if sr.done:
+            return
+        p = sr.prefill_worker
+        assert p is not None
+        rid = sr.work.request_id
+        p.command(lambda: p.prefill.abort(rid))
+        sr.error = f"RESOURCE_EXHAUSTED: no KV cache room within {self.reserve_timeout_s:g}s"
+        self.finish(sr)
 
     def _granted(self, sr: SimRequest, target: KVTarget) -> None:
         """As the router does: name the blocks to the prefill worker, and start decoding once

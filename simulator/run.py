@@ -27,6 +27,7 @@ from pdserve.flags import (
     save_result,
 )
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
+from pdserve.router.config import RouterConfig
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.slo import Admission, SloClass
 from pdserve.simulator.autoscale import AutoscaleConfig, SimAutoscaler
@@ -77,6 +78,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the step-time variability a profile measured (HostCalibration.*_jitter); "
         "other seeds show the spread of a run",
+    )
+    p.add_argument(
+        "--reserve-timeout-s",
+        type=float,
+        default=RouterConfig.reserve_timeout_s,
+        help="how long a request waits for KV room on its decode worker before it fails "
+        "RESOURCE_EXHAUSTED (the router's deadline)",
     )
     add_goodput(p)
     add_result(p)
@@ -132,6 +140,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         profile, args.prefill, args.decode, colocated, dispatcher, cfg, decode_cfg, args.block_size,
         slo_class, shared_host=getattr(args, "shared_host", False),
         jitter_seed=getattr(args, "jitter_seed", 0),
+        reserve_timeout_s=getattr(args, "reserve_timeout_s", RouterConfig.reserve_timeout_s),
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []

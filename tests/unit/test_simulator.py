@@ -287,3 +287,29 @@ def test_fast_plan_recommends_what_the_exhaustive_search_does(
     assert 0 < fast_points < slow_points
     assert "pruned" in out  # each result is recorded before the next candidate starts
 
+
+def test_a_reservation_past_the_routers_deadline_fails_the_request() -> None:
+    """As the router does: a request whose decode worker finds no KV room within
+    ``--reserve-timeout-s`` fails RESOURCE_EXHAUSTED (its prompt let go on the prefill worker);
+    the others finish, and the run's leak check (every pool empty) passes."""
+    import dataclasses
+
+    from pdserve.steptime.roofline import PROFILES
+
+    small = dataclasses.replace(
+        P, name="tiny-memory", memory_bytes=P.weight_bytes + 40 * 1024 * P.kv_bytes_per_token
+    )
+    PROFILES[small.name] = small
+    try:
+        flags = ("--prefill", "1", "--decode", "1", "--profile", small.name, "--num-prompts", "60",
+                 "--request-rate", "200", "--random-input-len", "3000", "--random-output-len", "400",
+                 "--goodput", "ttft:250", "tpot:100")  # fmt: skip
+        patient = simulate(args(*flags))
+        short = simulate(args(*flags, "--reserve-timeout-s", "2"))
+    finally:
+        del PROFILES[small.name]
+    assert patient["completed"] == 60 and patient["failed"] == 0
+    assert 0 < short["failed"] < 60 and short["completed"] + short["failed"] == 60
+    failed = [e for e in short["errors"] if e]
+    assert failed and all(e == "RESOURCE_EXHAUSTED: no KV cache room within 2s" for e in failed)
+    assert short["slo_attainment"] <= 1 - short["failed"] / 60
