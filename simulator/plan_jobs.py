@@ -150,23 +150,21 @@ class SearchPool(Generic[K]):
         theirs.close()
         return _Job(process, mine)
 
-    def _asked(self) -> set[tuple[Any, float]]:
-        return {(r.key, r.asked) for r in self._runs.values()}
-
     def _dispatch(self, ahead: bool) -> None:
         """Give every point asked for a job — an idle one, else one running a guess no search
         can ask for any more, stopped and replaced — then, with ``ahead``, idle jobs the most
         useful guesses."""
-        asked = self._asked()
+        wanted = [(r.key, r.asked) for r in self._runs.values()]  # in start order
+        asked = set(wanted)
         flying = {j.task for j in self._jobs if j.task is not None}
         useful: set[tuple[Any, float]] | None = None
-        for task in [(r.key, r.asked) for r in self._runs.values()]:  # in start order
+        for task in wanted:
             if task in flying:
                 continue
             job = next((j for j in self._jobs if j.task is None), None)
             if job is None:  # runs <= jobs: some job runs a guess
                 if useful is None:
-                    useful = {(r.key, rate) for r in self._runs.values() for _, rate in self._tree(r)}
+                    useful = {(r.key, rate) for r in self._runs.values() for rate in self._tree(r)}
                 spent = next((j for j in self._jobs if j.task not in asked and j.task not in useful), None)
                 if spent is None:  # every guess may still be asked for: the point waits for one
                     continue
@@ -242,16 +240,16 @@ class SearchPool(Generic[K]):
         a pass before a miss (passing points are the slow ones to wait for)."""
         flying = {j.task for j in self._jobs if j.task is not None}
         for run in list(self._runs.values()):
-            for _, rate in self._tree(run):
+            for rate in self._tree(run):
                 if rate not in run.known and rate not in run.failed and (run.key, rate) not in flying:
                     yield run.key, rate
 
     @staticmethod
-    def _tree(run: _Run[K]) -> Iterator[tuple[int, float]]:
-        """(depth, rate) of the rates ``run`` may ask for after the one it waits on, breadth
-        first over the outcomes still unknown (a pass before a miss), ``AHEAD_DEPTH`` deep."""
+    def _tree(run: _Run[K]) -> Iterator[float]:
+        """The rates ``run`` may ask for after the one it waits on, breadth first over the
+        outcomes still unknown (a pass before a miss), ``AHEAD_DEPTH`` deep."""
         frontier: list[tuple[list[tuple[float, float]], float]] = [([], run.asked)]
-        for depth in range(1, AHEAD_DEPTH + 1):
+        for _ in range(AHEAD_DEPTH):
             deeper = []
             for hyp, rate in frontier:
                 seen = run.known.get(rate)
@@ -260,6 +258,6 @@ class SearchPool(Generic[K]):
                     path = [*hyp, (rate, attainment)]
                     nxt = replay(run.make, [*run.path, *path])
                     if nxt is not None:
-                        yield depth, nxt
+                        yield nxt
                         deeper.append((path, nxt))
             frontier = deeper
