@@ -13,7 +13,8 @@ static; workers counted from the router's status once a second, a starting worke
 joins), ``step_to_target_s`` (from the step to the end of the first interval back at >= 90 %,
 by the end time of requests, as the planner sees them), ``changes_per_5_intervals`` at the steady
 peak, and ``sim_agreement``: the share of interval boundaries at which the live layout is within
-one worker (|dP| + |dD| <= 1) of the simulated autoscaler's on the same workload.
+one worker (|dP| + |dD| <= 1) of the simulated autoscaler's on the same workload;
+``fluid_agreement``: the same against the request-level model (``pdserve simulate --fluid``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import httpx
 
 from benchmarks.autoscale import TRACE, best_static, run, step_to_target
+from benchmarks.autoscale_day import fluid as fluid_run
 from benchmarks.client import free_port, wait_ready
 from benchmarks.common import emit
 from pdserve.bench.client import PdserveGrpcBackend
@@ -187,12 +189,19 @@ def main() -> int:
             args, ["--prefill", str(p), "--decode", str(d)], args.logs / "autoscale-live-static.log"
         )
         print(f"live static {args.static}: attainment {static['attainment']:.3f}", flush=True)
-    sim = run([*base, "--policy", "least_loaded", *auto_flags])["autoscale"]
-    sim_layouts = [(t, pp, dd) for t, pp, dd in sim["layouts"]]
     bounds_t = [k * args.interval for k in range(1, int(args.duration // args.interval) + 1)]
-    pairs = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
-    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-    agree = [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in pairs]  # type: ignore[index]
+
+    def agreement(sim: dict[str, Any]) -> tuple[list[tuple[Any, Any]], list[bool]]:
+        """(live, simulated) layouts at the interval boundaries, and which are within one worker."""
+        sim_layouts = [(t, pp, dd) for t, pp, dd in sim["layouts"]]
+        pairs = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        return pairs, [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in pairs]
+
+    sim_flags = [*base, "--policy", "least_loaded", *auto_flags]
+    pairs, agree = agreement(run(sim_flags)["autoscale"])
+    # the request-level model (``--fluid``, what the day-long study runs) on the same workload
+    fluid_pairs, fluid_agree = agreement(fluid_run(sim_flags)["autoscale"])
     windows = auto["windows"]
     lo, hi = (float(x) for x in args.steady.split(":"))
     tl = auto["timeline"]
@@ -209,6 +218,8 @@ def main() -> int:
         "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
         "sim_agreement": round(sum(agree) / len(agree), 3) if agree else None,
         "sim_layouts_at_boundaries": [b for _, b in pairs],
+        "fluid_agreement": round(sum(fluid_agree) / len(fluid_agree), 3) if fluid_agree else None,
+        "fluid_layouts_at_boundaries": [b for _, b in fluid_pairs],
         "live_layouts_at_boundaries": [a for a, _ in pairs],
         "live_windows": windows,
         "wall_s": round(time.perf_counter() - started, 1),

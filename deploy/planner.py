@@ -78,6 +78,16 @@ class Layout:
         return self.prefill + self.decode
 
 
+def moves(have: Layout, target: Layout) -> tuple[int, tuple[int, int]]:
+    """How the pools get from ``have`` to ``target``: ``(switched, (prefill, decode))`` —
+    workers moved from the decode pool into the prefill pool (negative: the other way), then
+    workers started (> 0) or stopped (< 0) in each pool. A move between the pools comes
+    before a stop and a start: the switched worker keeps its weights and KV pool."""
+    dp, dd = target.prefill - have.prefill, target.decode - have.decode
+    switched = min(dp, -dd) if dp > 0 > dd else (-min(-dp, dd) if dd > 0 > dp else 0)
+    return switched, (dp - switched, dd + switched)
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     ttft_s: float  # the SLO's targets (a quantile of each, ``quantile``)

@@ -17,7 +17,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from pdserve.deploy.planner import Decision, Layout, Observation, Planner
+from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
 from pdserve.router.workload_window import Workload
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
@@ -140,16 +140,19 @@ class SimAutoscaler:
             c.clock.at(now + cfg.interval_s / cfg.checks, self.tick)
 
     def apply(self, target: Layout) -> None:
-        have = self.layout()
-        need = {
-            WorkerRole.PREFILL: target.prefill - have.prefill,
-            WorkerRole.DECODE: target.decode - have.decode,
-        }
-        for src, dst in ((WorkerRole.DECODE, WorkerRole.PREFILL), (WorkerRole.PREFILL, WorkerRole.DECODE)):
-            while need[dst] > 0 and need[src] < 0 and len(self.cluster.pool(src)) > 1:
-                self._switch(self._idlest(src), dst)
-                need[dst] -= 1
-                need[src] += 1
+        switched, grow = moves(self.layout(), target)
+        src, dst = (
+            (WorkerRole.DECODE, WorkerRole.PREFILL)
+            if switched > 0
+            else (WorkerRole.PREFILL, WorkerRole.DECODE)
+        )
+        need = dict(zip((WorkerRole.PREFILL, WorkerRole.DECODE), grow, strict=True))
+        for _ in range(abs(switched)):
+            if len(self.cluster.pool(src)) <= 1:  # the last worker of a pool stays: start one instead
+                need[dst] += 1
+                need[src] -= 1
+                continue
+            self._switch(self._idlest(src), dst)
         for role, n in need.items():
             for _ in range(n):
                 self._start(role)

@@ -90,6 +90,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_result(p)
     add_autoscale(p)
     p.add_argument(
+        "--fluid",
+        action="store_true",
+        help="the request-level model (pdserve.simulator.fluid) instead of the engines step by "
+        "step: a day at 64 GPUs in minutes; disaggregated layouts, no prefix caching",
+    )
+    p.add_argument("--fluid-tick", type=float, default=0.5, help="with --fluid: the decode tick (s)")
+    p.add_argument(
         "--worker-start-s",
         type=float,
         default=20.0,
@@ -234,6 +241,13 @@ def autoscaler(
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     try:
+        if args.fluid:
+            from pdserve.simulator.fluid_run import print_fluid, simulate_fluid
+
+            m = simulate_fluid(args, None if args.trace else workload(args), progress=True)
+            print_fluid(m)
+            save_result(args, m, f"simulate-fluid-{m['layout'].replace('+', '-')}.json")
+            return 0
         m = simulate(args)
     except ValueError as e:
         print(f"pdserve simulate: error: {e}", file=sys.stderr)

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
-    RateCurve,
     RequestSpec,
     TraceRow,
     WorkloadError,
     arrival_times,
     length_pairs_random,
     loop_trace,
+    num_prompts,
+    rate_curve,
     read_sharegpt_lengths,
     read_trace,
     synthetic_requests,
@@ -97,26 +98,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_result(p)
     p.add_argument("--disable-tqdm", action="store_true")
     add_sweep_args(p)
-
-
-def rate_curve(args: argparse.Namespace) -> RateCurve | None:
-    text = getattr(args, "rate_curve", None)
-    if not text:
-        return None
-    if not math.isfinite(args.request_rate):
-        raise WorkloadError("--rate-curve shapes --request-rate: give a finite rate")
-    return RateCurve.parse(text)
-
-
-def num_prompts(args: argparse.Namespace) -> int:
-    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate
-    (along ``--rate-curve``, if given)."""
-    duration = getattr(args, "duration", 0.0) or 0.0
-    if duration > 0 and math.isfinite(args.request_rate):
-        curve = rate_curve(args)
-        seconds = curve.integral(duration) if curve else duration
-        return max(int(args.num_prompts), math.ceil(args.request_rate * seconds))
-    return int(args.num_prompts)
 
 
 def build_workload(args: argparse.Namespace) -> list[RequestSpec]:

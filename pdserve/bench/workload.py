@@ -9,6 +9,7 @@ Mooncake style); equal ids become equal token blocks, so prefix caches see the s
 
 from __future__ import annotations
 
+import argparse
 import csv
 import itertools
 import json
@@ -272,3 +273,23 @@ class RateCurve:
                 return t0 + min(h, max(0.0, u))
             done += seg
         return pts[-1][0] + (tau - done) / pts[-1][1]
+
+
+def rate_curve(args: argparse.Namespace) -> RateCurve | None:
+    text = getattr(args, "rate_curve", None)
+    if not text:
+        return None
+    if not math.isfinite(args.request_rate):
+        raise WorkloadError("--rate-curve shapes --request-rate: give a finite rate")
+    return RateCurve.parse(text)
+
+
+def num_prompts(args: argparse.Namespace) -> int:
+    """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate
+    (along ``--rate-curve``, if given)."""
+    duration = getattr(args, "duration", 0.0) or 0.0
+    if duration > 0 and math.isfinite(args.request_rate):
+        curve = rate_curve(args)
+        seconds = curve.integral(duration) if curve else duration
+        return max(int(args.num_prompts), math.ceil(float(args.request_rate) * seconds))
+    return int(args.num_prompts)

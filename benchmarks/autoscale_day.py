@@ -1,0 +1,260 @@
+"""The pool planner over a day at 64 simulated GPUs (``pdserve simulate --fluid --autoscale``),
+against the best static layout at equal attainment; first, the fluid model against the event
+simulator on the workload of ``benchmarks/autoscale.py``, where both can run.
+
+    .venv/bin/python -m benchmarks.autoscale_day                # about 45 minutes on 2 cores
+    .venv/bin/python -m benchmarks.autoscale_day --check-only   # the model check (about 8 minutes)
+
+Day workload: the Azure conversation trace's requests and arrival pattern, its mean rate along a
+diurnal curve — ``--rate`` req/s at 04:00, rising as a cosine to ``--swing`` × that at 16:00
+and back (hourly points, linear between them). SLO TTFT 250 ms / TPOT 100 ms at 90 %; routing
+as an SLO-bound deployment runs it (goodput placement, ``--admission reject``, no local
+prefill). The planner runs with its defaults (30 s decisions, two checks between, 20 s worker
+start-up), from 1P+1D, within ``--max-prefill`` / ``--max-decode`` (together 64 GPUs).
+
+The best static layout at equal attainment: the fewest workers whose day attainment is at
+least the autoscaled run's, each total split as the planner's capacity model says serves the
+peak best; totals are searched upward from the autoscaled run's largest layout minus a few,
+each run of the whole day ending early once its misses pass what that attainment allows.
+
+Final JSON line: ``gpu_hours_ratio`` (autoscaled over the static layout's; target <= 0.7), the
+attainment of both, the planner's changes, the longest decision (wall), and the check's
+``fluid_event_agreement`` (share of 30 s boundaries at which the fluid model's autoscaled
+layout is within one worker of the event simulator's) and attainment differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+from benchmarks.autoscale import SLO, TRACE
+from benchmarks.autoscale import run as run_event
+from benchmarks.common import emit
+from pdserve.deploy.capacity import predict
+from pdserve.router.workload_window import Workload
+from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.fluid_run import simulate_fluid
+from pdserve.simulator.run import add_simulate_args
+
+ROUTING = ["--policy", "goodput", "--admission", "reject", "--no-local-prefill"]
+DAY = 86_400.0
+
+
+def parse(flags: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    return p.parse_args(flags)
+
+
+def fluid(flags: list[str], stop_below: float | None = None, progress: bool = False) -> dict[str, Any]:
+    args = parse([*flags, "--fluid"])
+    args.stop_below = stop_below
+    return simulate_fluid(args, progress=progress)
+
+
+def diurnal(swing: float) -> str:
+    """Hourly points of a cosine day: 1 at 04:00, ``swing`` at 16:00."""
+    pts = [(h * 3600, 1 + (swing - 1) * (1 - math.cos(2 * math.pi * (h - 4) / 24)) / 2) for h in range(25)]
+    return ",".join(f"{t}:{x:.4f}" for t, x in pts)
+
+
+def at_boundaries(layouts: list[Any], interval: float, until: float) -> list[tuple[int, int]]:
+    out, i, cur = [], 0, (1, 1)
+    for k in range(1, int(until // interval) + 1):
+        while i < len(layouts) and layouts[i][0] <= k * interval + 1e-6:
+            cur = (layouts[i][1], layouts[i][2])
+            i += 1
+        out.append(cur)
+    return out
+
+
+def check(args: argparse.Namespace) -> dict[str, Any]:
+    """The fluid model against the event simulator on ``benchmarks/autoscale.py``'s workload."""
+    base = [
+        "--trace",
+        str(TRACE),
+        "--request-rate",
+        "20",
+        "--rate-curve",
+        "0:1,200:1,210:4,450:4,460:1",
+        "--duration",
+        "900",
+        *SLO,
+        *ROUTING,
+    ]
+    out: dict[str, Any] = {"check_workload": "benchmarks/autoscale.py's: 20 req/s, 4x step 210-450 s, 900 s"}
+    statics = []
+    for p, d in ((1, 1), (2, 1), (2, 2), (3, 2)):
+        flags = [*base, "--prefill", str(p), "--decode", str(d)]
+        e, f = run_event(flags), fluid(flags)
+        statics.append(
+            {
+                "layout": f"{p}P+{d}D",
+                "event": round(e["slo_attainment"], 4),
+                "fluid": round(f["slo_attainment"], 4),
+            }
+        )
+        print(
+            f"check static {p}P+{d}D: event {e['slo_attainment']:.3f}, fluid {f['slo_attainment']:.3f}",
+            flush=True,
+        )
+    auto = [
+        *base,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--autoscale",
+        "--max-prefill",
+        "8",
+        "--max-decode",
+        "6",
+    ]
+    t0 = time.perf_counter()
+    e = run_event(auto)
+    event_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    f = fluid(auto)
+    fluid_s = time.perf_counter() - t0
+    ev = at_boundaries(e["autoscale"]["layouts"], 30.0, 900.0)
+    fl = at_boundaries(f["autoscale"]["layouts"], 30.0, 900.0)
+    agree = [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in zip(ev, fl, strict=True)]
+    out.update(
+        {
+            "check_static": statics,
+            "check_static_max_gap_pp": round(100 * max(abs(s["event"] - s["fluid"]) for s in statics), 2),
+            "check_autoscaled_attainment": {
+                "event": round(e["slo_attainment"], 4),
+                "fluid": round(f["slo_attainment"], 4),
+            },
+            "check_autoscaled_worker_seconds": {
+                "event": round(e["autoscale"]["worker_seconds"], 1),
+                "fluid": round(f["autoscale"]["worker_seconds"], 1),
+            },
+            "fluid_event_agreement": round(sum(agree) / len(agree), 3),
+            "check_layouts": {"event": ev, "fluid": fl},
+            "check_wall_s": {"event": round(event_s, 1), "fluid": round(fluid_s, 2)},
+        }
+    )
+    print(
+        f"check autoscaled: event {e['slo_attainment']:.3f}, fluid {f['slo_attainment']:.3f}, "
+        f"agreement {out['fluid_event_agreement']:.2f}",
+        flush=True,
+    )
+    return out
+
+
+def split(total: int, peak: Workload, args: argparse.Namespace) -> tuple[int, int]:
+    """The split of ``total`` workers the capacity model says serves the peak best."""
+    model = load_sim_profile("h100-llama3-8b")
+
+    def worst(p: int) -> float:
+        pr = predict(model, peak, p, total - p)
+        return max(pr.ttft_s / 0.25, pr.tpot_s / 0.1)
+
+    lo, hi = max(1, total - args.max_decode), min(args.max_prefill, total - 1)
+    return min(((p, total - p) for p in range(lo, hi + 1)), key=lambda l: (worst(l[0]), l))
+
+
+def day(args: argparse.Namespace) -> dict[str, Any]:
+    curve = diurnal(args.swing)
+    base = [
+        "--trace",
+        str(TRACE),
+        "--request-rate",
+        str(args.rate),
+        "--rate-curve",
+        curve,
+        "--duration",
+        str(args.hours * 3600),
+        *SLO,
+        *ROUTING,
+    ]
+    bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
+    t0 = time.perf_counter()
+    auto = fluid([*base, "--prefill", "1", "--decode", "1", "--autoscale", *bounds], progress=True)
+    auto_s = time.perf_counter() - t0
+    a = auto["autoscale"]
+    target = auto["slo_attainment"]
+    peak_layout = max(a["layouts"], key=lambda x: x[1] + x[2])
+    print(
+        f"day autoscaled: attainment {target:.4f}, {a['worker_seconds'] / 3600:,.0f} GPU-h, "
+        f"{a['changes']} changes, largest {peak_layout[1]}P+{peak_layout[2]}D ({auto_s:.0f} s)",
+        flush=True,
+    )
+    prompt_mean, output_mean = 1154.7, 211.1  # the trace's means
+    peak = Workload(args.rate * args.swing, prompt_mean, output_mean)
+    tried: list[dict[str, Any]] = []
+    total = max(2, peak_layout[1] + peak_layout[2] - 3)
+    best = None
+    while total <= args.max_prefill + args.max_decode:
+        p, d = split(total, peak, args)
+        t0 = time.perf_counter()
+        m = fluid([*base, "--prefill", str(p), "--decode", str(d)], stop_below=target)
+        row = {
+            "layout": f"{p}P+{d}D",
+            "attainment": round(m["slo_attainment"], 4),
+            "ended_early": m["stopped_early"],
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+        tried.append(row)
+        print(
+            f"day static {p}P+{d}D: attainment {'< ' if m['stopped_early'] else ''}{m['slo_attainment']:.4f}",
+            flush=True,
+        )
+        if not m["stopped_early"] and m["slo_attainment"] >= target:
+            best = (p, d, m)
+            break
+        total += 1
+    out: dict[str, Any] = {
+        "day_workload": f"Azure conversation trace, {args.rate:g} req/s x diurnal cosine 1..{args.swing:g} "
+        f"(04:00 trough, 16:00 peak), {args.hours:g} h, {auto['num_prompts']:,} requests",
+        "day_autoscaled_attainment": round(target, 4),
+        "day_autoscaled_gpu_hours": round(a["worker_seconds"] / 3600, 1),
+        "day_changes": a["changes"],
+        "day_decisions": a["decisions"],
+        "day_largest_layout": f"{peak_layout[1]}P+{peak_layout[2]}D",
+        "day_layouts_hourly": [x for x in a["layouts"] if x[0] % 3600 < a["interval_s"]],
+        "day_static_tried": tried,
+        "day_autoscaled_wall_s": round(auto_s, 1),
+    }
+    if best is not None:
+        p, d, m = best
+        static_h = (p + d) * m["duration"] / 3600
+        out.update(
+            {
+                "best_static": f"{p}P+{d}D",
+                "static_attainment": round(m["slo_attainment"], 4),
+                "static_gpu_hours": round(static_h, 1),
+                "gpu_hours_ratio": round(a["worker_seconds"] / 3600 / static_h, 3),
+            }
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=250.0, help="req/s at the trough")
+    ap.add_argument("--swing", type=float, default=4.0, help="peak over trough")
+    ap.add_argument("--hours", type=float, default=24.0)
+    ap.add_argument("--max-prefill", type=int, default=40)
+    ap.add_argument("--max-decode", type=int, default=24)
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"slo": "ttft:250 tpot:100 at 90 %", "routing": "goodput, admission reject"}
+    if not args.skip_check:
+        result.update(check(args))
+    if not args.check_only:
+        result.update(day(args))
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,589 @@
+"""A request-level model of the disaggregated cluster, for days of traffic at tens of GPUs.
+
+The event simulator (``pdserve.simulator.cluster``) runs the product's engines step by step,
+about 2.5 ms of CPU a request: an hour at the hundreds of requests a second that 64 GPUs serve
+is hours of CPU. This model keeps its physics (the same step-time model, router choices and
+deadlines) but moves whole requests, and decode by the tick rather than by the step:
+
+- **router**: an arrival goes to the prefill worker whose next joinable step starts first and
+  reserves ``prompt + output`` tokens of KV on the routable decode worker holding the fewest;
+  with ``reject`` it is refused at once (a miss) when its predicted TTFT (that step's end) or
+  its predicted TPOT (the decode worker's step with it in the batch, plus the hand-off spread
+  over its tokens) is over the target — the goodput router's test, without its harm term;
+- **prefill**: each worker runs batched steps back to back; an arrival joins the step that
+  starts next (up to ``step_tokens``; a longer prompt is a step of its own) and its first
+  token leaves at that step's end (``StepTimeModel.step_time`` of the step's prompts);
+- **decode**: a request joins its worker one hand-off (``transfer_time``) after both its first
+  token and its reservation, when the worker runs fewer than ``max_seqs``; every tick each
+  worker's batch advances ``tick / decode_time(B, Σ context)`` tokens a request (finishing
+  times interpolated inside the tick), contexts growing as they decode;
+- **KV**: a reservation without room waits on its worker first come first served and fails
+  (RESOURCE_EXHAUSTED, a miss) after ``reserve_timeout_s``, as the router fails it;
+- **pools**: a started worker holds its GPU at once and serves ``start_s`` later; a retired one
+  takes nothing new and stops when its work is done; a switched one drains, then serves in the
+  other pool ``switch_s`` later.
+
+A request is good when it was served with TTFT and TPOT (first to last token over the tokens
+after the first, the hand-off included, as ``pdserve bench`` measures) within the targets.
+``benchmarks/autoscale_day.py`` checks the model against the event simulator at the scale
+the latter can run.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.steptime.model import StepTimeModel
+
+
+@dataclass(frozen=True)
+class FluidConfig:
+    ttft_s: float = 0.0  # targets (0: none); a good request meets both
+    tpot_s: float = 0.0
+    reject: bool = False  # refuse a request predicted to miss (admission ``reject``)
+    step_tokens: int = 8192  # a prefill step's prompt tokens
+    max_seqs: int = 256  # a decode worker's batch
+    reserve_timeout_s: float = 30.0
+    tick_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s >= 0 and self.tpot_s >= 0 and self.reserve_timeout_s > 0):
+            raise ValueError("targets must be >= 0 and the reservation deadline > 0")
+        if not (0 < self.tick_s <= 10) or self.step_tokens < 1 or self.max_seqs < 1:
+            raise ValueError("tick must be in (0, 10] s, step tokens and batch >= 1")
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Requests in arrival order: times (s), prompt and output lengths (tokens)."""
+
+    t: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class _State(enum.Enum):
+    """STARTING -> SERVING -> DRAINING -> STOPPED, or DRAINING -> STARTING in the other role
+    (a switch: its start is ``switch_s``)."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class _Req:
+    __slots__ = ("arrival", "decode", "first", "granted", "kv", "output", "predicted", "prompt")
+
+    def __init__(self, arrival: float, prompt: int, output: int, decode: _Worker) -> None:
+        self.arrival = arrival
+        self.prompt = prompt
+        self.output = output
+        self.decode = decode
+        self.first = math.nan  # first token's time, once its step is closed
+        self.granted = math.nan  # when its KV reservation was granted
+        self.kv = prompt + output
+        self.predicted = 0.0  # TTFT the router predicted when it placed it
+
+
+class _Worker:
+    """One GPU: a prefill worker's step queue or a decode worker's accounts (its running
+    requests live in ``FluidCluster``'s arrays, under ``index``)."""
+
+    def __init__(self, index: int, role: Role, held_from: float, ready_at: float) -> None:
+        self.index = index
+        self.role = role
+        self.state = _State.STARTING
+        self.held_from = held_from
+        self.ready_at = ready_at
+        self.stopped_at = math.nan
+        self.switch_to: Role | None = None
+        self.gen = -1  # its entry in the prefill heap
+        # prefill: the last closed step's end, and the open step (starts at ``open_start``)
+        self.end = ready_at
+        self.open_start = self.open_end = 0.0
+        self.closed: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) not yet done
+        self.closed_tokens = 0
+        self.open_tokens = 0
+        self.open_lens: list[int] = []
+        self.members: list[_Req] = []
+        # decode: reserved tokens, reservations waiting for room, requests joining or running
+        self.reserved = 0
+        self.queued = 0  # tokens of the waiting reservations
+        self.waiting: deque[_Req] = deque()
+        self.held = 0  # requests reserved on it, not yet ended
+
+    @property
+    def routable(self) -> bool:
+        return self.state is _State.SERVING
+
+
+@dataclass
+class Ended:
+    """Requests that ended in a tick: end time, TTFT and TPOT (NaN when not served), good."""
+
+    end: np.ndarray
+    ttft: np.ndarray
+    tpot: np.ndarray
+    good: np.ndarray
+
+
+class FluidCluster:
+    def __init__(self, model: StepTimeModel, prefill: int, decode: int, config: FluidConfig) -> None:
+        if prefill < 1 or decode < 1:
+            raise ValueError("the fluid model runs disaggregated layouts: at least 1P+1D")
+        self.model = model
+        self.config = config
+        self.capacity = model.kv_capacity_tokens
+        self.now = 0.0
+        self.workers: list[_Worker] = []  # every worker ever started (``index`` is the position)
+        self.live: list[_Worker] = []  # those not stopped: what every tick walks
+        self._seq = itertools.count()
+        # prefill workers by their next joinable step's start (lazily: an entry is checked when
+        # popped), one entry a worker, tagged with the worker's ``gen`` of the time it joined
+        self._heap: list[tuple[float, int, _Worker]] = []
+        self._joining: list[tuple[float, int, _Req]] = []  # (join time, seq, request)
+        # running decode requests: worker index, tokens left, context, first token, arrival,
+        # output, the time they are advanced to
+        self._run = {
+            k: np.zeros(0, dtype=np.int64 if k == "w" else np.float64)
+            for k in ("w", "left", "ctx", "first", "arrival", "output", "since", "kv")
+        }
+        self._ended: list[Ended] = []
+        self._pending: list[tuple[float, float, float, bool]] = []  # this tick's ends, as rows
+        self.offered = self.ended = self.good = self.rejected = self.failed = 0
+        # The router's prefill correction (``StepPredictor``): each first token moves it a fifth
+        # of the way to observed / predicted TTFT, the prediction it made with it included
+        self.ttft_factor, self._ttft_samples = 1.0, 0
+        self._mean_out = 200.0  # the arrivals' mean output, drifting toward the workload's
+        self.last_join = -math.inf  # the last worker that joined a pool after the start
+        self.arrival_log: deque[tuple[float, int, float, float]] = deque()  # (tick end, n, Σprompt, Σoutput)
+        for role, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            for _ in range(n):
+                self.add_worker(role, ready_in_s=0.0)
+        self._promote(0.0)
+        self.last_join = -math.inf
+
+    # -- pools -----------------------------------------------------------------------------------
+    def add_worker(self, role: Role, ready_in_s: float) -> _Worker:
+        w = _Worker(len(self.workers), role, self.now, self.now + ready_in_s)
+        self.workers.append(w)
+        self.live.append(w)
+        return w
+
+    def pool(self, role: Role, states: tuple[_State, ...] = (_State.SERVING,)) -> list[_Worker]:
+        return [w for w in self.live if w.role is role and w.state in states]
+
+    def counts(self) -> tuple[int, int]:
+        """Workers serving or starting by pool (a switching one in its new pool)."""
+        n = {Role.PREFILL: 0, Role.DECODE: 0}
+        for w in self.live:
+            if w.state is _State.STOPPED or (w.state is _State.DRAINING and w.switch_to is None):
+                continue
+            n[w.switch_to or w.role] += 1
+        return n[Role.PREFILL], n[Role.DECODE]
+
+    def starting(self) -> bool:
+        return any(w.state is _State.STARTING or w.switch_to is not None for w in self.live)
+
+    def idlest(self, role: Role) -> _Worker:
+        pool = self.pool(role)
+        if role is Role.PREFILL:
+            return min(pool, key=lambda w: (w.open_end if w.members else w.end, w.index))
+        return min(pool, key=lambda w: (w.held, w.index))
+
+    def retire(self, w: _Worker, switch_to: Role | None = None) -> None:
+        """Stop routing to ``w``; it stops (or, ``switch_to``, changes pool) when drained."""
+        if w.state is not _State.SERVING:
+            raise ValueError(f"worker {w.index} is {w.state.value}, not serving")
+        w.state = _State.DRAINING
+        w.switch_to = switch_to
+        if w.role is Role.PREFILL and w.members:
+            self._close(w)
+
+    def _drained(self, w: _Worker, t: float, switch_s: float) -> None:
+        if w.switch_to is None:
+            w.state, w.stopped_at = _State.STOPPED, t
+            self.live.remove(w)
+            return
+        w.role, w.switch_to, w.state = w.switch_to, None, _State.STARTING
+        w.ready_at = w.end = t + switch_s
+
+    def _promote(self, t: float) -> None:
+        """Workers whose start-up ended by ``t`` begin serving."""
+        for w in self.live:
+            if w.state is _State.STARTING and w.ready_at <= t:
+                w.state = _State.SERVING
+                self.last_join = max(self.last_join, w.ready_at)
+                if w.role is Role.PREFILL:
+                    w.gen = next(self._seq)
+                    heapq.heappush(self._heap, (w.ready_at, w.gen, w))
+
+    def worker_seconds(self, until: float) -> float:
+        return sum((until if math.isnan(w.stopped_at) else w.stopped_at) - w.held_from for w in self.workers)
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def _close(self, w: _Worker) -> None:
+        """The open step is final: its prompts' first tokens leave at its end."""
+        w.closed.append((w.open_start, w.open_end, w.open_tokens))
+        w.closed_tokens += w.open_tokens
+        members, w.members, w.open_lens, w.open_tokens, w.end = w.members, [], [], 0, w.open_end
+        for r in members:
+            r.first = w.end
+            self._prefilled(r)
+
+    def _settle(self, w: _Worker, t: float) -> float:
+        """``w``'s key: when its queued prompts are done (its open step closed first if it has
+        started or is full: nothing joins it any more). An idle worker's is its last step's
+        end, in the past: the idle are all free now, in any order."""
+        if w.members and (w.open_start <= t or w.open_tokens >= self.config.step_tokens):
+            self._close(w)
+        return w.open_end if w.members else w.end
+
+    def _predict(self, w: _Worker, t: float, prompt: int) -> float:
+        """The TTFT the goodput router predicts on ``w`` (``GoodputPolicy._prefill_candidates``,
+        before its correction): the work queued ahead and the prompt's own prefill; with tokens
+        queued, at least as many full steps as they and the prompt fill, counted from when the
+        running step began. Its rejections follow from this, not from the model's own (more
+        exact) first-token time, which is what the prompt then gets."""
+        while w.closed and w.closed[0][1] <= t:
+            w.closed_tokens -= w.closed.popleft()[2]
+        queued = w.closed_tokens + w.open_tokens
+        own = self.model.prefill_time(prompt)
+        if not queued:
+            return own
+        busy_since = w.closed[0][0] if w.closed else min(t, w.open_start)
+        free = w.open_end if w.members else w.end
+        budget = self.config.step_tokens
+        steps = math.ceil((queued + prompt) / budget)
+        full = self.model.prefill_time(min(budget, queued + prompt))
+        return max(max(0.0, free - t) + own, steps * full - (t - busy_since))
+
+    def _place(self, t: float, prompt: int) -> tuple[_Worker, float, float]:
+        """The prefill worker whose queued prompts are done first (the least work, as the
+        goodput router balances it); (worker, the start of the step the request joins, its
+        first-token time there)."""
+        heap = self._heap
+        while True:
+            key, gen, w = heapq.heappop(heap)
+            if gen != w.gen or not w.routable:
+                continue  # gone from the pool, or an entry from a previous time in it
+            real = self._settle(w, t)
+            if real > key and heap and heap[0][0] < real:
+                heapq.heappush(heap, (real, w.gen, w))
+                continue
+            break
+        if w.members and w.open_tokens + prompt <= self.config.step_tokens:
+            lens = [(n, 0) for n in w.open_lens]
+            lens.append((prompt, 0))
+            return w, w.open_start, w.open_start + self.model.step_time(lens)
+        if w.members:  # this prompt does not fit: it opens the step after
+            self._close(w)
+        start = max(t, w.end)
+        return w, start, start + self.model.prefill_time(prompt)
+
+    def _join_step(self, w: _Worker, start: float, first: float, r: _Req) -> None:
+        if not w.members:
+            w.open_start = start
+        w.open_lens.append(r.prompt)
+        w.open_tokens += r.prompt
+        w.members.append(r)
+        w.open_end = first
+        heapq.heappush(self._heap, (first, w.gen, w))
+
+    # -- the router ------------------------------------------------------------------------------
+    def _arrive(
+        self,
+        t: float,
+        prompt: int,
+        output: int,
+        decoders: list[tuple[int, int, _Worker]],
+        batch: dict[int, tuple[int, float]],
+    ) -> None:
+        c = self.config
+        self.offered += 1
+        if not self._heap or not decoders:
+            self._end(t, math.nan, math.nan, False)
+            self.failed += 1
+            return
+        d = decoders[0][2]
+        w, start, first = self._place(t, prompt)
+        predicted = self._predict(w, t, prompt) * self.ttft_factor
+        self._mean_out += 0.01 * (output - self._mean_out)
+        if c.reject:
+            b, ctx = batch[d.index]
+            step = self.model.decode_time(min(b + 1, c.max_seqs), round(ctx + prompt))
+            gap = self.model.transfer_time(prompt) + self._room_wait(d, b, step, prompt + output)
+            tpot = step + gap / max(1, output - 1)
+            if (c.ttft_s and predicted > c.ttft_s) or (c.tpot_s and output > 1 and tpot > c.tpot_s):
+                heapq.heappush(self._heap, (self._settle(w, t), w.gen, w))
+                self.rejected += 1
+                self._end(t, math.nan, math.nan, False)
+                return
+        r = _Req(t, prompt, output, d)
+        r.predicted = predicted
+        d.held += 1
+        if d.reserved + r.kv <= self.capacity and not d.waiting:
+            d.reserved += r.kv
+            r.granted = t
+        else:
+            d.waiting.append(r)
+            d.queued += r.kv
+        heapq.heapreplace(decoders, (d.reserved + d.queued, decoders[0][1], d))
+        self._join_step(w, start, first, r)  # last: a full step closes at once, its prompts done
+        b, ctx = batch[d.index]
+        batch[d.index] = (b + 1, ctx + prompt)
+
+    def _room_wait(self, d: _Worker, b: int, step: float, kv: int) -> float:
+        """The router's predicted wait for KV room or a sequence slot on ``d`` (its batch ``b``
+        finishing a request every ``mean output × step / b`` seconds, each giving back a
+        request's worth of KV): it goes into the first token gap of the TPOT it checks."""
+        every = self._mean_out * step / max(1, b)
+        wait = 0.0
+        free = self.capacity - d.reserved - d.queued
+        if free < kv:
+            wait += math.ceil((kv - free) / kv) * every
+        if b >= self.config.max_seqs:
+            wait += (b - self.config.max_seqs + 1) * every
+        return wait
+
+    def _prefilled(self, r: _Req) -> None:
+        if r.predicted > 0:
+            ratio = min(1e4, max(1e-3, (r.first - r.arrival) / r.predicted))
+            self.ttft_factor = ratio if not self._ttft_samples else 0.8 * self.ttft_factor + 0.2 * ratio
+            self._ttft_samples += 1
+        if r.granted == math.inf:  # failed waiting for KV room: the prompt is let go
+            return
+        if r.output <= 1:  # its first token was its last: the reservation goes back
+            self._release(r)
+            self._end(r.first, r.first - r.arrival, 0.0, True)
+            return
+        if not math.isnan(r.granted):
+            self._joins(r)
+
+    def _joins(self, r: _Req) -> None:
+        at = max(r.first, r.granted) + self.model.transfer_time(r.prompt)
+        heapq.heappush(self._joining, (at, next(self._seq), r))
+
+    def _release(self, r: _Req) -> None:
+        d = r.decode
+        d.held -= 1
+        if math.isnan(r.granted):
+            d.waiting.remove(r)
+            d.queued -= r.kv
+        else:
+            d.reserved -= r.kv
+
+    def _end(self, at: float, ttft: float, tpot: float, served: bool) -> None:
+        c = self.config
+        good = served and (not c.ttft_s or ttft <= c.ttft_s) and (not c.tpot_s or tpot <= c.tpot_s)
+        self.good += good
+        self.ended += 1
+        self._pending.append((at, ttft, tpot, good))
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _decode(self, t0: float, t1: float) -> None:
+        run = self._run
+        joined: list[_Req] = []
+        joined_at: list[float] = []
+        count = np.bincount(run["w"], minlength=len(self.workers))
+        later = []
+        while self._joining and self._joining[0][0] < t1:
+            at, seq, r = heapq.heappop(self._joining)
+            if count[r.decode.index] >= self.config.max_seqs:
+                later.append((t1, seq, r))  # no free sequence slot: it waits a tick
+                continue
+            count[r.decode.index] += 1
+            joined.append(r)
+            joined_at.append(at)
+        for item in later:
+            heapq.heappush(self._joining, item)
+        if joined:
+            new = {
+                "w": np.array([r.decode.index for r in joined], dtype=np.int64),
+                "left": np.array([r.output - 1 for r in joined], dtype=np.float64),
+                "ctx": np.array([r.prompt + 1 for r in joined], dtype=np.float64),
+                "first": np.array([r.first for r in joined]),
+                "arrival": np.array([r.arrival for r in joined]),
+                "output": np.array([r.output for r in joined], dtype=np.float64),
+                "since": np.array(joined_at),
+                "kv": np.array([r.kv for r in joined], dtype=np.float64),
+            }
+            for k in run:
+                run[k] = np.concatenate((run[k], new[k]))
+        if not len(run["w"]):
+            return
+        # A worker's step is that of the batch it runs over the tick: each request counted for
+        # the share of the tick it runs (joining late, or finishing early: a second pass, once
+        # the first has said who finishes when).
+        begin = np.maximum(run["since"], t0)
+        present = (t1 - begin) / (t1 - t0)
+        s = self._steps(present)
+        done = (t1 - begin) / s >= run["left"]
+        if done.any():
+            present = np.where(done, np.minimum(present, run["left"] * s / (t1 - t0)), present)
+            s = self._steps(present)
+        progress = (t1 - begin) / s
+        done = progress >= run["left"]
+        if done.any():
+            fin = begin[done] + run["left"][done] * s[done]
+            first, out = run["first"][done], run["output"][done]
+            ttft = first - run["arrival"][done]
+            tpot = (fin - first) / np.maximum(1.0, out - 1)
+            c = self.config
+            good = np.ones(len(fin), dtype=bool)
+            if c.ttft_s:
+                good &= ttft <= c.ttft_s
+            if c.tpot_s:
+                good &= tpot <= c.tpot_s
+            self.good += int(good.sum())
+            self.ended += len(fin)
+            self._ended.append(Ended(fin, ttft, tpot, good))
+            freed = np.bincount(run["w"][done], weights=run["kv"][done], minlength=len(self.workers))
+            gone = np.bincount(run["w"][done], minlength=len(self.workers))
+            for i in np.flatnonzero(gone):
+                w = self.workers[i]
+                w.reserved -= round(freed[i])
+                w.held -= int(gone[i])
+            keep = ~done
+            for k in run:
+                run[k] = run[k][keep]
+            progress, begin = progress[keep], begin[keep]
+        run["left"] -= progress
+        run["ctx"] += progress
+        run["since"] = np.full(len(run["w"]), t1)
+
+    def _steps(self, present: np.ndarray) -> np.ndarray:
+        """Each running request's step time: its worker's, for the batch weighted by ``present``."""
+        w, n = self._run["w"], len(self.workers)
+        batch = np.bincount(w, weights=present, minlength=n)
+        context = np.bincount(w, weights=present * self._run["ctx"], minlength=n)
+        step = np.ones(n)
+        for i in np.flatnonzero(batch):
+            b = max(1, round(batch[i]))
+            step[i] = self.model.decode_time(b, max(b, round(context[i])))
+        out: np.ndarray = step[w]
+        return out
+
+    def _grant(self, t: float) -> None:
+        """Reservations waiting for room: granted in order while it lasts; failed past the
+        router's deadline."""
+        for d in self.live:
+            while d.waiting:
+                r = d.waiting[0]
+                if d.reserved + r.kv <= self.capacity:
+                    d.waiting.popleft()
+                    d.queued -= r.kv
+                    d.reserved += r.kv
+                    r.granted = t
+                    if not math.isnan(r.first):
+                        self._joins(r)
+                    continue
+                break
+            while d.waiting and t - d.waiting[0].arrival >= self.config.reserve_timeout_s:
+                r = d.waiting.popleft()
+                d.queued -= r.kv
+                d.held -= 1
+                r.granted = math.inf  # never joins (its first token may be out)
+                self.failed += 1
+                self._end(r.arrival + self.config.reserve_timeout_s, math.nan, math.nan, False)
+
+    # -- the clock -------------------------------------------------------------------------------
+    def tick(self, t1: float, arrivals: Arrivals) -> None:
+        """Advance to ``t1`` with ``arrivals`` (all in ``[now, t1)``)."""
+        t0 = self.now
+        self._promote(t0)
+        decoders = [(w.reserved + w.queued, w.index, w) for w in self.pool(Role.DECODE)]
+        heapq.heapify(decoders)
+        batch: dict[int, tuple[int, float]] = {}
+        if len(self._run["w"]):
+            b = np.bincount(self._run["w"], minlength=len(self.workers))
+            ctx = np.bincount(self._run["w"], weights=self._run["ctx"], minlength=len(self.workers))
+            batch = {w.index: (int(b[w.index]), float(ctx[w.index])) for _, _, w in decoders}
+        else:
+            batch = {w.index: (0, 0.0) for _, _, w in decoders}
+        n = len(arrivals.t)
+        if n:
+            arrive = self._arrive
+            for t, p, o in zip(
+                arrivals.t.tolist(), arrivals.prompt.tolist(), arrivals.output.tolist(), strict=True
+            ):
+                arrive(t, p, o, decoders, batch)
+            self.arrival_log.append((t1, n, float(arrivals.prompt.sum()), float(arrivals.output.sum())))
+        for w in self.live:  # steps started by t1 are final: their first tokens are known
+            if w.role is Role.PREFILL and w.members and w.open_start <= t1:
+                self._close(w)
+        self._decode(t0, t1)
+        self._grant(t1)
+        if self._pending:
+            rows = np.array(self._pending, dtype=np.float64)
+            self._ended.append(Ended(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(bool)))
+            self._pending = []
+        self.now = t1
+
+    def settle(self, switch_s: float) -> None:
+        """Draining workers with nothing left stop or change pool."""
+        for w in list(self.live):
+            if w.state is not _State.DRAINING:
+                continue
+            if w.role is Role.PREFILL and not w.members and w.end <= self.now:
+                self._drained(w, max(w.end, w.held_from), switch_s)
+            elif w.role is Role.DECODE and w.held == 0:
+                self._drained(w, self.now, switch_s)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._joining or len(self._run["w"]) or any(w.members or w.held for w in self.live))
+
+    def request_state(self) -> dict[str, int]:
+        """Per-request state still held anywhere: all zero once every request has ended."""
+        return {
+            "in_flight": self.offered - self.ended,
+            "prefill_queued": sum(len(w.members) for w in self.workers),
+            "decode_held": sum(w.held for w in self.workers),
+            "kv_reserved_tokens": sum(w.reserved for w in self.workers),
+            "kv_waiting": sum(len(w.waiting) + w.queued for w in self.workers),
+            "joining": len(self._joining),
+            "running": len(self._run["w"]),
+        }
+
+    def take_ended(self) -> list[Ended]:
+        out, self._ended = self._ended, []
+        return out
+
+
+def ticks(arrivals: Iterable[Arrivals], tick_s: float) -> Iterator[tuple[float, Arrivals, bool]]:
+    """``(tick end, the arrivals before it, whether more are to come)`` from chunks of arrivals
+    in time order, one tick at a time; empty ticks go on once they run out (the caller stops)."""
+    chunks = iter(arrivals)
+    buf = Arrivals(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    more = True
+    for k in itertools.count(1):
+        end = k * tick_s
+        while more and (not len(buf.t) or buf.t[-1] < end):
+            nxt = next(chunks, None)
+            if nxt is None:
+                more = False
+                break
+            buf = Arrivals(
+                *(
+                    np.concatenate((a, b))
+                    for a, b in ((buf.t, nxt.t), (buf.prompt, nxt.prompt), (buf.output, nxt.output))
+                )
+            )
+        i = int(np.searchsorted(buf.t, end, side="left"))
+        yield end, Arrivals(buf.t[:i], buf.prompt[:i], buf.output[:i]), more or i < len(buf.t)
+        buf = Arrivals(buf.t[i:], buf.prompt[i:], buf.output[i:])

@@ -1,0 +1,319 @@
+"""``pdserve simulate --fluid``: a workload through the request-level model
+(``pdserve.simulator.fluid``), with the live planner's code resizing the pools (``--autoscale``).
+
+Arrivals are made in chunks as the run needs them (a day at 64 GPUs is tens of millions of
+requests): a trace replay is ``pdserve bench``'s own — the same rows, lap after lap, at the
+mean rate, warped along ``--rate-curve`` — computed on arrays; the other datasets are built
+whole by ``pdserve.simulator.run.workload``. The autoscaler measures, decides and acts as
+``pdserve.simulator.autoscale.SimAutoscaler`` does on the event simulator (the same planner,
+checks, start-up, switch and warm-up), on the model's ticks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.metrics import Slo
+from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
+from pdserve.deploy.planner import Decision, Layout, Observation, Planner, PlannerConfig, moves
+from pdserve.flags import planner_bounds
+from pdserve.router.workload_window import Workload
+from pdserve.simulator.autoscale import AutoscaleConfig, Timeline
+from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
+
+CHUNK = 200_000  # arrivals made at a time
+
+
+def warp(curve: RateCurve, tau: np.ndarray) -> np.ndarray:
+    """``RateCurve.warp`` of every element (the same arithmetic, on arrays)."""
+    pts = curve.points
+    t0 = np.array([p[0] for p in pts[:-1]])
+    t1 = np.array([p[0] for p in pts[1:]])
+    x0 = np.array([p[1] for p in pts[:-1]])
+    x1 = np.array([p[1] for p in pts[1:]])
+    areas = (t1 - t0) * (x0 + x1) / 2
+    done = np.concatenate(([0.0], np.cumsum(areas)))
+    seg = np.searchsorted(done[1:], tau, side="left")  # the first segment whose end reaches tau
+    out = np.empty_like(tau)
+    tail = seg >= len(areas)
+    out[tail] = pts[-1][0] + (tau[tail] - done[-1]) / pts[-1][1]
+    i = seg[~tail]
+    if len(i):
+        h, a, b = t1[i] - t0[i], x0[i], x1[i]
+        need, k = tau[~tail] - done[i], (b - a) / (2 * h)
+        flat = np.abs(k) < 1e-15
+        safe_k = np.where(flat, 1.0, k)
+        u = np.where(
+            flat, need / a, (-a + np.sqrt(np.maximum(0.0, a * a + 4 * safe_k * need))) / (2 * safe_k)
+        )
+        out[~tail] = t0[i] + np.minimum(h, np.maximum(0.0, u))
+    return out
+
+
+def trace_arrivals(
+    path: Path, rate: float, n: int, start: int = 0, curve: RateCurve | None = None
+) -> Iterator[Arrivals]:
+    """The first ``n`` requests of the trace replay ``pdserve bench`` makes at mean ``rate``
+    (``loop_trace`` laps, the trace's own pattern scaled to the rate, then ``curve``), in
+    chunks."""
+    rows = read_trace(path)
+    if not rows:
+        raise WorkloadError(f"{path}: no requests")
+    if not 0 <= start < len(rows):
+        raise WorkloadError(f"--trace-start {start} is outside the trace's {len(rows)} rows")
+    ts = np.array([r.timestamp_s for r in rows])
+    ins = np.array([r.input_len for r in rows], dtype=np.int64)
+    outs = np.array([r.output_len for r in rows], dtype=np.int64)
+    span = ts[-1] - ts[0]
+    period = span + (span / (len(rows) - 1) if len(rows) > 1 else 1.0)
+
+    def stamp(i: np.ndarray) -> np.ndarray:
+        lap, r = np.divmod(i, len(rows))
+        out: np.ndarray = ts[r] + lap * period
+        return out
+
+    ends = stamp(np.array([start, start + n - 1]))
+    native = (n - 1) / (ends[1] - ends[0]) if n > 1 and ends[1] > ends[0] else math.inf
+    scale = rate / native if math.isfinite(native) and math.isfinite(rate) else 1.0
+    for lo in range(start, start + n, CHUNK):
+        i = np.arange(lo, min(start + n, lo + CHUNK))
+        tau = (stamp(i) - ends[0]) / scale
+        r = i % len(rows)
+        yield Arrivals(tau if curve is None else warp(curve, tau), ins[r], outs[r])
+
+
+def arrivals_of(
+    args: argparse.Namespace, specs: Sequence[RequestSpec] | None
+) -> tuple[Iterator[Arrivals], int]:
+    """A trace replay made here, in chunks; any other workload is ``specs`` (made whole by the
+    caller: ``pdserve.simulator.run.workload``)."""
+    if args.trace is not None:
+        if not math.isfinite(args.request_rate):
+            raise ValueError("--fluid replays a trace at a rate: give --request-rate")
+        n = num_prompts(args)
+        curve = rate_curve(args)
+        return trace_arrivals(args.trace, args.request_rate, n, getattr(args, "trace_start", 0), curve), n
+    if specs is None:
+        raise ValueError("--fluid without --trace needs the workload's requests")
+    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s)
+    a = Arrivals(
+        np.array([specs[i].arrival_s for i in order], dtype=np.float64),
+        np.array([specs[i].prompt_len for i in order], dtype=np.int64),
+        np.array([specs[i].output_len for i in order], dtype=np.int64),
+    )
+    return iter([a]), len(specs)
+
+
+class FluidAutoscaler:
+    """The planner on the fluid model: ``SimAutoscaler``'s measures and moves."""
+
+    def __init__(self, cluster: FluidCluster, planner: Planner, config: AutoscaleConfig) -> None:
+        self.cluster = cluster
+        self.planner = planner
+        self.config = config
+        self.timeline = Timeline()
+        self.ends: deque[Ended] = deque()
+        self._checks = 0
+
+    def layout(self) -> Layout:
+        return Layout(*self.cluster.counts())
+
+    def record(self, ended: list[Ended]) -> None:
+        self.ends.extend(ended)
+        horizon = self.cluster.now - self.config.interval_s - 1.0
+        while self.ends and (not len(self.ends[0].end) or self.ends[0].end.max() < horizon):
+            self.ends.popleft()
+
+    def observe(self, now: float, span: float) -> Observation:
+        c, cfg = self.cluster, self.planner.config
+        n = prompt = output = 0.0
+        for t, k, p, o in reversed(c.arrival_log):
+            if t <= now - span + 1e-9:
+                break
+            n, prompt, output = n + k, prompt + p, output + o
+        end = np.concatenate([e.end for e in self.ends]) if self.ends else np.zeros(0)
+        inside = (end > now - span) & (end <= now)
+        ttft = np.concatenate([e.ttft for e in self.ends])[inside] if self.ends else end
+        tpot = np.concatenate([e.tpot for e in self.ends])[inside] if self.ends else end
+        good = np.concatenate([e.good for e in self.ends])[inside] if self.ends else end
+        served = ~np.isnan(ttft)
+        ttfts, tpots = np.sort(ttft[served]), tpot[served]
+        q = cfg.quantile
+        requests = int(inside.sum())
+        return Observation(
+            t=now,
+            layout=self.layout(),
+            load=Workload(n / span, prompt / n if n else 0.0, output / n if n else 0.0),
+            requests=requests,
+            attainment=float(good.sum()) / requests if requests else math.nan,
+            ttft_s=float(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]) if len(ttfts) else math.nan,
+            tpot_s=float(np.median(tpots)) if len(tpots) else math.nan,
+            warming=c.starting() or now - c.last_join < self.config.warmup,
+        )
+
+    def check(self, now: float) -> None:
+        """One look (called every ``interval_s / checks``)."""
+        cfg = self.config
+        self._checks += 1
+        full = self._checks % cfg.checks == 0
+        if full:
+            obs = self.observe(now, cfg.interval_s)
+            self.timeline.windows.append((now, obs.attainment, obs.requests))
+            d = self.planner.decide(obs)
+        else:
+            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
+        if full or d.changes:
+            self.timeline.decisions.append(d)
+        if d.changes:
+            self.apply(d)
+        if full:
+            lay = self.layout()
+            self.timeline.layouts.append((now, lay.prefill, lay.decode))
+
+    def apply(self, d: Decision) -> None:
+        c = self.cluster
+        switched, grow = moves(self.layout(), d.layout)
+        pools = (Role.PREFILL, Role.DECODE)
+        dst, src = pools if switched > 0 else pools[::-1]
+        need = dict(zip(pools, grow, strict=True))
+        for _ in range(abs(switched)):
+            if len(c.pool(src)) <= 1:  # the last worker of a pool stays: start one instead
+                need[dst] += 1
+                need[src] -= 1
+                continue
+            c.retire(c.idlest(src), switch_to=dst)
+        for role, n in need.items():
+            for _ in range(n):
+                c.add_worker(role, ready_in_s=self.config.start_s)
+            for _ in range(-n):
+                if len(c.pool(role)) > 1:
+                    c.retire(c.idlest(role))
+
+    def summary(self, until: float) -> dict[str, Any]:
+        changes = [d for d in self.timeline.decisions if d.changes]
+        return {
+            "interval_s": self.config.interval_s,
+            "decisions": len(self.timeline.decisions),
+            "changes": len(changes),
+            "worker_seconds": self.cluster.worker_seconds(until),
+            "layouts": self.timeline.layouts,
+            "attainment_by_interval": self.timeline.windows,
+            "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
+        }
+
+
+def simulate_fluid(
+    args: argparse.Namespace, specs: Sequence[RequestSpec] | None = None, progress: bool = False
+) -> dict[str, Any]:
+    """``args`` as ``pdserve simulate`` takes them (disaggregated layouts only); ``specs``: the
+    requests of a workload other than a trace replay."""
+    if getattr(args, "colocated", 0):
+        raise ValueError("--fluid models disaggregated layouts: not with --colocated")
+    profile = load_sim_profile(args.profile)
+    slo = Slo.parse(args.goodput)
+    ttft, tpot = (slo.ttft_ms or 0.0) / 1000, (slo.tpot_ms or 0.0) / 1000
+    config = FluidConfig(
+        ttft,
+        tpot,
+        reject=getattr(args, "admission", "none") == "reject",
+        step_tokens=args.max_num_batched_tokens,
+        max_seqs=args.max_num_seqs,
+        reserve_timeout_s=args.reserve_timeout_s,
+        tick_s=args.fluid_tick,
+    )
+    cluster = FluidCluster(profile, args.prefill, args.decode, config)
+    scaler = None
+    auto = AutoscaleConfig(args.autoscale_interval, args.worker_start_s)
+    if args.autoscale:
+        if not (ttft and tpot):
+            raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
+        planner = Planner(profile, PlannerConfig(ttft, tpot, planner_bounds(args)))
+        scaler = FluidAutoscaler(cluster, planner, auto)
+    look = auto.interval_s / auto.checks
+    arrivals, n = arrivals_of(args, specs)
+    # A layout that can no longer reach ``stop_below`` (misses past what it allows) ends early.
+    stop_below = getattr(args, "stop_below", None)
+    allowed = math.inf if stop_below is None else (1 - stop_below) * n
+    stopped = False
+    t0 = time.perf_counter()
+    last_print, next_look, end = t0, look, 0.0
+    for t1, batch, more in ticks(arrivals, config.tick_s):
+        cluster.tick(t1, batch)
+        cluster.settle(auto.switch_s)
+        ended = cluster.take_ended()
+        for e in ended:
+            if len(e.end):
+                end = max(end, float(e.end.max()))
+        if scaler is not None:
+            scaler.record(ended)
+        if t1 >= next_look - 1e-9:
+            next_look += look
+            if scaler is not None and (more or cluster.busy):
+                scaler.check(t1)
+        if progress and time.perf_counter() - last_print > 10:
+            last_print = time.perf_counter()
+            p, d = cluster.counts()
+            print(f"  simulated {t1:,.0f} s: {cluster.offered:,} of {n:,} requests, {p}P+{d}D", flush=True)
+        if not more and not cluster.busy:
+            break
+        if cluster.ended - cluster.good > allowed:
+            stopped = True
+            break
+    wall = time.perf_counter() - t0
+    held = {k: v for k, v in cluster.request_state().items() if v}
+    if held and not stopped:  # every run ends with every request ended and nothing held
+        raise AssertionError(f"fluid model: state left after the run: {held}")
+    offered = cluster.offered
+    m: dict[str, Any] = {
+        "simulated": True,
+        "fidelity": "fluid",
+        "profile": profile.name,
+        "layout": f"{args.prefill}P+{args.decode}D",
+        "num_prompts": n,
+        "completed": offered - cluster.rejected - cluster.failed,
+        "rejected": cluster.rejected,
+        "failed": cluster.failed,
+        # stopped early: the most it could still have reached
+        "slo_attainment": (
+            None
+            if slo.empty or not offered
+            else (n - (cluster.ended - cluster.good)) / n
+            if stopped
+            else cluster.good / offered
+        ),
+        "stopped_early": stopped,
+        "duration": end,
+        "worker_seconds": cluster.worker_seconds(end),
+        "simulation_wall_s": wall,
+    }
+    if scaler is not None:
+        m["autoscale"] = scaler.summary(end)
+    return m
+
+
+def print_fluid(m: dict[str, Any]) -> None:
+    att = m["slo_attainment"]
+    print(
+        f"fluid model, {m['profile']}, {m['layout']} at the start: {m['num_prompts']:,} requests, "
+        f"{m['completed']:,} served, {m['rejected']:,} refused, {m['failed']:,} failed"
+    )
+    if att is not None:
+        print(f"SLO attainment: {att:.4f}")
+    print(
+        f"GPU-hours: {m['worker_seconds'] / 3600:,.1f} over {m['duration'] / 3600:.2f} h "
+        f"(simulated in {m['simulation_wall_s']:.0f} s)"
+    )
+    a = m.get("autoscale")
+    if a is not None:
+        print(f"planner: {a['changes']} changes in {a['decisions']} decisions")
+        for t, reason, p, d, detail in a["reasons"][-20:]:
+            print(f"  {t:>9,.0f} s  {reason:<11} -> {p}P+{d}D  {detail}")

@@ -1,0 +1,227 @@
+"""The request-level model (``pdserve simulate --fluid``): the workload it replays is
+``pdserve bench``'s own, every run ends with nothing held, its deadlines and admission act as
+the router's, the planner resizes its pools, and its attainment tracks the event simulator's."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.bench.runner import build_workload
+from pdserve.bench.workload import RateCurve
+from pdserve.deploy.planner import Layout, moves
+from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.fluid import Arrivals, FluidCluster, FluidConfig, ticks
+from pdserve.simulator.fluid_run import simulate_fluid, trace_arrivals, warp
+from pdserve.simulator.run import add_simulate_args, simulate, workload
+
+TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="the shared Azure trace is not here")
+
+
+def parse(flags: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    return p.parse_args(flags.split())
+
+
+def fluid(flags: str) -> dict[str, object]:
+    args = parse(flags + " --fluid")
+    return simulate_fluid(args, None if args.trace else workload(args))
+
+
+@given(
+    st.lists(st.tuples(st.floats(1, 500), st.floats(0.05, 20)), min_size=1, max_size=6),
+    st.lists(st.floats(0, 5000), min_size=1, max_size=30),
+)
+def test_warp_on_arrays_is_the_rate_curves_warp(points: list[tuple[float, float]], taus: list[float]) -> None:
+    pts = [(0.0, points[0][1])]
+    for dt, x in points[1:]:
+        pts.append((pts[-1][0] + dt, x))
+    curve = RateCurve(pts)
+    got = warp(curve, np.array(taus))
+    want = [curve.warp(t) for t in taus]
+    assert np.allclose(got, want, rtol=1e-9, atol=1e-6)
+
+
+@needs_trace
+def test_trace_arrivals_are_the_bench_replay() -> None:
+    """Laps of the trace, the mean rate and the curve: the arrays equal ``pdserve bench``'s
+    requests (the trace has 19,366 rows: 25,000 requests from row 19,000 wrap around)."""
+    ns = argparse.Namespace(
+        seed=0,
+        num_prompts=25_000,
+        duration=0.0,
+        dataset_name="trace",
+        dataset_path=TRACE,
+        time_scale=1.0,
+        trace_start=19_000,
+        rate_curve="0:1,300:3,900:1",
+        request_rate=40.0,
+        burstiness=1.0,
+        random_input_len=1,
+        random_output_len=1,
+        random_range_ratio=0.0,
+        vocab_size=32000,
+        block_size=64,
+    )
+    specs = build_workload(ns)
+    chunks = list(trace_arrivals(TRACE, 40.0, 25_000, 19_000, RateCurve.parse("0:1,300:3,900:1")))
+    t = np.concatenate([c.t for c in chunks])
+    assert np.allclose(t, [s.arrival_s for s in specs], rtol=1e-12, atol=1e-6)
+    assert np.concatenate([c.prompt for c in chunks]).tolist() == [s.prompt_len for s in specs]
+    assert np.concatenate([c.output for c in chunks]).tolist() == [s.output_len for s in specs]
+
+
+@given(
+    st.lists(st.floats(0, 50, allow_nan=False), max_size=200),
+    st.integers(1, 5),
+    st.sampled_from([0.1, 0.5, 2.0]),
+)
+@settings(max_examples=50)
+def test_ticks_hand_every_arrival_over_once_in_its_tick(times: list[float], parts: int, tick: float) -> None:
+    t = np.sort(np.array(times, dtype=np.float64))
+    chunks = [
+        Arrivals(c, np.arange(len(c), dtype=np.int64), np.ones(len(c), dtype=np.int64))
+        for c in np.array_split(t, parts)
+    ]
+    seen = []
+    for end, batch, more in ticks(chunks, tick):
+        assert np.all(batch.t < end) and np.all(batch.t >= end - tick - 1e-12)
+        seen.extend(batch.t.tolist())
+        if not more:
+            break
+    assert seen == t.tolist()
+
+
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9), st.integers(1, 9))
+def test_moves_reach_the_target_switching_first(p0: int, d0: int, p1: int, d1: int) -> None:
+    switched, (dp, dd) = moves(Layout(p0, d0), Layout(p1, d1))
+    assert (p0 + switched + dp, d0 - switched + dd) == (p1, d1)
+    up, down = max(0, p1 - p0), max(0, d1 - d0)
+    assert abs(switched) == min(up, max(0, d0 - d1)) + min(down, max(0, p0 - p1))
+    # nothing is started in one pool while the other stops a worker that could have switched
+    assert not (dp > 0 and dd < 0) and not (dp < 0 and dd > 0)
+
+
+def arrivals(rows: list[tuple[float, int, int]]) -> list[Arrivals]:
+    t, p, o = zip(*rows, strict=True) if rows else ((), (), ())
+    return [Arrivals(np.array(t, dtype=np.float64), np.array(p, dtype=np.int64), np.array(o, dtype=np.int64))]
+
+
+def drive(cluster: FluidCluster, chunks: list[Arrivals]) -> None:
+    for t1, batch, more in ticks(chunks, cluster.config.tick_s):
+        cluster.tick(t1, batch)
+        cluster.settle(1.0)
+        cluster.take_ended()
+        if not more and not cluster.busy:
+            return
+        assert t1 < 10_000, "the model did not drain"
+
+
+def test_hostile_lengths_end_with_nothing_held() -> None:
+    """One-token outputs (their first token is their last), prompts longer than a step,
+    arrivals at the same instant: every request ends, nothing is left anywhere."""
+    model = load_sim_profile("h100-llama3-8b")
+    rows = [(0.0, 1, 1), (0.0, 20_000, 2), (0.0, 9000, 1), (0.01, 5, 300), (0.01, 5, 300), (3.0, 100_000, 50)]
+    c = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1, step_tokens=8192))
+    drive(c, arrivals(rows))
+    assert c.offered == c.ended == len(rows)
+    assert not any(c.request_state().values()), c.request_state()
+
+
+def test_a_full_kv_pool_fails_reservations_at_the_routers_deadline() -> None:
+    """Decode KV for about one request: the rest wait for room, and those still waiting after
+    the deadline fail (RESOURCE_EXHAUSTED, a miss); all state is released."""
+    model = load_sim_profile("h100-llama3-8b")
+
+    class Tiny:  # the same times, a KV pool of 2,000 tokens
+        def __getattr__(self, name: str) -> object:
+            return getattr(model, name)
+
+        kv_capacity_tokens = 2000
+
+    rows = [(0.001 * i, 1000, 900) for i in range(20)]
+    cfg = FluidConfig(ttft_s=1.0, tpot_s=1.0, reserve_timeout_s=5.0)
+    c = FluidCluster(Tiny(), 1, 1, cfg)  # type: ignore[arg-type]
+    drive(c, arrivals(rows))
+    assert c.failed > 0 and c.good + c.failed <= len(rows) and c.ended == len(rows)
+    assert not any(c.request_state().values()), c.request_state()
+
+
+def test_admission_refuses_what_would_miss() -> None:
+    """A burst twenty times what one prefill worker clears within the TTFT target: with
+    ``reject`` most of it is refused and the admitted requests meet the target; without, they
+    queue and miss."""
+    model = load_sim_profile("h100-llama3-8b")
+    rows = [(0.0005 * i, 2000, 20) for i in range(400)]
+    kept = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1, reject=True))
+    drive(kept, arrivals(rows))
+    queued = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
+    drive(queued, arrivals(rows))
+    assert kept.rejected > 300 and queued.rejected == 0
+    assert kept.good >= 0.8 * (len(rows) - kept.rejected)
+    assert queued.good < 30
+
+
+@needs_trace
+@pytest.mark.parametrize("layout, rate", [("1 1", 20), ("2 2", 45)])
+def test_attainment_tracks_the_event_simulator(layout: str, rate: int) -> None:
+    """Two minutes of the Azure trace on the same layout, profile and SLO: the fluid model's
+    attainment within 5 points of the event simulator's (its documented check is
+    ``benchmarks/autoscale_day.py``)."""
+    p, d = layout.split()
+    flags = (
+        f"--trace {TRACE} --request-rate {rate} --duration 120 --prefill {p} --decode {d} "
+        "--goodput ttft:250 tpot:100 --policy goodput --admission reject --no-local-prefill"
+    )
+    e = simulate(parse(flags))
+    f = fluid(flags)
+    assert f["num_prompts"] == e["num_prompts"]
+    assert abs(f["slo_attainment"] - e["slo_attainment"]) <= 0.05, (f["slo_attainment"], e["slo_attainment"])  # type: ignore[operator]
+    assert math.isclose(f["worker_seconds"], e["worker_seconds"], rel_tol=0.05)  # type: ignore[arg-type]
+
+
+def test_the_planner_grows_the_pools_through_a_step_and_shrinks_them_after() -> None:
+    m = fluid(
+        "--random-input-len 2048 --random-output-len 128 --random-range-ratio 0.5 --request-rate 8 "
+        "--rate-curve 0:1,40:4,100:4,140:1 --duration 240 --prefill 1 --decode 1 --autoscale "
+        "--autoscale-interval 5 --worker-start-s 2 --goodput ttft:250 tpot:100"
+    )
+    a = m["autoscale"]
+    assert isinstance(a, dict)
+    peak = max(p + d for _, p, d in a["layouts"])
+    assert peak >= 3
+    assert (a["layouts"][-1][1], a["layouts"][-1][2]) == (1, 1)
+    assert m["slo_attainment"] >= 0.85  # type: ignore[operator]
+    assert a["worker_seconds"] < 0.9 * peak * m["duration"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [("--colocated 2", "not with --colocated"), ("--autoscale --goodput ttft:250", "both targets")],
+)
+def test_fluid_refuses_what_it_cannot_model(extra: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fluid("--num-prompts 10 --request-rate 5 " + extra)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(tick_s=0.0),
+        dict(tick_s=math.nan),
+        dict(reserve_timeout_s=0.0),
+        dict(ttft_s=-1.0),
+        dict(max_seqs=0),
+    ],
+)
+def test_absurd_settings_are_refused(cfg: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        FluidConfig(**cfg)  # type: ignore[arg-type]
