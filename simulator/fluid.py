@@ -7,9 +7,10 @@ deadlines) but moves whole requests, and decode by the tick rather than by the s
 
 - **router**: an arrival goes to the prefill worker whose next joinable step starts first and
   reserves ``prompt + output`` tokens of KV on the routable decode worker holding the fewest;
-  with ``reject`` it is refused at once (a miss) when its predicted TTFT (that step's end) or
-  its predicted TPOT (the decode worker's step with it in the batch, plus the hand-off spread
-  over its tokens) is over the target — the goodput router's test, without its harm term;
+  with ``reject`` it is refused at once (a miss) when the router's predicted TTFT (its queue
+  rule, scaled by its online correction) or predicted TPOT (the decode worker's step with it
+  in the batch, plus the hand-off and any wait for KV room spread over its tokens) is over
+  the target — the goodput router's test, without its harm term;
 - **prefill**: each worker runs batched steps back to back; an arrival joins the step that
   starts next (up to ``step_tokens``; a longer prompt is a step of its own) and its first
   token leaves at that step's end (``StepTimeModel.step_time`` of the step's prompts);
@@ -20,8 +21,14 @@ deadlines) but moves whole requests, and decode by the tick rather than by the s
 - **KV**: a reservation without room waits on its worker first come first served and fails
   (RESOURCE_EXHAUSTED, a miss) after ``reserve_timeout_s``, as the router fails it;
 - **pools**: a started worker holds its GPU at once and serves ``start_s`` later; a retired one
-  takes nothing new and stops when its work is done; a switched one drains, then serves in the
-  other pool ``switch_s`` later.
+  takes nothing new and stops when its work is done (a prefill worker once its prompts' KV has
+  reached their decode workers); a switched one drains, then serves in the other pool
+  ``switch_s`` later.
+
+Not modelled: prefix caching, local prefill on decode workers (conditional disaggregation),
+colocated layouts, the prefill workers' own KV pool filling up while decode has no room (the
+event simulator's back-pressure: with too few decode workers for the load this model is a
+few points optimistic), step-time jitter and shared-host slow-downs.
 
 A request is good when it was served with TTFT and TPOT (first to last token over the tokens
 after the first, the hand-off included, as ``pdserve bench`` measures) within the targets.
@@ -86,12 +93,13 @@ class _State(enum.Enum):
 
 
 class _Req:
-    __slots__ = ("arrival", "decode", "first", "granted", "kv", "output", "predicted", "prompt")
+    __slots__ = ("arrival", "decode", "first", "granted", "kv", "output", "predicted", "prefill", "prompt")
 
-    def __init__(self, arrival: float, prompt: int, output: int, decode: _Worker) -> None:
+    def __init__(self, arrival: float, prompt: int, output: int, prefill: _Worker, decode: _Worker) -> None:
         self.arrival = arrival
         self.prompt = prompt
         self.output = output
+        self.prefill = prefill
         self.decode = decode
         self.first = math.nan  # first token's time, once its step is closed
         self.granted = math.nan  # when its KV reservation was granted
@@ -110,8 +118,10 @@ class _Worker:
         self.held_from = held_from
         self.ready_at = ready_at
         self.stopped_at = math.nan
+        self.retired_at = math.nan
         self.switch_to: Role | None = None
-        self.gen = -1  # its entry in the prefill heap
+        self.gen = -1  # the tag of its entry in the prefill heap (-1: none valid)
+        self.sending = 0  # prefill: prompts done whose KV has not reached their decode worker
         # prefill: the last closed step's end, and the open step (starts at ``open_start``)
         self.end = ready_at
         self.open_start = self.open_end = 0.0
@@ -147,6 +157,9 @@ class FluidCluster:
             raise ValueError("the fluid model runs disaggregated layouts: at least 1P+1D")
         self.model = model
         self.config = config
+        # a prompt's prefill and hand-off times, by length (a trace holds a few thousand lengths)
+        self._prefill_memo: dict[int, float] = {}
+        self._transfer_memo: dict[int, float] = {}
         self.capacity = model.kv_capacity_tokens
         self.now = 0.0
         self.workers: list[_Worker] = []  # every worker ever started (``index`` is the position)
@@ -165,8 +178,10 @@ class FluidCluster:
         self._ended: list[Ended] = []
         self._pending: list[tuple[float, float, float, bool]] = []  # this tick's ends, as rows
         self.offered = self.ended = self.good = self.rejected = self.failed = 0
-        # The router's prefill correction (``StepPredictor``): each first token moves it a fifth
-        # of the way to observed / predicted TTFT, the prediction it made with it included
+        # The router's prefill correction (``StepPredictor``, one for the pool here, one a worker
+        # there): each first token moves it a fifth of the way to observed / predicted TTFT,
+        # the prediction it made with it included. The router scales each job's compute by
+        # it, so the queue ahead too; here the whole prediction
         self.ttft_factor, self._ttft_samples = 1.0, 0
         self._mean_out = 200.0  # the arrivals' mean output, drifting toward the workload's
         self.last_join = -math.inf  # the last worker that joined a pool after the start
@@ -176,6 +191,18 @@ class FluidCluster:
                 self.add_worker(role, ready_in_s=0.0)
         self._promote(0.0)
         self.last_join = -math.inf
+
+    def _prefill_s(self, tokens: int) -> float:
+        t = self._prefill_memo.get(tokens)
+        if t is None:
+            t = self._prefill_memo[tokens] = self.model.prefill_time(tokens)
+        return t
+
+    def _transfer_s(self, tokens: int) -> float:
+        t = self._transfer_memo.get(tokens)
+        if t is None:
+            t = self._transfer_memo[tokens] = self.model.transfer_time(tokens)
+        return t
 
     # -- pools -----------------------------------------------------------------------------------
     def add_worker(self, role: Role, ready_in_s: float) -> _Worker:
@@ -211,6 +238,8 @@ class FluidCluster:
             raise ValueError(f"worker {w.index} is {w.state.value}, not serving")
         w.state = _State.DRAINING
         w.switch_to = switch_to
+        w.retired_at = self.now
+        w.gen = -1  # its prefill heap entry, if any, is void
         if w.role is Role.PREFILL and w.members:
             self._close(w)
 
@@ -227,13 +256,17 @@ class FluidCluster:
         for w in self.live:
             if w.state is _State.STARTING and w.ready_at <= t:
                 w.state = _State.SERVING
-                self.last_join = max(self.last_join, w.ready_at)
+                self.last_join = max(self.last_join, t)
                 if w.role is Role.PREFILL:
                     w.gen = next(self._seq)
                     heapq.heappush(self._heap, (w.ready_at, w.gen, w))
 
     def worker_seconds(self, until: float) -> float:
-        return sum((until if math.isnan(w.stopped_at) else w.stopped_at) - w.held_from for w in self.workers)
+        return sum(
+            min(until, until if math.isnan(w.stopped_at) else w.stopped_at) - w.held_from
+            for w in self.workers
+            if w.held_from < until
+        )
 
     # -- prefill ---------------------------------------------------------------------------------
     def _close(self, w: _Worker) -> None:
@@ -262,30 +295,32 @@ class FluidCluster:
         while w.closed and w.closed[0][1] <= t:
             w.closed_tokens -= w.closed.popleft()[2]
         queued = w.closed_tokens + w.open_tokens
-        own = self.model.prefill_time(prompt)
+        own = self._prefill_s(prompt)
         if not queued:
             return own
         busy_since = w.closed[0][0] if w.closed else min(t, w.open_start)
         free = w.open_end if w.members else w.end
         budget = self.config.step_tokens
         steps = math.ceil((queued + prompt) / budget)
-        full = self.model.prefill_time(min(budget, queued + prompt))
+        full = self._prefill_s(min(budget, queued + prompt))
         return max(max(0.0, free - t) + own, steps * full - (t - busy_since))
 
-    def _place(self, t: float, prompt: int) -> tuple[_Worker, float, float]:
+    def _place(self, t: float, prompt: int) -> tuple[_Worker, float, float] | None:
         """The prefill worker whose queued prompts are done first (the least work, as the
         goodput router balances it); (worker, the start of the step the request joins, its
-        first-token time there)."""
+        first-token time there). None: no prefill worker is serving."""
         heap = self._heap
-        while True:
+        while heap:
             key, gen, w = heapq.heappop(heap)
-            if gen != w.gen or not w.routable:
+            if gen != w.gen or not w.routable or w.role is not Role.PREFILL:
                 continue  # gone from the pool, or an entry from a previous time in it
             real = self._settle(w, t)
             if real > key and heap and heap[0][0] < real:
                 heapq.heappush(heap, (real, w.gen, w))
                 continue
             break
+        else:
+            return None
         if w.members and w.open_tokens + prompt <= self.config.step_tokens:
             lens = [(n, 0) for n in w.open_lens]
             lens.append((prompt, 0))
@@ -293,7 +328,7 @@ class FluidCluster:
         if w.members:  # this prompt does not fit: it opens the step after
             self._close(w)
         start = max(t, w.end)
-        return w, start, start + self.model.prefill_time(prompt)
+        return w, start, start + self._prefill_s(prompt)
 
     def _join_step(self, w: _Worker, start: float, first: float, r: _Req) -> None:
         if not w.members:
@@ -315,25 +350,26 @@ class FluidCluster:
     ) -> None:
         c = self.config
         self.offered += 1
-        if not self._heap or not decoders:
+        placed = self._place(t, prompt) if decoders else None
+        if placed is None:  # a pool with no worker serving (never so under the autoscaler)
             self._end(t, math.nan, math.nan, False)
             self.failed += 1
             return
         d = decoders[0][2]
-        w, start, first = self._place(t, prompt)
+        w, start, first = placed
         predicted = self._predict(w, t, prompt) * self.ttft_factor
         self._mean_out += 0.01 * (output - self._mean_out)
         if c.reject:
             b, ctx = batch[d.index]
             step = self.model.decode_time(min(b + 1, c.max_seqs), round(ctx + prompt))
-            gap = self.model.transfer_time(prompt) + self._room_wait(d, b, step, prompt + output)
+            gap = self._transfer_s(prompt) + self._room_wait(d, b, step, prompt + output)
             tpot = step + gap / max(1, output - 1)
             if (c.ttft_s and predicted > c.ttft_s) or (c.tpot_s and output > 1 and tpot > c.tpot_s):
                 heapq.heappush(self._heap, (self._settle(w, t), w.gen, w))
                 self.rejected += 1
                 self._end(t, math.nan, math.nan, False)
                 return
-        r = _Req(t, prompt, output, d)
+        r = _Req(t, prompt, output, w, d)
         r.predicted = predicted
         d.held += 1
         if d.reserved + r.kv <= self.capacity and not d.waiting:
@@ -343,7 +379,7 @@ class FluidCluster:
             d.waiting.append(r)
             d.queued += r.kv
         heapq.heapreplace(decoders, (d.reserved + d.queued, decoders[0][1], d))
-        self._join_step(w, start, first, r)  # last: a full step closes at once, its prompts done
+        self._join_step(w, start, first, r)
         b, ctx = batch[d.index]
         batch[d.index] = (b + 1, ctx + prompt)
 
@@ -355,7 +391,7 @@ class FluidCluster:
         wait = 0.0
         free = self.capacity - d.reserved - d.queued
         if free < kv:
-            wait += math.ceil((kv - free) / kv) * every
+            wait += math.ceil((kv - free) / max(1, kv)) * every
         if b >= self.config.max_seqs:
             wait += (b - self.config.max_seqs + 1) * every
         return wait
@@ -371,11 +407,12 @@ class FluidCluster:
             self._release(r)
             self._end(r.first, r.first - r.arrival, 0.0, True)
             return
+        r.prefill.sending += 1  # its KV stays on the prefill worker until it joins decode
         if not math.isnan(r.granted):
             self._joins(r)
 
     def _joins(self, r: _Req) -> None:
-        at = max(r.first, r.granted) + self.model.transfer_time(r.prompt)
+        at = max(r.first, r.granted) + self._transfer_s(r.prompt)
         heapq.heappush(self._joining, (at, next(self._seq), r))
 
     def _release(self, r: _Req) -> None:
@@ -407,6 +444,7 @@ class FluidCluster:
                 later.append((t1, seq, r))  # no free sequence slot: it waits a tick
                 continue
             count[r.decode.index] += 1
+            r.prefill.sending -= 1
             joined.append(r)
             joined_at.append(at)
         for item in later:
@@ -497,6 +535,8 @@ class FluidCluster:
                 r = d.waiting.popleft()
                 d.queued -= r.kv
                 d.held -= 1
+                if not math.isnan(r.first):  # prefilled: the prefill worker lets its KV go
+                    r.prefill.sending -= 1
                 r.granted = math.inf  # never joins (its first token may be out)
                 self.failed += 1
                 self._end(r.arrival + self.config.reserve_timeout_s, math.nan, math.nan, False)
@@ -505,6 +545,8 @@ class FluidCluster:
     def tick(self, t1: float, arrivals: Arrivals) -> None:
         """Advance to ``t1`` with ``arrivals`` (all in ``[now, t1)``)."""
         t0 = self.now
+        if not t1 > t0:
+            raise ValueError(f"a tick must move the clock forward: {t0} -> {t1}")
         self._promote(t0)
         decoders = [(w.reserved + w.queued, w.index, w) for w in self.pool(Role.DECODE)]
         heapq.heapify(decoders)
@@ -539,8 +581,8 @@ class FluidCluster:
         for w in list(self.live):
             if w.state is not _State.DRAINING:
                 continue
-            if w.role is Role.PREFILL and not w.members and w.end <= self.now:
-                self._drained(w, max(w.end, w.held_from), switch_s)
+            if w.role is Role.PREFILL and not w.members and not w.sending and w.end <= self.now:
+                self._drained(w, max(w.end, w.retired_at), switch_s)
             elif w.role is Role.DECODE and w.held == 0:
                 self._drained(w, self.now, switch_s)
 
@@ -556,6 +598,7 @@ class FluidCluster:
             "decode_held": sum(w.held for w in self.workers),
             "kv_reserved_tokens": sum(w.reserved for w in self.workers),
             "kv_waiting": sum(len(w.waiting) + w.queued for w in self.workers),
+            "kv_sending": sum(w.sending for w in self.workers),
             "joining": len(self._joining),
             "running": len(self._run["w"]),
         }

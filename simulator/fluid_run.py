@@ -31,6 +31,7 @@ from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
 
 CHUNK = 200_000  # arrivals made at a time
+DRAIN_S = 3600.0
 
 
 def warp(curve: RateCurve, tau: np.ndarray) -> np.ndarray:
@@ -140,6 +141,9 @@ class FluidAutoscaler:
             if t <= now - span + 1e-9:
                 break
             n, prompt, output = n + k, prompt + p, output + o
+        # arrivals are logged by the tick: the rate is over the ticks the window holds
+        tick = c.config.tick_s
+        covered = math.ceil(span / tick - 1e-9) * tick
         end = np.concatenate([e.end for e in self.ends]) if self.ends else np.zeros(0)
         inside = (end > now - span) & (end <= now)
         ttft = np.concatenate([e.ttft for e in self.ends])[inside] if self.ends else end
@@ -152,7 +156,7 @@ class FluidAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(n / span, prompt / n if n else 0.0, output / n if n else 0.0),
+            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
             ttft_s=float(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]) if len(ttfts) else math.nan,
@@ -218,6 +222,12 @@ def simulate_fluid(
     requests of a workload other than a trace replay."""
     if getattr(args, "colocated", 0):
         raise ValueError("--fluid models disaggregated layouts: not with --colocated")
+    if getattr(args, "shared_host", False):
+        raise ValueError("--fluid models GPU workers: not with --shared-host")
+    if args.policy == "goodput" and getattr(args, "local_prefill", True):
+        raise ValueError(
+            "--fluid does not prefill on decode workers: with --policy goodput add --no-local-prefill"
+        )
     profile = load_sim_profile(args.profile)
     slo = Slo.parse(args.goodput)
     ttft, tpot = (slo.ttft_ms or 0.0) / 1000, (slo.tpot_ms or 0.0) / 1000
@@ -239,6 +249,10 @@ def simulate_fluid(
         planner = Planner(profile, PlannerConfig(ttft, tpot, planner_bounds(args)))
         scaler = FluidAutoscaler(cluster, planner, auto)
     look = auto.interval_s / auto.checks
+    if scaler is not None and config.tick_s > look + 1e-9:
+        raise ValueError(
+            f"--fluid-tick {config.tick_s:g} is longer than the planner's checks ({look:g} s apart)"
+        )
     arrivals, n = arrivals_of(args, specs)
     # A layout that can no longer reach ``stop_below`` (misses past what it allows) ends early.
     stop_below = getattr(args, "stop_below", None)
@@ -246,7 +260,16 @@ def simulate_fluid(
     stopped = False
     t0 = time.perf_counter()
     last_print, next_look, end = t0, look, 0.0
+    last_arrival = 0.0
     for t1, batch, more in ticks(arrivals, config.tick_s):
+        if len(batch.t):
+            last_arrival = float(batch.t[-1])
+        elif not more and t1 > last_arrival + DRAIN_S:
+            # nothing takes this long to end (a reservation fails after 30 s, a request decodes
+            # in minutes): a request the model lost would otherwise keep it ticking for ever
+            raise AssertionError(
+                f"fluid model: not drained {DRAIN_S:g} s after the last arrival: {cluster.request_state()}"
+            )
         cluster.tick(t1, batch)
         cluster.settle(auto.switch_s)
         ended = cluster.take_ended()

@@ -93,7 +93,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         "--fluid",
         action="store_true",
         help="the request-level model (pdserve.simulator.fluid) instead of the engines step by "
-        "step: a day at 64 GPUs in minutes; disaggregated layouts, no prefix caching",
+        "step: a day at 64 GPUs in minutes; disaggregated layouts placed by least work (any "
+        "--policy; goodput only with --no-local-prefill), --admission, no prefix caching",
     )
     p.add_argument("--fluid-tick", type=float, default=0.5, help="with --fluid: the decode tick (s)")
     p.add_argument(
