@@ -237,7 +237,7 @@ class DecodeEngine(RoleEngineBase):
         if self.transport is None:
             return
         done = self.transport.poll()
-        for tid in done.finished_receiving:
+        for tid in sorted(done.finished_receiving):  # not the set's order: it varies by process
             self.transport.forget(tid)
             rid = self._by_transfer.get(tid)
             if rid is None:

@@ -202,7 +202,9 @@ class PrefillEngine(RoleEngineBase):
     def _reap_transfers(self) -> list[TokenDelta]:
         done = self.transport.poll()
         deltas: list[TokenDelta] = []
-        for tid in done.finished_sending | set(done.failed):
+        # sorted: a set's order follows the process's string hashing, and the order blocks are
+        # freed in must not make two runs of the same workload differ
+        for tid in sorted(done.finished_sending | set(done.failed)):
             rid = self._sending.pop(tid, None)
             self.transport.forget(tid)
             if rid is None:
