@@ -14,8 +14,9 @@ start-up), from 1P+1D, within ``--max-prefill`` / ``--max-decode`` (together 64 
 
 The best static layout at equal attainment: the fewest workers whose day attainment is at
 least the autoscaled run's, each total split as the planner's capacity model says serves the
-peak best; totals are searched upward from the autoscaled run's largest layout minus a few,
-each run of the whole day ending early once its misses pass what that attainment allows.
+peak best; totals are searched from a few under the autoscaled run's largest layout, down
+while they pass and up while they do not, each run of the whole day ending early once its
+misses pass what that attainment allows.
 
 Final JSON line: ``gpu_hours_ratio`` (autoscaled over the static layout's; target <= 0.7), the
 attainment of both, the planner's changes, the longest decision (wall), and the check's
@@ -188,27 +189,42 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
     prompt_mean, output_mean = 1154.7, 211.1  # the trace's means
     peak = Workload(args.rate * args.swing, prompt_mean, output_mean)
     tried: list[dict[str, Any]] = []
-    total = max(2, peak_layout[1] + peak_layout[2] - 3)
-    best = None
-    while total <= args.max_prefill + args.max_decode:
+    results: dict[int, dict[str, Any]] = {}
+
+    def static(total: int) -> bool:
+        """Whether ``total`` workers, split for the peak, reach the autoscaled attainment."""
         p, d = split(total, peak, args)
         t0 = time.perf_counter()
         m = fluid([*base, "--prefill", str(p), "--decode", str(d)], stop_below=target)
-        row = {
-            "layout": f"{p}P+{d}D",
-            "attainment": round(m["slo_attainment"], 4),
-            "ended_early": m["stopped_early"],
-            "wall_s": round(time.perf_counter() - t0, 1),
-        }
-        tried.append(row)
+        passed = not m["stopped_early"] and m["slo_attainment"] >= target
+        tried.append(
+            {
+                "layout": f"{p}P+{d}D",
+                "attainment": round(m["slo_attainment"], 4),
+                "ended_early": m["stopped_early"],
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        )
         print(
             f"day static {p}P+{d}D: attainment {'< ' if m['stopped_early'] else ''}{m['slo_attainment']:.4f}",
             flush=True,
         )
-        if not m["stopped_early"] and m["slo_attainment"] >= target:
-            best = (p, d, m)
-            break
+        if passed:
+            results[total] = {"prefill": p, "decode": d, **m}
+        return passed
+
+    # the fewest workers that pass: from a few under the autoscaled peak, down while they pass,
+    # up while they do not
+    top = args.max_prefill + args.max_decode
+    total = max(2, peak_layout[1] + peak_layout[2] - 3)
+    if static(total):
+        while total > 2 and static(total - 1):
+            total -= 1
+    else:
+        while total < top and not static(total + 1):
+            total += 1
         total += 1
+    best = results.get(total)
     out: dict[str, Any] = {
         "day_workload": f"Azure conversation trace, {args.rate:g} req/s x diurnal cosine 1..{args.swing:g} "
         f"(04:00 trough, 16:00 peak), {args.hours:g} h, {auto['num_prompts']:,} requests",
@@ -222,12 +238,12 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
         "day_autoscaled_wall_s": round(auto_s, 1),
     }
     if best is not None:
-        p, d, m = best
-        static_h = (p + d) * m["duration"] / 3600
+        p, d = best["prefill"], best["decode"]
+        static_h = (p + d) * best["duration"] / 3600
         out.update(
             {
                 "best_static": f"{p}P+{d}D",
-                "static_attainment": round(m["slo_attainment"], 4),
+                "static_attainment": round(best["slo_attainment"], 4),
                 "static_gpu_hours": round(static_h, 1),
                 "gpu_hours_ratio": round(a["worker_seconds"] / 3600 / static_h, 3),
             }

@@ -13,7 +13,8 @@ what was predicted for the layout that produced them. Then::
                                                        only a measured miss or a load it cannot
                                                        keep up with at all counts)
     fewer workers meet with margin in each of
-    the last ``down_after`` intervals               -> the largest of those intervals' smallest
+    the last ``down_after`` intervals, and keep
+    up with the busiest check window among them     -> the largest of those intervals' smallest
                                                        such layouts (SCALE_DOWN: workers stop,
                                                        none switches)
     otherwise                                        -> HOLD
@@ -34,7 +35,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.deploy.capacity import Prediction, predict
 from pdserve.router.workload_window import Workload
@@ -98,12 +99,13 @@ class PlannerConfig:
     down_after: int = 3  # intervals in a row a smaller layout must qualify (and the window of floors)
     cooldown: int = 2  # intervals after a change before the next scale-down
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
+    headroom: float = 0.1  # a smaller layout must keep up with the busiest check window plus this share
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError("the planner needs both a TTFT and a TPOT target (> 0)")
-        if not 0 < self.margin <= 1 or not 0 < self.quantile < 1:
-            raise ValueError("margin must be in (0, 1] and quantile in (0, 1)")
+        if not 0 < self.margin <= 1 or not 0 < self.quantile < 1 or not 0 <= self.headroom <= 10:
+            raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
 
@@ -142,6 +144,11 @@ class Planner:
         self.config = config
         self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
         self._floors: deque[int] = deque(maxlen=config.down_after)  # smallest total that met, an interval
+        # the busiest check window of each of the last ``down_after`` intervals: a layout the
+        # way down must keep up with it, or the next check grows the pools again (at scale a
+        # 10 s window carries a fifth more than its interval's mean)
+        self._bursts: deque[Workload] = deque(maxlen=config.down_after)
+        self._burst: Workload | None = None  # this interval's, so far
         self._since_change = config.cooldown
 
     def predict(self, obs: Observation, layout: Layout, corrected: bool = True) -> Prediction:
@@ -191,9 +198,14 @@ class Planner:
         nothing, counts no interval and never shrinks them."""
         c = self.config
         current = c.bounds.clamp(obs.layout)
-        if not up_only:
+        if up_only:
+            if self._burst is None or obs.load.rate > self._burst.rate:
+                self._burst = obs.load
+        else:
             self._since_change += 1
             self._learn(obs)
+            self._bursts.append(self._burst or obs.load)
+            self._burst = None
         now_pred = self.predict(obs, current)
         if obs.warming:
             # A warm-up skews what the workers measure (their first steps, the backlog they were
@@ -233,6 +245,7 @@ class Planner:
             and l.decode <= current.decode
             and l.workers < current.workers
             and (idle or self._meets(self.predict(obs, l), c.margin))
+            and self._keeps_up(obs, l)
         ]
         self._floors.append(min((l.workers for l in fits), default=current.workers))
         floor = max(self._floors)
@@ -244,6 +257,17 @@ class Planner:
                                     f"{best.prefill}P+{best.decode}D met the SLO with margin {c.margin} "
                                     f"for {c.down_after} intervals")  # fmt: skip
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _keeps_up(self, obs: Observation, layout: Layout) -> bool:
+        """``layout`` keeps up with the busiest window of the recent intervals' checks, plus
+        ``headroom`` (the checks between decisions grow the pools on a load the layout cannot
+        keep up with at all, and the tails' margin says nothing of a decode pool close to
+        full: its step time barely moves until it is)."""
+        busiest = max((*self._bursts, obs.load), key=lambda w: w.rate)
+        if busiest.rate == 0:
+            return True
+        load = replace(busiest, rate=busiest.rate * (1 + self.config.headroom))
+        return self.predict(replace(obs, load=load), layout).feasible
 
     def _ranked(self, current: Layout) -> list[Layout]:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))

@@ -175,3 +175,27 @@ def test_a_check_between_decisions_restores_the_bounds() -> None:
     plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(2, 6, 1, 6)))
     d = plan.decide(obs(10, Layout(1, 1), 1.0), up_only=True)
     assert d.reason is Reason.SCALE_UP and d.layout == Layout(2, 1) and "bounds" in d.detail
+
+
+def test_the_way_down_keeps_up_with_the_bursts_the_checks_saw() -> None:
+    """At a steady mean with 10 s windows a third busier (a large cluster replaying a trace
+    sees that), a layout chosen on the way down must keep up with those windows: otherwise the
+    next check grows the pools again and the planner cycles down and up."""
+    plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(1, 40, 1, 24)))
+    layout, changes = Layout(40, 24), []
+    for i in range(60):
+        for k in (1, 2):  # the two checks between decisions see the bursts
+            d = plan.decide(obs(30 * i + 10 * k, layout, 650.0 * (1.3 if k == 1 else 1.0)), up_only=True)
+            if d.changes:
+                changes.append(i)
+                layout = d.layout
+        d = plan.decide(
+            obs(30 * i + 30, layout, 650.0, requests=5000, attainment=0.98, ttft_s=0.1, tpot_s=0.02)
+        )
+        if d.changes:
+            changes.append(i)
+            layout = d.layout
+    assert changes and layout.workers < 64  # it did come down from the top
+    settled = [i for i in changes if i >= 30]
+    assert not settled, changes
+    assert predict(H100, Workload(650.0 * 1.3, *CONV), layout.prefill, layout.decode).feasible
