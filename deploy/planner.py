@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.deploy.capacity import Prediction, predict
@@ -144,11 +145,13 @@ class Planner:
         self.config = config
         self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
         self._floors: deque[int] = deque(maxlen=config.down_after)  # smallest total that met, an interval
-        # the busiest check window of each of the last ``down_after`` intervals: a layout the
-        # way down must keep up with it, or the next check grows the pools again (at scale a
-        # 10 s window carries a fifth more than its interval's mean)
-        self._bursts: deque[Workload] = deque(maxlen=config.down_after)
-        self._burst: Workload | None = None  # this interval's, so far
+        # the check windows of the last ``down_after`` intervals: a layout the planner moves to
+        # must keep up with each, or the next check moves it again (at scale a 10 s window
+        # carries a fifth more than its interval's mean, and the busiest for prefill is not the
+        # busiest for decode)
+        self._bursts: deque[list[Workload]] = deque(maxlen=config.down_after)
+        self._burst: list[Workload] = []  # this interval's, so far
+        self._floor: tuple[int, int] | None = None  # fewest (P, D) keeping up: this decision's
         self._since_change = config.cooldown
 
     def predict(self, obs: Observation, layout: Layout, corrected: bool = True) -> Prediction:
@@ -198,14 +201,14 @@ class Planner:
         nothing, counts no interval and never shrinks them."""
         c = self.config
         current = c.bounds.clamp(obs.layout)
+        self._floor = None
         if up_only:
-            if self._burst is None or obs.load.rate > self._burst.rate:
-                self._burst = obs.load
+            self._burst.append(obs.load)
         else:
             self._since_change += 1
             self._learn(obs)
-            self._bursts.append(self._burst or obs.load)
-            self._burst = None
+            self._bursts.append([*self._burst, obs.load])
+            self._burst = []
         now_pred = self.predict(obs, current)
         if obs.warming:
             # A warm-up skews what the workers measure (their first steps, the backlog they were
@@ -259,15 +262,44 @@ class Planner:
         return Decision(obs.t, Reason.HOLD, current, now_pred)
 
     def _keeps_up(self, obs: Observation, layout: Layout) -> bool:
-        """``layout`` keeps up with the busiest window of the recent intervals' checks, plus
+        """``layout`` keeps up with every window of the recent intervals' checks, plus
         ``headroom`` (the checks between decisions grow the pools on a load the layout cannot
         keep up with at all, and the tails' margin says nothing of a decode pool close to
         full: its step time barely moves until it is)."""
-        busiest = max((*self._bursts, obs.load), key=lambda w: w.rate)
-        if busiest.rate == 0:
-            return True
-        load = replace(busiest, rate=busiest.rate * (1 + self.config.headroom))
-        return self.predict(replace(obs, load=load), layout).feasible
+        if self._floor is None:
+            self._floor = self._fewest(obs)
+        p, d = self._floor
+        return layout.prefill >= p and layout.decode >= d
+
+    def _fewest(self, obs: Observation) -> tuple[int, int]:
+        """The fewest prefill and decode workers that keep up with each recent window (prefill
+        and decode are predicted apart: each pool's feasibility is the other's at its largest,
+        and grows with the pool)."""
+        b = self.config.bounds
+        loads = [w for ws in (*self._bursts, self._burst) for w in ws] + [obs.load]
+        loads = [replace(w, rate=w.rate * (1 + self.config.headroom)) for w in loads if w.rate > 0]
+
+        def fewest(lo: int, hi: int, keeps_up: Callable[[int], bool]) -> int:
+            if not keeps_up(hi):
+                return hi
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if keeps_up(mid) else (mid + 1, hi)
+            return lo
+
+        p = d = 0
+        for w in loads:
+            o = replace(obs, load=w)
+
+            def prefill_ok(n: int, o: Observation = o) -> bool:
+                return math.isfinite(self.predict(o, Layout(n, b.max_decode)).ttft_s)
+
+            def decode_ok(n: int, o: Observation = o) -> bool:
+                return math.isfinite(self.predict(o, Layout(b.max_prefill, n)).tpot_s)
+
+            p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
+            d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))
+        return p, d
 
     def _ranked(self, current: Layout) -> list[Layout]:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
@@ -275,12 +307,15 @@ class Planner:
     def _grow(
         self, obs: Observation, current: Layout, now_pred: Prediction, measured_miss: bool, predicted_ok: bool
     ) -> Decision:
-        """The smallest layout predicted to meet (a miss the model does not see yet calls for
-        more workers, not another split), else the bounds' largest."""
+        """The smallest layout predicted to meet and to keep up with the recent checks' busiest
+        window (a move sized for this window alone is moved again by the next, busier in the
+        other pool), else the bounds' largest. A miss the model does not see yet calls for more
+        workers, not another split."""
         c = self.config
         least = current.workers + (1 if predicted_ok else 0)
-        need = next((l for l in self._ranked(current) if l.workers >= least and l != current
-                     and self._meets(self.predict(obs, l), 1.0)), None)  # fmt: skip
+        larger = (l for l in self._ranked(current) if l.workers >= least and l != current)
+        meeting = (l for l in larger if self._meets(self.predict(obs, l), 1.0) and self._keeps_up(obs, l))
+        need = next(meeting, None)
         why = (
             f"attainment {obs.attainment:.2f} < {c.quantile}"
             if measured_miss
