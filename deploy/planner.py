@@ -6,18 +6,23 @@ step-time model, corrected twice by what the router measured: the model's prefil
 factors (the router's online corrections), and the ratio of the measured TTFT / TPOT tails to
 what was predicted for the layout that produced them. Then::
 
-    current layout misses (measured or predicted)   -> the smallest layout that meets, at once
-                                                       (SCALE_UP; a worker moved between the
-                                                       pools instead when that is enough: SWITCH;
-                                                       between decisions and during a warm-up
-                                                       only a measured miss or a load it cannot
-                                                       keep up with at all counts)
+    current layout misses (measured or predicted)   -> the smallest layout that meets and
+                                                       keeps up, at once (SCALE_UP; a worker
+                                                       moved between the pools instead when
+                                                       that is enough: SWITCH; between decisions
+                                                       and during a warm-up only a measured miss
+                                                       or a load it cannot keep up with at all
+                                                       counts)
     fewer workers meet with margin in each of
-    the last ``down_after`` intervals, and keep
-    up with the busiest check window among them     -> the largest of those intervals' smallest
+    the last ``down_after`` intervals, and keep up  -> the largest of those intervals' smallest
                                                        such layouts (SCALE_DOWN: workers stop,
                                                        none switches)
     otherwise                                        -> HOLD
+
+"Keeps up": each pool at least the fewest workers predicted to keep up with every window the
+checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
+carries a fifth more than its interval's mean, and a layout sized for one window would be
+moved again by the next (the busiest for prefill is not the busiest for decode).
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -100,7 +105,7 @@ class PlannerConfig:
     down_after: int = 3  # intervals in a row a smaller layout must qualify (and the window of floors)
     cooldown: int = 2  # intervals after a change before the next scale-down
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
-    headroom: float = 0.1  # a smaller layout must keep up with the busiest check window plus this share
+    headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
