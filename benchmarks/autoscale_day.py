@@ -14,9 +14,9 @@ start-up), from 1P+1D, within ``--max-prefill`` / ``--max-decode`` (together 64 
 
 The best static layout at equal attainment: the fewest workers whose day attainment is at
 least the autoscaled run's, each total split as the planner's capacity model says serves the
-peak best; totals are searched from a few under the autoscaled run's largest layout, down
-while they pass and up while they do not, each run of the whole day ending early once its
-misses pass what that attainment allows.
+peak best; totals are bisected between a few under the autoscaled run's largest layout and
+its mean, each run of the whole day ending early once its misses pass what that attainment
+allows.
 
 Final JSON line: ``gpu_hours_ratio`` (autoscaled over the static layout's; target <= 0.7), the
 attainment of both, the planner's changes, the longest decision (wall), and the check's
@@ -213,17 +213,20 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
             results[total] = {"prefill": p, "decode": d, **m}
         return passed
 
-    # the fewest workers that pass: from a few under the autoscaled peak, down while they pass,
-    # up while they do not
+    # the fewest workers that pass, by bisection: from a few under the autoscaled run's largest
+    # layout (up while it fails) down to its mean (the static layout below which none can pass
+    # bar a miracle: tried, and the search goes on down if it does pass)
     top = args.max_prefill + args.max_decode
-    total = max(2, peak_layout[1] + peak_layout[2] - 3)
-    if static(total):
-        while total > 2 and static(total - 1):
-            total -= 1
-    else:
-        while total < top and not static(total + 1):
-            total += 1
-        total += 1
+    hi = max(2, peak_layout[1] + peak_layout[2] - 3)
+    while hi < top and not static(hi):
+        hi += 1
+    lo = max(1, min(hi - 1, int(a["worker_seconds"] / auto["duration"])))
+    while lo > 1 and static(lo):
+        hi, lo = lo, lo - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if static(mid) else (mid, hi)
+    total = hi
     best = results.get(total)
     out: dict[str, Any] = {
         "day_workload": f"Azure conversation trace, {args.rate:g} req/s x diurnal cosine 1..{args.swing:g} "

@@ -54,6 +54,19 @@ class Timeline:
     layouts: list[tuple[float, int, int]] = field(default_factory=list)
     windows: list[tuple[float, float, int]] = field(default_factory=list)
 
+    def summary(self, interval_s: float, worker_seconds: float) -> dict[str, object]:
+        """What ``pdserve simulate --autoscale`` reports of a run."""
+        changes = [d for d in self.decisions if d.changes]
+        return {
+            "interval_s": interval_s,
+            "decisions": len(self.decisions),
+            "changes": len(changes),
+            "worker_seconds": worker_seconds,
+            "layouts": self.layouts,
+            "attainment_by_interval": self.windows,  # NaN: no request ended in it
+            "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
+        }
+
 
 class SimAutoscaler:
     def __init__(
@@ -178,13 +191,4 @@ class SimAutoscaler:
         self.cluster.switch(w, role, self.config.switch_s, on_join=lambda: self._started(w.wid))
 
     def summary(self, until: float) -> dict[str, object]:
-        changes = [d for d in self.timeline.decisions if d.changes]
-        return {
-            "interval_s": self.config.interval_s,
-            "decisions": len(self.timeline.decisions),
-            "changes": len(changes),
-            "worker_seconds": self.cluster.worker_seconds(until),
-            "layouts": self.timeline.layouts,
-            "attainment_by_interval": self.timeline.windows,  # NaN: no request ended in it
-            "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
-        }
+        return self.timeline.summary(self.config.interval_s, self.cluster.worker_seconds(until))

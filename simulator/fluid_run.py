@@ -202,17 +202,8 @@ class FluidAutoscaler:
                 if len(c.pool(role)) > 1:
                     c.retire(c.idlest(role))
 
-    def summary(self, until: float) -> dict[str, Any]:
-        changes = [d for d in self.timeline.decisions if d.changes]
-        return {
-            "interval_s": self.config.interval_s,
-            "decisions": len(self.timeline.decisions),
-            "changes": len(changes),
-            "worker_seconds": self.cluster.worker_seconds(until),
-            "layouts": self.timeline.layouts,
-            "attainment_by_interval": self.timeline.windows,
-            "reasons": [(d.t, d.reason.value, d.layout.prefill, d.layout.decode, d.detail) for d in changes],
-        }
+    def summary(self, until: float) -> dict[str, object]:
+        return self.timeline.summary(self.config.interval_s, self.cluster.worker_seconds(until))
 
 
 def simulate_fluid(
