@@ -201,12 +201,12 @@ def test_a_switched_or_retired_worker_takes_no_new_work_and_stops_when_done() ->
 @needs_trace
 @pytest.mark.parametrize("layout, rate", [("1 1", 20), ("2 2", 45)])
 def test_attainment_tracks_the_event_simulator(layout: str, rate: int) -> None:
-    """Two minutes of the Azure trace on the same layout, profile and SLO: the fluid model's
+    """A minute of the Azure trace on the same layout, profile and SLO: the fluid model's
     attainment within 5 points of the event simulator's (its documented check is
     ``benchmarks/autoscale_day.py``)."""
     p, d = layout.split()
     flags = (
-        f"--trace {TRACE} --request-rate {rate} --duration 120 --prefill {p} --decode {d} "
+        f"--trace {TRACE} --request-rate {rate} --duration 60 --prefill {p} --decode {d} "
         "--goodput ttft:250 tpot:100 --policy goodput --admission reject --no-local-prefill"
     )
     e = simulate(parse(flags))
