@@ -251,7 +251,8 @@ def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str, on_pass: bool) -
         assert not fast.get("stopped_early") and fast["slo_attainment"] == full["slo_attainment"]
     else:
         assert fast["stopped_early"] and full["slo_attainment"] <= fast["slo_attainment"] < 0.9
-        assert fast["simulation_wall_s"] < full["simulation_wall_s"]
+        assert fast["completed"] < full["completed"]  # the rest were never simulated (not wall time:
+        # a pause of the host's can make the short run the slower)
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
