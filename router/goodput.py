@@ -94,10 +94,16 @@ class _Option:
 
 @dataclass
 class _Placed:
+    """A placed request's predictions, and the correction factors they carried: the factors
+    learn from observed / *uncorrected* predicted (against the corrected prediction a factor
+    settles at the square root of the true ratio)."""
+
     prefill_key: str  # the worker that prefills (p, or d itself)
     decode: str
     ttft: float
     step: float
+    prefill_factor: float
+    decode_factor: float
 
 
 class GoodputPolicy:
@@ -301,7 +307,10 @@ class GoodputPolicy:
         if o.prefill is None:
             self.ledger.batch(o.decode).add_local_prefill(now, o.extra)
         self.prefix.record(pkey, request.block_keys)
-        self._placed[rid] = _Placed(pkey, o.decode, o.ttft, o.step)
+        factor = self.model.factor
+        self._placed[rid] = _Placed(
+            pkey, o.decode, o.ttft, o.step, factor(pkey, Phase.PREFILL), factor(o.decode, Phase.DECODE)
+        )
 
     # -- feedback ------------------------------------------------------------------------------
     def on_report(self, load: WorkerLoad) -> None:
@@ -324,7 +333,7 @@ class GoodputPolicy:
         self.ledger.prefill_done(request_id, now)
         if placed is None:
             return
-        self.model.observe(placed.prefill_key, Phase.PREFILL, ttft_s, placed.ttft)
+        self.model.observe(placed.prefill_key, Phase.PREFILL, ttft_s, placed.ttft / placed.prefill_factor)
         if self.on_error is not None and placed.ttft > 0:
             self.on_error("ttft", ttft_s / placed.ttft)
 
@@ -333,7 +342,7 @@ class GoodputPolicy:
         placed = self._placed.pop(request_id, None)
         if placed is None or median_itl_s is None or placed.step <= 0:
             return
-        self.model.observe(placed.decode, Phase.DECODE, median_itl_s, placed.step)
+        self.model.observe(placed.decode, Phase.DECODE, median_itl_s, placed.step / placed.decode_factor)
         if self.on_error is not None:
             self.on_error("tpot", median_itl_s / placed.step)
 

@@ -96,7 +96,8 @@ class StepPredictor:
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, key: str, phase: Phase, observed_s: float, predicted_s: float) -> None:
-        """Fold one observation into ``key``'s factor (``key``: a worker id, or ``inbound(dst)``)."""
+        """Fold one observation into ``key``'s factor (``key``: a worker id, or ``inbound(dst)``).
+        ``predicted_s`` is the profile's, uncorrected: the factor moves toward observed / that."""
         corr = self._corr.get((key, phase))
         if corr is None:
             corr = self._corr[(key, phase)] = Correction(self.factor(key, phase))

@@ -104,7 +104,7 @@ class _Req:
         self.first = math.nan  # first token's time, once its step is closed
         self.granted = math.nan  # when its KV reservation was granted
         self.kv = prompt + output
-        self.predicted = 0.0  # TTFT the router predicted when it placed it
+        self.predicted = 0.0  # TTFT the router's queue rule predicted when it placed it (uncorrected)
 
 
 class _Worker:
@@ -180,8 +180,8 @@ class FluidCluster:
         self.offered = self.ended = self.good = self.rejected = self.failed = 0
         # The router's prefill correction (``StepPredictor``, one for the pool here, one a worker
         # there): each first token moves it a fifth of the way to observed / predicted TTFT,
-        # the prediction it made with it included. The router scales each job's compute by
-        # it, so the queue ahead too; here the whole prediction
+        # the prediction before the correction. The router scales each job's compute by it, so
+        # the queue ahead too; here the whole prediction
         self.ttft_factor, self._ttft_samples = 1.0, 0
         self._mean_out = 200.0  # the arrivals' mean output, drifting toward the workload's
         self.last_join = -math.inf  # the last worker that joined a pool after the start
@@ -357,7 +357,8 @@ class FluidCluster:
             return
         d = decoders[0][2]
         w, start, first = placed
-        predicted = self._predict(w, t, prompt) * self.ttft_factor
+        raw = self._predict(w, t, prompt)
+        predicted = raw * self.ttft_factor
         self._mean_out += 0.01 * (output - self._mean_out)
         if c.reject:
             b, ctx = batch[d.index]
@@ -370,7 +371,7 @@ class FluidCluster:
                 self._end(t, math.nan, math.nan, False)
                 return
         r = _Req(t, prompt, output, w, d)
-        r.predicted = predicted
+        r.predicted = raw
         d.held += 1
         if d.reserved + r.kv <= self.capacity and not d.waiting:
             d.reserved += r.kv

@@ -145,6 +145,27 @@ def test_online_correction_and_prediction_errors() -> None:
     assert len(pol.ledger) == 0
 
 
+@pytest.mark.parametrize("slow", [0.25, 4.0])
+def test_the_correction_converges_to_the_true_ratio(slow: float) -> None:
+    """Workers ``slow`` times their profile: after a few dozen requests the factors are
+    ``slow`` and the corrected predictions match what is observed (a factor learned against
+    its own corrected prediction settles at the square root of the ratio)."""
+    pol = policy(local=False)
+    n, m = 2048, 64  # ``req``'s; alone in its batch, decode's step is at the prompt + m / 2
+    step = H100_LLAMA3_8B.decode_time(1, n + m // 2)
+    for i in range(60):
+        d = pol.decide(req(f"r{i}"), P[:1], D[:1], now=float(i))
+        assert d.prefill_worker == "p0" and d.decode_worker == "d0"
+        # what the workers really take: ``slow`` times the profile (an idle worker: the TTFT
+        # predicted is its compute alone, scaled by the factor then in effect)
+        f_p = pol.model.factor("p0", Phase.PREFILL)
+        pol.on_first_token(f"r{i}", float(i), ttft_s=slow * d.predicted_ttft_s / f_p)
+        pol.on_end(f"r{i}", float(i), median_itl_s=slow * step)
+    assert pol.model.factor("p0", Phase.PREFILL) == pytest.approx(slow, rel=1e-3)
+    assert pol.model.factor("d0", Phase.DECODE) == pytest.approx(slow, rel=1e-3)
+    assert len(pol.ledger) == 0
+
+
 def test_ledger_forgets_a_lost_worker_and_ends_empty() -> None:
     pol = policy(local=False)
     placed = [pol.decide(req(f"r{i}"), P, D, now=0.0) for i in range(6)]
