@@ -89,7 +89,7 @@ class PoolAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=acc.window.workload(now, span),
+            load=acc.window.workload(now, span, q),
             requests=requests,
             attainment=attainment,
             ttft_s=ttft,

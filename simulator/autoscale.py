@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
-from pdserve.router.workload_window import Workload
+from pdserve.router.workload_window import Workload, prompt_quantile
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 
@@ -119,10 +119,11 @@ class SimAutoscaler:
             tpots.append(tpot)
             good += ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
         q = cfg.quantile
+        tail = prompt_quantile([sr.num_prompt_tokens for sr in arrived], q)
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached)),
+            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail),
             requests=len(ended),
             attainment=good / len(ended) if ended else math.nan,
             ttft_s=sorted(ttfts)[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else math.nan,

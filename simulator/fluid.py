@@ -185,7 +185,10 @@ class FluidCluster:
         self.ttft_factor, self._ttft_samples = 1.0, 0
         self._mean_out = 200.0  # the arrivals' mean output, drifting toward the workload's
         self.last_join = -math.inf  # the last worker that joined a pool after the start
-        self.arrival_log: deque[tuple[float, int, float, float]] = deque()  # (tick end, n, Σprompt, Σoutput)
+        # each tick's arrivals (tick end, Σoutput, their prompt lengths), for a planner's windows:
+        # kept only when one reads (and trims) it
+        self.log_arrivals = False
+        self.arrival_log: deque[tuple[float, float, np.ndarray]] = deque()
         for role, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for _ in range(n):
                 self.add_worker(role, ready_in_s=0.0)
@@ -565,7 +568,8 @@ class FluidCluster:
                 arrivals.t.tolist(), arrivals.prompt.tolist(), arrivals.output.tolist(), strict=True
             ):
                 arrive(t, p, o, decoders, batch)
-            self.arrival_log.append((t1, n, float(arrivals.prompt.sum()), float(arrivals.output.sum())))
+            if self.log_arrivals:
+                self.arrival_log.append((t1, float(arrivals.output.sum()), arrivals.prompt))
         for w in self.live:  # steps started by t1 are final: their first tokens are known
             if w.role is Role.PREFILL and w.members and w.open_start <= t1:
                 self._close(w)

@@ -124,6 +124,7 @@ class FluidAutoscaler:
         self.timeline = Timeline()
         self.ends: deque[Ended] = deque()
         self._checks = 0
+        cluster.log_arrivals = True
 
     def layout(self) -> Layout:
         return Layout(*self.cluster.counts())
@@ -133,14 +134,23 @@ class FluidAutoscaler:
         horizon = self.cluster.now - self.config.interval_s - 1.0
         while self.ends and (not len(self.ends[0].end) or self.ends[0].end.max() < horizon):
             self.ends.popleft()
+        log = self.cluster.arrival_log
+        while log and log[0][0] < horizon:
+            log.popleft()
 
     def observe(self, now: float, span: float) -> Observation:
         c, cfg = self.cluster, self.planner.config
-        n = prompt = output = 0.0
-        for t, k, p, o in reversed(c.arrival_log):
+        output, prompts = 0.0, []
+        for t, o, p in reversed(c.arrival_log):
             if t <= now - span + 1e-9:
                 break
-            n, prompt, output = n + k, prompt + p, output + o
+            output += o
+            prompts.append(p)
+        lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
+        n, prompt = len(lens), float(lens.sum())
+        # nearest rank, as ``prompt_quantile`` (without sorting a Python list of a window at scale)
+        k = min(n - 1, int(cfg.quantile * n))
+        tail = float(np.partition(lens, k)[k]) if n else 0.0
         # arrivals are logged by the tick: the rate is over the ticks the window holds
         tick = c.config.tick_s
         covered = math.ceil(span / tick - 1e-9) * tick
@@ -156,7 +166,7 @@ class FluidAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0),
+            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
             ttft_s=float(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]) if len(ttfts) else math.nan,

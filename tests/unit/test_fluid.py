@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from pdserve.bench.runner import build_workload
 from pdserve.bench.workload import RateCurve
-from pdserve.deploy.planner import Layout, moves
+from pdserve.deploy.planner import Layout, Planner, PlannerConfig, moves
+from pdserve.router.workload_window import prompt_quantile
+from pdserve.simulator.autoscale import AutoscaleConfig
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
-from pdserve.simulator.fluid_run import simulate_fluid, trace_arrivals, warp
+from pdserve.simulator.fluid_run import FluidAutoscaler, simulate_fluid, trace_arrivals, warp
 from pdserve.simulator.run import add_simulate_args, simulate, workload
 
 TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
@@ -139,6 +141,29 @@ def test_hostile_lengths_end_with_nothing_held() -> None:
     drive(c, arrivals(rows))
     assert c.offered == c.ended == len(rows)
     assert not any(c.request_state().values()), c.request_state()
+
+
+def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
+    """The fluid autoscaler's observation: the window's arrival rate, mean lengths and prompt
+    length at the planner's quantile (as the router's window gives them), and an arrival log
+    trimmed to what a window can read."""
+    model = load_sim_profile("h100-llama3-8b")
+    c = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
+    planner = Planner(model, PlannerConfig(0.25, 0.1))
+    scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
+    rows = [(0.05 * i, 100 * (i % 10 + 1), 20) for i in range(600)]  # 20 a second for 30 s
+    for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
+        if t1 > 30.0:
+            break
+        c.tick(t1, batch)
+        c.settle(1.0)
+        scaler.record(c.take_ended())
+    obs = scaler.observe(30.0, 10.0)
+    window = [p for t, p, _ in rows if 20.0 < t < 30.0 - 1e-9]
+    assert obs.load.rate == pytest.approx(20.0, rel=0.05)
+    assert obs.load.prompt_tokens == pytest.approx(np.mean(window), rel=0.02)
+    assert obs.load.prompt_tail_tokens == prompt_quantile(window, 0.9) == 1000.0
+    assert c.arrival_log[0][0] >= 30.0 - 10.0 - 1.0 - c.config.tick_s  # older ticks trimmed
 
 
 def test_a_full_kv_pool_fails_reservations_at_the_routers_deadline() -> None:

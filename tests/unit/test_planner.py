@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from pdserve.deploy.capacity import predict
+from pdserve.deploy.capacity import erlang_c, predict
 from pdserve.deploy.planner import Bounds, Layout, Observation, Planner, PlannerConfig, Reason
-from pdserve.router.workload_window import Workload
+from pdserve.router.workload_window import Workload, WorkloadWindow, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
 CONV = (1263.0, 209.0)  # mean prompt and output tokens of a conversation trace
@@ -36,6 +36,49 @@ def test_capacity_grows_with_workers_and_fails_past_saturation() -> None:
         Workload(math.nan, 1, 1)
     with pytest.raises(ValueError):
         predict(H100, load, 0, 1)
+
+
+def test_the_prefill_pool_queues_as_one() -> None:
+    """The router sends a prompt to the worker done first: one M/D/P queue, whose wait is far
+    shorter than P separate M/D/1 queues' at the same utilization (one worker: M/D/1)."""
+    assert erlang_c(1, 0.7) == pytest.approx(0.7) and erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(4, 0.0) == 0.0
+    chances = [erlang_c(c, 0.9 * c) for c in (1, 2, 8, 32, 64)]
+    assert all(0 < x < 1 for x in chances) and chances == sorted(chances, reverse=True)
+    s = H100.prefill_time(1263)
+    one = predict(H100, Workload(0.85 / s, *CONV), 1, 8)
+    pool = predict(H100, Workload(30 * 0.85 / s, *CONV), 30, 24)
+    assert pool.prefill_util == pytest.approx(one.prefill_util) == pytest.approx(0.85, rel=1e-3)
+    assert pool.ttft_s < 0.5 * one.ttft_s  # ≈ 40 ms against ≈ 240
+    assert predict(H100, Workload(30 / s, *CONV), 30, 24).ttft_s == math.inf
+
+
+def test_a_ttft_quantile_is_the_long_prompts_own_prefill_at_light_load() -> None:
+    light = Workload(1.0, *CONV, prompt_tail_tokens=3000.0)
+    p = predict(H100, light, 1, 1)
+    assert p.ttft_s == pytest.approx(H100.prefill_time(3000) + H100.transfer_time(3000), rel=0.01)
+    # utilization is the mean prompt's: the tail sets the quantile, not the load
+    assert p.prefill_util == pytest.approx(predict(H100, Workload(1.0, *CONV), 1, 1).prefill_util)
+    with pytest.raises(ValueError):
+        Workload(1.0, *CONV, prompt_tail_tokens=math.nan)
+
+
+def test_the_window_measures_rate_means_and_the_prompt_tail() -> None:
+    w = WorkloadWindow(horizon_s=60.0)
+    for i in range(100):  # ten each of 100, 200, ..., 1000 tokens, 10 a second
+        w.arrived(i * 0.1, 100 * (i % 10 + 1), 50)
+    for i in range(20):
+        w.ended(5.0 + i * 0.1, 400, 100, 30)
+    load = w.workload(9.95, 10.0, 0.9)
+    assert load.rate == pytest.approx(10.0) and load.prompt_tokens == pytest.approx(550.0)
+    assert load.prompt_tail_tokens == 1000.0 and load.output_tokens == 30.0
+    assert load.cached_share == pytest.approx(0.25)
+    assert w.workload(9.95, 10.0, 0.5).prompt_tail_tokens == 600.0
+    assert w.workload(500.0, 10.0) == Workload(0.0, 0.0, 0.0)  # nothing in it: zeros, no NaN
+    assert prompt_quantile([], 0.9) == 0.0
+    for bad in (0.0, 1.0, math.nan):
+        with pytest.raises(ValueError):
+            prompt_quantile([1], bad)
 
 
 def test_a_load_step_scales_up_at_once_then_down_after_several_intervals() -> None:
