@@ -12,10 +12,12 @@ warm-up the planner waits out.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
 from pdserve.router.workload_window import Workload, prompt_quantile
@@ -68,20 +70,105 @@ class Timeline:
         }
 
 
-class SimAutoscaler:
+R = TypeVar("R")
+
+
+class PlannerLoop(abc.ABC, Generic[R]):
+    """The planner in a simulated cluster (the event simulator's or the fluid model's): a look
+    every ``interval_s / checks`` — the interval's last decides, the others may only grow the
+    pools — recorded on the timeline, and a decision's layout reached as the live autoscaler
+    reaches it: workers switched between the pools first, then started or stopped, and never a
+    pool's last serving worker switched or stopped (a worker is started in its place).
+
+    ``R``: the cluster's role type; ``roles`` is its (prefill, decode)."""
+
+    roles: tuple[R, R]
+
+    def __init__(self, planner: Planner, config: AutoscaleConfig) -> None:
+        self.planner = planner
+        self.config = config
+        self.timeline = Timeline()
+        self._looks = 0
+
+    @abc.abstractmethod
+    def layout(self) -> Layout:
+        """Workers serving or on their way into each pool."""
+
+    @abc.abstractmethod
+    def observe(self, now: float, span: float) -> Observation:
+        """The window ``(now - span, now]`` as the router would measure it."""
+
+    @abc.abstractmethod
+    def serving(self, role: R) -> int:
+        """Workers of ``role``'s pool taking requests now."""
+
+    @abc.abstractmethod
+    def switch(self, src: R, dst: R) -> None:
+        """Drain ``src``'s idlest serving worker and move it into ``dst``."""
+
+    @abc.abstractmethod
+    def start(self, role: R) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self, role: R) -> None:
+        """Drain ``role``'s idlest serving worker and stop it."""
+
+    @abc.abstractmethod
+    def worker_seconds(self, until: float) -> float: ...
+
+    def look(self, now: float) -> None:
+        cfg = self.config
+        self._looks += 1
+        full = self._looks % cfg.checks == 0
+        if full:
+            obs = self.observe(now, cfg.interval_s)
+            self.timeline.windows.append((now, obs.attainment, obs.requests))
+            d = self.planner.decide(obs)
+        else:  # between decisions: a shorter window, up only
+            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
+        if full or d.changes:
+            self.timeline.decisions.append(d)
+        if d.changes:
+            self.apply(d.layout)
+        if full:
+            lay = self.layout()
+            self.timeline.layouts.append((now, lay.prefill, lay.decode))
+
+    def apply(self, target: Layout) -> None:
+        switched, grow = moves(self.layout(), target)
+        prefill, decode = self.roles
+        dst, src = (prefill, decode) if switched > 0 else (decode, prefill)
+        need = {prefill: grow[0], decode: grow[1]}
+        for _ in range(abs(switched)):
+            if self.serving(src) <= 1:  # the last worker of a pool stays: start one instead
+                need[dst] += 1
+                need[src] -= 1
+                continue
+            self.switch(src, dst)
+        for role, n in need.items():
+            for _ in range(n):
+                self.start(role)
+            for _ in range(-n):
+                if self.serving(role) > 1:
+                    self.stop(role)
+
+    def summary(self, until: float) -> dict[str, object]:
+        return self.timeline.summary(self.config.interval_s, self.worker_seconds(until))
+
+
+class SimAutoscaler(PlannerLoop[WorkerRole]):
+    roles = (WorkerRole.PREFILL, WorkerRole.DECODE)
+
     def __init__(
         self, cluster: Cluster, planner: Planner, config: AutoscaleConfig, submitted: list[SimRequest]
     ) -> None:
+        super().__init__(planner, config)
         self.cluster = cluster
-        self.planner = planner
-        self.config = config
         self.submitted = sorted(submitted, key=lambda sr: sr.arrival)
         self.arrivals = [sr.arrival for sr in self.submitted]
         self.last_arrival = self.arrivals[-1] if submitted else 0.0
         self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
         self.last_join = -math.inf  # the window after a join still holds the backlog it was for
-        self.timeline = Timeline()
-        self._ticks = 0
         cluster.clock.at(config.interval_s / config.checks, self.tick)
 
     # -- measuring -------------------------------------------------------------------------------
@@ -92,8 +179,7 @@ class SimAutoscaler:
             len(c.prefillers) + extra[WorkerRole.PREFILL], len(c.decoders) + extra[WorkerRole.DECODE]
         )
 
-    def observe(self, now: float, span: float | None = None) -> Observation:
-        span = self.config.interval_s if span is None else span
+    def observe(self, now: float, span: float) -> Observation:
         c, cfg = self.cluster, self.planner.config
         # both lists are in time order: each window is a slice (a look is not a pass over the run)
         # every arrival, refused ones too, as the router counts them (``Router.admit``): the
@@ -133,51 +219,25 @@ class SimAutoscaler:
 
     # -- acting ----------------------------------------------------------------------------------
     def tick(self) -> None:
-        c, cfg = self.cluster, self.config
+        c = self.cluster
         now = c.clock.now
-        self._ticks += 1
-        full = self._ticks % cfg.checks == 0
-        if full:
-            obs = self.observe(now)
-            self.timeline.windows.append((now, obs.attainment, obs.requests))
-            d = self.planner.decide(obs)
-        else:  # between decisions: a shorter window, up only
-            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
-        if full or d.changes:
-            self.timeline.decisions.append(d)
-        if d.changes:
-            self.apply(d.layout)
-        if full:
-            lay = self.layout()
-            self.timeline.layouts.append((now, lay.prefill, lay.decode))
+        self.look(now)
         if now < self.last_arrival or c.requests:
-            c.clock.at(now + cfg.interval_s / cfg.checks, self.tick)
+            c.clock.at(now + self.config.interval_s / self.config.checks, self.tick)
 
-    def apply(self, target: Layout) -> None:
-        switched, grow = moves(self.layout(), target)
-        src, dst = (
-            (WorkerRole.DECODE, WorkerRole.PREFILL)
-            if switched > 0
-            else (WorkerRole.PREFILL, WorkerRole.DECODE)
-        )
-        need = dict(zip((WorkerRole.PREFILL, WorkerRole.DECODE), grow, strict=True))
-        for _ in range(abs(switched)):
-            if len(self.cluster.pool(src)) <= 1:  # the last worker of a pool stays: start one instead
-                need[dst] += 1
-                need[src] -= 1
-                continue
-            self._switch(self._idlest(src), dst)
-        for role, n in need.items():
-            for _ in range(n):
-                self._start(role)
-            for _ in range(-n):
-                if len(self.cluster.pool(role)) > 1:
-                    self.cluster.retire(self._idlest(role))
+    def serving(self, role: WorkerRole) -> int:
+        return len(self.cluster.pool(role))
 
     def _idlest(self, role: WorkerRole) -> SimWorker:
         return min(self.cluster.pool(role), key=lambda w: (sum(w.engine.counts()), w.wid))
 
-    def _start(self, role: WorkerRole) -> None:
+    def stop(self, role: WorkerRole) -> None:
+        self.cluster.retire(self._idlest(role))
+
+    def worker_seconds(self, until: float) -> float:
+        return self.cluster.worker_seconds(until)
+
+    def start(self, role: WorkerRole) -> None:
         w = self.cluster.add_worker(role, ready_in_s=self.config.start_s)
         self.starting[w.wid] = role
         self.cluster.clock.at(self.cluster.clock.now + self.config.start_s, lambda: self._started(w.wid))
@@ -187,9 +247,7 @@ class SimAutoscaler:
         self.starting.pop(wid, None)
         self.last_join = self.cluster.clock.now
 
-    def _switch(self, w: SimWorker, role: WorkerRole) -> None:
-        self.starting[w.wid] = role
-        self.cluster.switch(w, role, self.config.switch_s, on_join=lambda: self._started(w.wid))
-
-    def summary(self, until: float) -> dict[str, object]:
-        return self.timeline.summary(self.config.interval_s, self.cluster.worker_seconds(until))
+    def switch(self, src: WorkerRole, dst: WorkerRole) -> None:
+        w = self._idlest(src)
+        self.starting[w.wid] = dst
+        self.cluster.switch(w, dst, self.config.switch_s, on_join=lambda: self._started(w.wid))

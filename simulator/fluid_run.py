@@ -23,10 +23,10 @@ import numpy as np
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
-from pdserve.deploy.planner import Decision, Layout, Observation, Planner, PlannerConfig, moves
+from pdserve.deploy.planner import Layout, Observation, Planner, PlannerConfig
 from pdserve.flags import planner_bounds
 from pdserve.router.workload_window import Workload
-from pdserve.simulator.autoscale import AutoscaleConfig, Timeline
+from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
 
@@ -114,16 +114,15 @@ def arrivals_of(
     return iter([a]), len(specs)
 
 
-class FluidAutoscaler:
+class FluidAutoscaler(PlannerLoop[Role]):
     """The planner on the fluid model: ``SimAutoscaler``'s measures and moves."""
 
+    roles = (Role.PREFILL, Role.DECODE)
+
     def __init__(self, cluster: FluidCluster, planner: Planner, config: AutoscaleConfig) -> None:
+        super().__init__(planner, config)
         self.cluster = cluster
-        self.planner = planner
-        self.config = config
-        self.timeline = Timeline()
         self.ends: deque[Ended] = deque()
-        self._checks = 0
         cluster.log_arrivals = True
 
     def layout(self) -> Layout:
@@ -174,46 +173,20 @@ class FluidAutoscaler:
             warming=c.starting() or now - c.last_join < self.config.warmup,
         )
 
-    def check(self, now: float) -> None:
-        """One look (called every ``interval_s / checks``)."""
-        cfg = self.config
-        self._checks += 1
-        full = self._checks % cfg.checks == 0
-        if full:
-            obs = self.observe(now, cfg.interval_s)
-            self.timeline.windows.append((now, obs.attainment, obs.requests))
-            d = self.planner.decide(obs)
-        else:
-            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
-        if full or d.changes:
-            self.timeline.decisions.append(d)
-        if d.changes:
-            self.apply(d)
-        if full:
-            lay = self.layout()
-            self.timeline.layouts.append((now, lay.prefill, lay.decode))
+    def serving(self, role: Role) -> int:
+        return len(self.cluster.pool(role))
 
-    def apply(self, d: Decision) -> None:
-        c = self.cluster
-        switched, grow = moves(self.layout(), d.layout)
-        pools = (Role.PREFILL, Role.DECODE)
-        dst, src = pools if switched > 0 else pools[::-1]
-        need = dict(zip(pools, grow, strict=True))
-        for _ in range(abs(switched)):
-            if len(c.pool(src)) <= 1:  # the last worker of a pool stays: start one instead
-                need[dst] += 1
-                need[src] -= 1
-                continue
-            c.retire(c.idlest(src), switch_to=dst)
-        for role, n in need.items():
-            for _ in range(n):
-                c.add_worker(role, ready_in_s=self.config.start_s)
-            for _ in range(-n):
-                if len(c.pool(role)) > 1:
-                    c.retire(c.idlest(role))
+    def switch(self, src: Role, dst: Role) -> None:
+        self.cluster.retire(self.cluster.idlest(src), switch_to=dst)
 
-    def summary(self, until: float) -> dict[str, object]:
-        return self.timeline.summary(self.config.interval_s, self.cluster.worker_seconds(until))
+    def start(self, role: Role) -> None:
+        self.cluster.add_worker(role, ready_in_s=self.config.start_s)
+
+    def stop(self, role: Role) -> None:
+        self.cluster.retire(self.cluster.idlest(role))
+
+    def worker_seconds(self, until: float) -> float:
+        return self.cluster.worker_seconds(until)
 
 
 def simulate_fluid(
@@ -282,7 +255,7 @@ def simulate_fluid(
         if t1 >= next_look - 1e-9:
             next_look += look
             if scaler is not None and (more or cluster.busy):
-                scaler.check(t1)
+                scaler.look(t1)
         if progress and time.perf_counter() - last_print > 10:
             last_print = time.perf_counter()
             p, d = cluster.counts()
