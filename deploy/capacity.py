@@ -14,7 +14,8 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   (for one worker ``C = ρ``: the M/D/1 formula). TTFT at ``q`` is that wait plus the prefill
   and KV hand-off of the prompt at ``q`` (``Workload.prompt_tail_tokens``; the mean when not
   measured): prompt lengths are skewed, and at light load a TTFT quantile is the long prompts'
-  own prefill (the sum of the two quantiles bounds the quantile of the sum from above);
+  own prefill (the sum of the two quantiles stands in for the quantile of the sum: close under
+  these distributions, not a bound);
 - **decode**: by Little's law each decode worker holds ``B = (λ / D) · output · TPOT(B)``
   requests, and ``TPOT(B)`` is the step time of a batch of ``B`` at the mean context
   (``prompt + output / 2``); the fixed point is found by bisection, and there is none when the

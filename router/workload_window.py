@@ -80,8 +80,8 @@ class WorkloadWindow:
 
 
 def prompt_quantile(prompts: Sequence[float], quantile: float) -> float:
-    """The prompt length at ``quantile`` of ``prompts`` (nearest rank, as the planner reads
-    its TTFT quantile); 0.0 for none."""
+    """The prompt length at ``quantile`` of ``prompts`` (the sorted list's ``int(quantile·n)``-th,
+    the index the planner's measured TTFT quantile is read at); 0.0 for none."""
     if not 0 < quantile < 1:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     if not prompts:

@@ -78,7 +78,8 @@ class PlannerLoop(abc.ABC, Generic[R]):
     every ``interval_s / checks`` — the interval's last decides, the others may only grow the
     pools — recorded on the timeline, and a decision's layout reached as the live autoscaler
     reaches it: workers switched between the pools first, then started or stopped, and never a
-    pool's last serving worker switched or stopped (a worker is started in its place).
+    pool's last serving worker switched (a worker is started in the other pool instead) or
+    stopped.
 
     ``R``: the cluster's role type; ``roles`` is its (prefill, decode)."""
 

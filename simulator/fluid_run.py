@@ -147,7 +147,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
             prompts.append(p)
         lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
         n, prompt = len(lens), float(lens.sum())
-        # nearest rank, as ``prompt_quantile`` (without sorting a Python list of a window at scale)
+        # ``prompt_quantile``'s index, without sorting a Python list of a window at scale
         k = min(n - 1, int(cfg.quantile * n))
         tail = float(np.partition(lens, k)[k]) if n else 0.0
         # arrivals are logged by the tick: the rate is over the ticks the window holds
