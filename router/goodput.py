@@ -131,14 +131,18 @@ class GoodputPolicy:
         for w in (*prefill, *decode):
             self.prefix.set_capacity(w.worker_id, w.kv_total)
         remote = self._prefill_candidates(request, prefill, now)
+        pick = _best_prefill(remote, ttft_slo)
         best: _Option | None = None
         for d in decode:
             batch = self.ledger.batch(d.worker_id)
             # What a remote prefill does to d does not depend on the prefill worker: once per d.
             steps = self._tpot_on(d.worker_id, batch, request, now, 0.0)
             room = self._room_wait(d, batch, steps[1])
-            opts = [self._remote(request, d, batch, steps, room, p, ttft, comp, cached, ttft_slo, tpot_slo)
-                    for p, ttft, comp, cached in remote]  # fmt: skip
+            opts = (
+                []
+                if pick is None
+                else [self._remote(request, d, batch, steps, room, *pick, ttft_slo, tpot_slo)]
+            )
             if not prefill or (
                 self.config.local_prefill and (tpot_slo < math.inf or batch.tightest_slo() < math.inf)
             ):
@@ -355,6 +359,23 @@ class GoodputPolicy:
 def _mean_context(request: RouteRequest) -> int:
     """The request's context over its decode, on average: the prompt and half the output."""
     return request.prompt_tokens + request.max_tokens // 2
+
+
+def _best_prefill(
+    remote: list[tuple[str, float, float, int]], ttft_slo: float
+) -> tuple[str, float, float, int] | None:
+    """The prefill candidate every decode worker pairs best with. Paired with one d, options
+    differ only in the prefill's TTFT and cached tokens (d's parts are the same for all), and
+    ``_Option.key`` ranks them by TTFT (it alone moves the gain, both risks and the cost), then
+    cached tokens; without a TTFT target, TTFT is in no risk and the gain: cached tokens first,
+    then TTFT (the cost). So one candidate is best for every d, and each d is priced with it
+    alone (at 64 workers pricing every pair was most of the router's time a request). Ties go
+    to the first, as the scan over every pair kept them."""
+    if not remote:
+        return None
+    if math.isfinite(ttft_slo):
+        return min(remote, key=lambda r: (r[1], -r[3]))
+    return min(remote, key=lambda r: (-r[3], r[1]))
 
 
 def _risk(*pairs: tuple[float, float]) -> tuple[float, float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.goodput import GoodputConfig, GoodputPolicy
@@ -147,20 +149,24 @@ def test_online_correction_and_prediction_errors() -> None:
 
 @pytest.mark.parametrize("slow", [0.25, 4.0])
 def test_the_correction_converges_to_the_true_ratio(slow: float) -> None:
-    """Workers ``slow`` times their profile: after a few dozen requests the factors are
-    ``slow`` and the corrected predictions match what is observed (a factor learned against
-    its own corrected prediction settles at the square root of the ratio)."""
+    """Workers at their profile's speed for ten requests, then ``slow`` times it: a few dozen
+    requests later the factors are ``slow`` (the moving average, not the first sample's
+    replacement, gets there) and the corrected predictions match what is observed (a factor
+    learned against its own corrected prediction settles at the square root of the ratio)."""
     pol = policy(local=False)
     n, m = 2048, 64  # ``req``'s; alone in its batch, decode's step is at the prompt + m / 2
     step = H100_LLAMA3_8B.decode_time(1, n + m // 2)
-    for i in range(60):
+    for i in range(70):
+        if i == 10:
+            assert pol.model.factor("p0", Phase.PREFILL) == pytest.approx(1.0)
+        speed = 1.0 if i < 10 else slow
         d = pol.decide(req(f"r{i}"), P[:1], D[:1], now=float(i))
         assert d.prefill_worker == "p0" and d.decode_worker == "d0"
         # what the workers really take: ``slow`` times the profile (an idle worker: the TTFT
         # predicted is its compute alone, scaled by the factor then in effect)
         f_p = pol.model.factor("p0", Phase.PREFILL)
-        pol.on_first_token(f"r{i}", float(i), ttft_s=slow * d.predicted_ttft_s / f_p)
-        pol.on_end(f"r{i}", float(i), median_itl_s=slow * step)
+        pol.on_first_token(f"r{i}", float(i), ttft_s=speed * d.predicted_ttft_s / f_p)
+        pol.on_end(f"r{i}", float(i), median_itl_s=speed * step)
     assert pol.model.factor("p0", Phase.PREFILL) == pytest.approx(slow, rel=1e-3)
     assert pol.model.factor("d0", Phase.DECODE) == pytest.approx(slow, rel=1e-3)
     assert len(pol.ledger) == 0
@@ -222,3 +228,67 @@ def test_without_targets_prompts_go_to_prefill_workers(n: int) -> None:
     # With no prefill worker left, decode workers prefill themselves.
     d = pol.decide(req("alone", n=n, slo=none), [], D, now=0.0)
     assert d.prefill_worker is None
+
+
+def every_option(
+    pol: GoodputPolicy, request: RouteRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad], now: float
+) -> dict[tuple[str | None, str], tuple[float, ...]]:
+    """The key of every (prefill, decode) pair and local option (prefill None), as ``decide``
+    ranks them, by pricing each."""
+    slo = request.slo or SloClass("default")
+    ttft_slo = slo.ttft_ms / 1000 if slo.ttft_ms else math.inf
+    tpot_slo = slo.tpot_ms / 1000 if slo.tpot_ms else math.inf
+    for w in (*prefill, *decode):
+        pol.prefix.set_capacity(w.worker_id, w.kv_total)
+    remote = pol._prefill_candidates(request, prefill, now)
+    keys: dict[tuple[str | None, str], tuple[float, ...]] = {}
+    for d in decode:
+        batch = pol.ledger.batch(d.worker_id)
+        steps = pol._tpot_on(d.worker_id, batch, request, now, 0.0)
+        room = pol._room_wait(d, batch, steps[1])
+        for r in remote:
+            keys[(r[0], d.worker_id)] = pol._remote(
+                request, d, batch, steps, room, *r, ttft_slo, tpot_slo
+            ).key()
+        if not prefill or (
+            pol.config.local_prefill and (tpot_slo < math.inf or batch.tightest_slo() < math.inf)
+        ):
+            keys[(None, d.worker_id)] = pol._local(request, d, batch, now, ttft_slo, tpot_slo).key()
+    return keys
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    queues=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    batches=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    prompt=st.integers(16, 6000),
+    output=st.integers(1, 800),
+    ttft=st.sampled_from([0, 100, 250, 2000]),
+    tpot=st.sampled_from([0, 20, 100]),
+    local=st.booleans(),
+    shared=st.booleans(),
+)
+def test_pricing_each_decode_worker_with_one_prefill_keeps_the_best_option(
+    queues: list[int], batches: list[int], prompt: int, output: int, ttft: int, tpot: int, local: bool,
+    shared: bool,
+) -> None:  # fmt: skip
+    """``decide`` prices every decode worker with the one prefill candidate that is best for
+    all of them: the option it takes ranks with the best of every pair (equal keys aside)."""
+    pol = GoodputPolicy(StepPredictor(H100_LLAMA3_8B), GoodputConfig(BS, local_prefill=local,
+                                                                     prefill_step_tokens=8192))  # fmt: skip
+    pre = [load(f"p{i}", WorkerRole.PREFILL) for i in range(len(queues))]
+    dec = [load(f"d{i}", WorkerRole.DECODE) for i in range(len(batches))]
+    for i, count in enumerate(queues):
+        fill_prefill(pol, f"p{i}", count, tokens=1000 + 500 * i)
+    tokens = list(range(prompt))
+    n = 0
+    for i, size in enumerate(batches):  # decode batches of different sizes; a prefix cached somewhere
+        for _ in range(size):
+            old = req(f"old{n}", n=prompt, m=300, prompt=tokens if shared else None)
+            pol.decide(old, pre, dec[i : i + 1], now=0.0)
+            n += 1
+    slo = SloClass("c", ttft_ms=ttft, tpot_ms=tpot)
+    r = req("new", n=prompt, m=output, slo=slo, prompt=tokens if shared else None)
+    keys = every_option(pol, r, pre, dec, now=0.5)
+    d = pol.decide(r, pre, dec, now=0.5)
+    assert keys[(d.prefill_worker, d.decode_worker)] == max(keys.values())
