@@ -220,16 +220,16 @@ class GoodputPolicy:
         # share d); what it adds to those steps is time no decode token comes out.
         sharers = max(1, batch.size)
         avg_ctx = batch.context // batch.size if batch.size else request.prompt_tokens
-        decodes = [(1, max(1, avg_ctx))] * sharers
+        decode_context = sharers * max(1, avg_ctx)  # each at the batch's mean context
         # The prompt goes in ``k`` chunks of what the step budget leaves beside the decodes; each
         # is charged as a chunk at the prompt's middle (its attention grows along the prompt).
         new = n - cached
         room = self.config.local_step_tokens - sharers if self.config.local_step_tokens else new
         k = math.ceil(new / max(1, room))
         chunk = math.ceil(new / k)
-        one = self.model.step_s(did, [(chunk, cached + (new - chunk) // 2), *decodes], Phase.PREFILL)
+        one = self.model.mixed_s(did, [(chunk, cached + (new - chunk) // 2)], sharers, decode_context)
         with_chunk = k * one
-        extra = k * max(0.0, one - self.model.step_s(did, decodes, Phase.PREFILL))
+        extra = k * max(0.0, one - self.model.mixed_s(did, [], sharers, decode_context))
         step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
         ttft = self.ledger.prefill_queue(did).wait_s(now) + self._room_wait(d, batch, eff_now) + with_chunk
         tpot = eff if m > 1 else 0.0

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.model import Chunks, StepTimeModel
 
 
 class Phase(enum.Enum):
@@ -79,6 +79,13 @@ class StepPredictor:
     def step_s(self, worker: str, chunks: Iterable[tuple[int, int]], phase: Phase = Phase.DECODE) -> float:
         """One forward pass on ``worker`` over ``(new tokens, cached tokens)`` chunks."""
         return self.profile.step_time(chunks) * self.factor(worker, phase)
+
+    def mixed_s(
+        self, worker: str, chunks: Chunks, decodes: int, decode_context: int, phase: Phase = Phase.PREFILL
+    ) -> float:
+        """A pass over ``chunks`` beside ``decodes`` decode tokens whose contexts sum to
+        ``decode_context`` (the profile's ``mixed_time``), on ``worker``."""
+        return self.profile.mixed_time(chunks, decodes, decode_context) * self.factor(worker, phase)
 
     def prefill_s(self, worker: str, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.step_s(worker, [(max(1, new_tokens), cached_tokens)], Phase.PREFILL)

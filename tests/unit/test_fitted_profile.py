@@ -214,3 +214,28 @@ def test_a_calibrated_profile_is_for_the_simulator_only(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="service factors"):
         load_sim_profile(str(path))
+
+
+MODELS: list[StepTimeModel] = [
+    H100_LLAMA3_8B,
+    TRUE,
+    Dilated(H100_LLAMA3_8B, 4.0),
+    Calibrated(TRUE, HostCalibration(step_overhead_s=0.002, prefill_x=1.3, decode_x=0.8, decode_s=0.001)),
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "chunks, decodes, context",
+    [([], 0, 0), ([], 1, 1), ([], 200, 200 * 1500), ([(512, 0)], 0, 0), ([(700, 300)], 150, 150 * 900),
+     ([(1, 40), (2048, 0)], 7, 7 * 3), ([(1, 99)], 64, 64 * 2048)],
+)  # fmt: skip
+def test_mixed_time_is_the_step_with_a_chunk_per_decode(
+    model: StepTimeModel, chunks: list[tuple[int, int]], decodes: int, context: int
+) -> None:
+    """``mixed_time`` prices ``decodes`` decode tokens at contexts summing to ``context`` as
+    ``step_time`` prices a chunk each (here each at the mean context)."""
+    each = [(1, context // decodes)] * decodes if decodes else []
+    assert model.mixed_time(chunks, decodes, context) == pytest.approx(
+        model.step_time(chunks + each), rel=1e-12
+    )
