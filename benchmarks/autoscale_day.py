@@ -4,6 +4,7 @@ simulator on the workload of ``benchmarks/autoscale.py``, where both can run.
 
     .venv/bin/python -m benchmarks.autoscale_day                # about 45 minutes on 2 cores
     .venv/bin/python -m benchmarks.autoscale_day --check-only   # the model check (about 8 minutes)
+    .venv/bin/python -m benchmarks.autoscale_day --oracle-only  # hindsight layouts (about 20 s)
 
 Day workload: the Azure conversation trace's requests and arrival pattern, its mean rate along a
 diurnal curve — ``--rate`` req/s at 04:00, rising as a cosine to ``--swing`` × that at 16:00
@@ -72,20 +73,49 @@ def at_boundaries(layouts: list[Any], interval: float, until: float) -> list[tup
     return out
 
 
+SMALL = ["--trace", str(TRACE), "--request-rate", "20", "--rate-curve", "0:1,200:1,210:4,450:4,460:1",
+         "--duration", "900", *SLO, *ROUTING]  # fmt: skip
+
+
+def oracle(interval: float = 30.0, static: tuple[int, int] = (2, 2)) -> dict[str, Any]:
+    """On ``benchmarks/autoscale.py``'s workload: each static layout up to 5P+3D replayed with the
+    planner's windows (its bounds pinned), then per window the fewest workers whose layout met
+    90 % there (a window with nothing ended asks nothing) — the layouts a planner moving
+    instantly with hindsight would hold, and their GPU-seconds against ``static``'s."""
+    windows: dict[tuple[int, int], list[Any]] = {}
+    for p in range(1, 6):
+        for d in range(1, 4):
+            pin = [
+                "--min-prefill",
+                str(p),
+                "--max-prefill",
+                str(p),
+                "--min-decode",
+                str(d),
+                "--max-decode",
+                str(d),
+            ]
+            m = fluid([*SMALL, "--prefill", str(p), "--decode", str(d), "--autoscale", *pin])
+            windows[(p, d)] = m["autoscale"]["attainment_by_interval"]
+    held, seconds, good, ended = [], 0.0, 0.0, 0
+    for i in range(min(len(w) for w in windows.values())):
+        ok = [(p + d, p, d) for (p, d), w in windows.items() if not w[i][1] < 0.9]
+        _, p, d = min(ok) if ok else max((p + d, p, d) for p, d in windows)
+        held.append(f"{p}P+{d}D")
+        seconds += (p + d) * interval
+        _, att, n = windows[(p, d)][i]
+        if n:
+            good, ended = good + att * n, ended + n
+    return {
+        "oracle_layouts": held,
+        "oracle_attainment": round(good / ended, 4),
+        "oracle_worker_seconds_ratio": round(seconds / (sum(static) * interval * len(held)), 3),
+    }
+
+
 def check(args: argparse.Namespace) -> dict[str, Any]:
     """The fluid model against the event simulator on ``benchmarks/autoscale.py``'s workload."""
-    base = [
-        "--trace",
-        str(TRACE),
-        "--request-rate",
-        "20",
-        "--rate-curve",
-        "0:1,200:1,210:4,450:4,460:1",
-        "--duration",
-        "900",
-        *SLO,
-        *ROUTING,
-    ]
+    base = SMALL
     out: dict[str, Any] = {"check_workload": "benchmarks/autoscale.py's: 20 req/s, 4x step 210-450 s, 900 s"}
     statics = []
     for p, d in ((1, 1), (2, 1), (2, 2), (3, 2)):
@@ -145,6 +175,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         f"agreement {out['fluid_event_agreement']:.2f}",
         flush=True,
     )
+    out.update(oracle())
+    print(f"check hindsight layouts: {out['oracle_worker_seconds_ratio']:.3f}x the static 2P+2D", flush=True)
     return out
 
 
@@ -263,12 +295,17 @@ def main() -> int:
     ap.add_argument("--max-decode", type=int, default=24)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument(
+        "--oracle-only", action="store_true", help="only the hindsight layouts of the check's workload"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     result: dict[str, Any] = {"slo": "ttft:250 tpot:100 at 90 %", "routing": "goodput, admission reject"}
-    if not args.skip_check:
+    if args.oracle_only:
+        result.update(oracle())
+    elif not args.skip_check:
         result.update(check(args))
-    if not args.check_only:
+    if not (args.check_only or args.oracle_only):
         result.update(day(args))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     emit(result)
