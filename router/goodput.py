@@ -94,16 +94,16 @@ class _Option:
 
 @dataclass
 class _Placed:
-    """A placed request's predictions, and the correction factors they carried: the factors
-    learn from observed / *uncorrected* predicted (against the corrected prediction a factor
-    settles at the square root of the true ratio)."""
+    """A placed request's predictions, and the prefill correction factor its TTFT carried: the
+    prefill factor learns from observed / *uncorrected* predicted (against the corrected
+    prediction a factor settles at the square root of the true ratio; decode keeps that damped
+    rule on purpose, see ``on_end``)."""
 
     prefill_key: str  # the worker that prefills (p, or d itself)
     decode: str
     ttft: float
     step: float
     prefill_factor: float
-    decode_factor: float
 
 
 class GoodputPolicy:
@@ -311,10 +311,7 @@ class GoodputPolicy:
         if o.prefill is None:
             self.ledger.batch(o.decode).add_local_prefill(now, o.extra)
         self.prefix.record(pkey, request.block_keys)
-        factor = self.model.factor
-        self._placed[rid] = _Placed(
-            pkey, o.decode, o.ttft, o.step, factor(pkey, Phase.PREFILL), factor(o.decode, Phase.DECODE)
-        )
+        self._placed[rid] = _Placed(pkey, o.decode, o.ttft, o.step, self.model.factor(pkey, Phase.PREFILL))
 
     # -- feedback ------------------------------------------------------------------------------
     def on_report(self, load: WorkerLoad) -> None:
@@ -346,7 +343,12 @@ class GoodputPolicy:
         placed = self._placed.pop(request_id, None)
         if placed is None or median_itl_s is None or placed.step <= 0:
             return
-        self.model.observe(placed.decode, Phase.DECODE, median_itl_s, placed.step / placed.decode_factor)
+        # Against the corrected prediction, which damps the update (it settles at the square root
+        # of observed / profile): a request's gaps run over the batches after it joined, which in a
+        # pool short of decode keep growing, and learning that whole ratio as the worker's speed
+        # collapses admission there (a 4x step on 2P+1D, simulated: 0.27 of requests met against
+        # 0.71; the batch it ended in as well: 0.55). A slow decode worker is still learned slow.
+        self.model.observe(placed.decode, Phase.DECODE, median_itl_s, placed.step)
         if self.on_error is not None:
             self.on_error("tpot", median_itl_s / placed.step)
 
