@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.steptime.model import Chunks, StepTimeModel
+from pdserve.steptime.model import StepTimeModel
 
 
 class Phase(enum.Enum):
@@ -81,7 +81,12 @@ class StepPredictor:
         return self.profile.step_time(chunks) * self.factor(worker, phase)
 
     def mixed_s(
-        self, worker: str, chunks: Chunks, decodes: int, decode_context: int, phase: Phase = Phase.PREFILL
+        self,
+        worker: str,
+        chunks: Iterable[tuple[int, int]],
+        decodes: int,
+        decode_context: int,
+        phase: Phase = Phase.PREFILL,
     ) -> float:
         """A pass over ``chunks`` beside ``decodes`` decode tokens whose contexts sum to
         ``decode_context`` (the profile's ``mixed_time``), on ``worker``."""

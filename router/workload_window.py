@@ -79,15 +79,19 @@ class WorkloadWindow:
         return Workload(len(arrivals) / span_s, prompt, output, min(1.0, cached), tail)
 
 
+def rank(n: int, quantile: float) -> int:
+    """Where the ``quantile`` of ``n`` sorted values is read (the prompt tail and the measured
+    TTFT quantile alike): the ``int(quantile·n)``-th, the last at most."""
+    return min(n - 1, int(quantile * n))
+
+
 def prompt_quantile(prompts: Sequence[float], quantile: float) -> float:
-    """The prompt length at ``quantile`` of ``prompts`` (the sorted list's ``int(quantile·n)``-th,
-    the index the planner's measured TTFT quantile is read at); 0.0 for none."""
+    """The prompt length at ``quantile`` of ``prompts`` (at ``rank``); 0.0 for none."""
     if not 0 < quantile < 1:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     if not prompts:
         return 0.0
-    ordered = sorted(prompts)
-    return float(ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
+    return float(sorted(prompts)[rank(len(prompts), quantile)])
 
 
 def _since(rows: list[tuple[float, ...]], lo: float, hi: float) -> list[tuple[float, ...]]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
-from pdserve.router.workload_window import Workload, prompt_quantile
+from pdserve.router.workload_window import Workload, prompt_quantile, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 
@@ -213,7 +213,7 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail),
             requests=len(ended),
             attainment=good / len(ended) if ended else math.nan,
-            ttft_s=sorted(ttfts)[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else math.nan,
+            ttft_s=sorted(ttfts)[rank(len(ttfts), q)] if ttfts else math.nan,
             tpot_s=statistics.median(tpots) if tpots else math.nan,
             warming=bool(self.starting) or now - self.last_join < self.config.warmup,
         )

@@ -41,7 +41,7 @@ from typing import Any
 from pdserve.simulator.jitter import quantile_grid_checked
 from pdserve.steptime.dilation import Dilated
 from pdserve.steptime.load import KINDS, Parser, build_fields, load_profile, parse_profile
-from pdserve.steptime.model import Chunks, StepTimeModel, Wrapper, has_prefill
+from pdserve.steptime.model import StepTimeModel, Wrapper, has_prefill
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,9 @@ class Calibrated(Wrapper):
         return f"{self.base.name}+service"
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
-        return self.mixed_time(list(chunks), 0, 0)
+        return self.mixed_time(chunks, 0, 0)
 
-    def mixed_time(self, chunks: Chunks, decodes: int, decode_context: int) -> float:
+    def mixed_time(self, chunks: Iterable[tuple[int, int]], decodes: int, decode_context: int) -> float:
         cs = list(chunks)
         engine = self.base.mixed_time(cs, decodes, decode_context)
         if not (cs or decodes) or engine <= 0:

@@ -25,7 +25,7 @@ from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
 from pdserve.deploy.planner import Layout, Observation, Planner, PlannerConfig
 from pdserve.flags import planner_bounds
-from pdserve.router.workload_window import Workload
+from pdserve.router.workload_window import Workload, rank
 from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
@@ -147,8 +147,8 @@ class FluidAutoscaler(PlannerLoop[Role]):
             prompts.append(p)
         lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
         n, prompt = len(lens), float(lens.sum())
-        # ``prompt_quantile``'s index, without sorting a Python list of a window at scale
-        k = min(n - 1, int(cfg.quantile * n))
+        # ``prompt_quantile`` without sorting a Python list of a window at scale
+        k = rank(n, cfg.quantile)
         tail = float(np.partition(lens, k)[k]) if n else 0.0
         # arrivals are logged by the tick: the rate is over the ticks the window holds
         tick = c.config.tick_s
@@ -168,7 +168,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
             load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
-            ttft_s=float(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]) if len(ttfts) else math.nan,
+            ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,
             tpot_s=float(np.median(tpots)) if len(tpots) else math.nan,
             warming=c.starting() or now - c.last_join < self.config.warmup,
         )

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.steptime.model import Chunks, StepTimeModel, Wrapper
+from pdserve.steptime.model import StepTimeModel, Wrapper
 
 _SUFFIX = re.compile(r"^(?P<base>.+)@x(?P<factor>\d+(?:\.\d+)?)$")
 
@@ -47,7 +47,7 @@ class Dilated(Wrapper):
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         return self.factor * self.base.step_time(chunks)
 
-    def mixed_time(self, chunks: Chunks, decodes: int, decode_context: int) -> float:
+    def mixed_time(self, chunks: Iterable[tuple[int, int]], decodes: int, decode_context: int) -> float:
         return self.factor * self.base.mixed_time(chunks, decodes, decode_context)
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:

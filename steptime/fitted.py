@@ -144,11 +144,12 @@ class FittedProfile:
         return (self.decode_base_s, self.decode_per_context_s, self.decode_per_seq_s)
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
-        return self.mixed_time(list(chunks), 0, 0)
+        return self.mixed_time(chunks, 0, 0)
 
-    def mixed_time(self, chunks: Chunks, decodes: int, decode_context: int) -> float:
-        p = prefill_features(chunks)
-        _, ctx, b = decode_features(chunks)
+    def mixed_time(self, chunks: Iterable[tuple[int, int]], decodes: int, decode_context: int) -> float:
+        cs = list(chunks)  # read twice
+        p = prefill_features(cs)
+        _, ctx, b = decode_features(cs)
         b, ctx = b + decodes, ctx + decode_context + decodes  # a decode's context holds itself
         d = (1.0 if b else 0.0, ctx, b)
         return sum(c * x for c, x in zip(self.prefill_coefficients, p, strict=True)) + sum(

@@ -31,7 +31,7 @@ class StepTimeModel(Protocol):
         """One forward pass over ``(new tokens, tokens already cached)`` per request."""
         ...
 
-    def mixed_time(self, chunks: Chunks, decodes: int, decode_context: int) -> float:
+    def mixed_time(self, chunks: Iterable[tuple[int, int]], decodes: int, decode_context: int) -> float:
         """``step_time`` of ``chunks`` plus ``decodes`` decode tokens whose cached contexts sum
         to ``decode_context``, without a chunk each (a router prices a prompt riding in a
         batch of hundreds of decodes per request and worker)."""

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from pdserve.steptime.model import Chunks, is_decode_chunk
+from pdserve.steptime.model import is_decode_chunk
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ class RooflineProfile:
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """One forward pass over ``(new tokens, tokens already cached)`` per request."""
-        return self.mixed_time(list(chunks), 0, 0)
+        return self.mixed_time(chunks, 0, 0)
 
-    def mixed_time(self, chunks: Chunks, decodes: int, decode_context: int) -> float:
+    def mixed_time(self, chunks: Iterable[tuple[int, int]], decodes: int, decode_context: int) -> float:
         # context tokens the decodes read (a decode token reads its whole context and itself)
         tokens, read = decodes, decode_context + decodes
         attn_flops = 0.0
