@@ -89,7 +89,7 @@ class PoolAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=acc.window.workload(now, span, q),
+            load=acc.window.workload(now, span, q, self.planner.config.shares),
             requests=requests,
             attainment=attainment,
             ttft_s=ttft,

@@ -22,6 +22,14 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   batch would outgrow the worker (``a · TPOT(B) > B`` for every ``B`` up to what its KV pool
   holds).
 
+``admitted`` < 1 prices the layout as the router's admission would run it under overload:
+it refuses what is predicted to miss, the longest prompts first, so the pools carry the
+lightest ``admitted`` share of the arrivals (``Workload.light``) and attainment needs
+``quantile / admitted`` of those within the targets (the TTFT quantile asked of them; the
+prompt at that quantile of the kept ones is the whole load's ``quantile`` prompt). A heavy tail
+makes this matter: the longest tenth of a conversation trace's prompts carries a third of its
+prefill.
+
 ``factors`` scale the model's prefill and decode times by what the router measured (its
 corrected predictor's factors), so a profile that is off for this hardware is corrected before
 the planner trusts it.
@@ -30,7 +38,7 @@ the planner trusts it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
@@ -42,6 +50,7 @@ class Prediction:
     tpot_s: float  # mean; inf when decode cannot keep up
     prefill_util: float
     decode_batch: float  # requests a decode worker holds
+    admitted: float = 1.0  # the share of the arrivals served (the rest refused on arrival)
 
     @property
     def feasible(self) -> bool:
@@ -55,11 +64,17 @@ def predict(
     decode: int,
     quantile: float = 0.9,
     factors: tuple[float, float] = (1.0, 1.0),
+    admitted: float = 1.0,
 ) -> Prediction:
     if prefill < 1 or decode < 1:
         raise ValueError("a disaggregated layout needs at least one worker of each role")
-    if not 0 < quantile < 1:
-        raise ValueError("quantile must be in (0, 1)")
+    if not 0 < quantile < admitted <= 1:
+        raise ValueError(f"need 0 < quantile < admitted <= 1, got {quantile} and {admitted}")
+    whole = load
+    if admitted < 1 and load.rate > 0:
+        kept = load.light_prompt_tokens(admitted)
+        load = replace(load, rate=load.rate * admitted, prompt_tokens=kept, light=())
+        quantile /= admitted
     pf, df = factors
     if load.rate == 0:  # nothing arrives: an unloaded worker's times
         s = model.prefill_time(max(1, round(load.prompt_tokens or 1))) * pf
@@ -79,8 +94,8 @@ def predict(
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf
         ttft = own + wait + model.transfer_time(round(tail))
-    tpot, batch = _decode(model, load, decode, df)
-    return Prediction(ttft, tpot, rho, batch)
+    tpot, batch = _decode(model, whole, decode, df)
+    return Prediction(ttft, tpot, rho, batch, admitted)
 
 
 def erlang_c(servers: int, offered: float) -> float:

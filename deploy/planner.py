@@ -13,11 +13,27 @@ what was predicted for the layout that produced them. Then::
                                                        and during a warm-up only a measured miss
                                                        or a load it cannot keep up with at all
                                                        counts)
-    fewer workers meet with margin in each of
-    the last ``down_after`` intervals, and keep up  -> the largest of those intervals' smallest
-                                                       such layouts (SCALE_DOWN: workers stop,
-                                                       none switches)
+    fewer workers meet each of the last
+    ``down_after`` intervals' loads with margin,
+    serving every request, and keep up              -> the smallest such layout (SCALE_DOWN:
+                                                       workers stop, none switches)
     otherwise                                        -> HOLD
+
+"Meets" may count on the router's admission when it refuses what it predicts to miss
+(``shed`` > 0, admission ``reject``): a layout meets when, refusing the heaviest prompts up to
+``shed`` of the arrivals, the rest meet the targets at ``quantile / admitted``
+(``capacity.predict``) — the SLO counts a refusal as a miss, and under a heavy-tailed prompt
+mix a few refusals free a large share of the prefill pool. Where it counts on them:
+
+- holding: a layout that meets by refusing a few of the heaviest is not grown;
+- growing on a tail over its target (measured or predicted) while the layout keeps up: the
+  smallest layout that meets, refusals counted;
+- growing on a load the layout cannot keep up with even refusing (a queue building, as
+  through a load step): the smallest that serves every request — the backlog must drain, and
+  a layout at the edge of its refusals would refuse it instead;
+- never on the way down (tails with margin and the keep-up floor both serve every request):
+  the gap between up and down is the hysteresis that keeps a layout sized at the edge of its
+  refusals from stepping into a miss and back (at 64 workers it did, every few intervals).
 
 "Keeps up": each pool at least the fewest workers predicted to keep up with every window the
 checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
@@ -106,6 +122,10 @@ class PlannerConfig:
     cooldown: int = 2  # intervals after a change before the next scale-down
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
+    # the most of the arrivals the planner counts on the router refusing (admission ``reject``:
+    # it refuses what is predicted to miss, the longest prompts first), out of the 1 - quantile
+    # the SLO allows to miss; 0 sizes the pools to serve every request
+    shed: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
@@ -114,6 +134,16 @@ class PlannerConfig:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
+        if not 0 <= self.shed < 1 - self.quantile:
+            raise ValueError(f"shed must be in [0, 1 - quantile), got {self.shed}")
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """The admitted shares a layout is priced at besides all (``Workload.light`` is
+        measured at these): ``shed`` in four steps, the largest refusal last."""
+        if not self.shed:
+            return ()
+        return tuple(round(1 - self.shed * k / 4, 9) for k in range(1, 5))
 
 
 @dataclass(frozen=True)
@@ -149,24 +179,32 @@ class Planner:
         self.model = model
         self.config = config
         self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
-        self._floors: deque[int] = deque(maxlen=config.down_after)  # smallest total that met, an interval
         # the check windows of the last ``down_after`` intervals: a layout the planner moves to
         # must keep up with each, or the next check moves it again (at scale a 10 s window
         # carries a fifth more than its interval's mean, and the busiest for prefill is not the
         # busiest for decode)
         self._bursts: deque[list[Workload]] = deque(maxlen=config.down_after)
         self._burst: list[Workload] = []  # this interval's, so far
-        self._floor: tuple[int, int] | None = None  # fewest (P, D) keeping up: this decision's
+        self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
 
-    def predict(self, obs: Observation, layout: Layout, corrected: bool = True) -> Prediction:
-        """``layout``'s prediction for ``obs``'s workload, with the measured correction or not."""
-        p = predict(self.model, obs.load, layout.prefill, layout.decode, self.config.quantile, obs.factors)
+    def predict(self, obs: Observation, layout: Layout, shed: float | None = None) -> Prediction:
+        """``layout``'s corrected prediction for ``obs``'s workload: serving every arrival, or
+        refusing the heaviest of them up to ``shed`` (the config's by default), whichever is
+        nearer the targets (the router refuses only what it predicts to miss)."""
+        most = self.config.shed if shed is None else shed
+        shares = [1.0, *(a for a, _ in obs.load.light if a in self.config.shares and a >= 1 - most - 1e-9)]
+        return min((self._price(obs, layout, a) for a in shares), key=self._excess)
+
+    def _price(self, obs: Observation, layout: Layout, admitted: float, corrected: bool = True) -> Prediction:
+        c = self.config
+        p = predict(self.model, obs.load, layout.prefill, layout.decode, c.quantile, obs.factors, admitted)
         if not corrected:
             return p
-        return Prediction(
-            p.ttft_s * self.correction[0], p.tpot_s * self.correction[1], p.prefill_util, p.decode_batch
-        )
+        return replace(p, ttft_s=p.ttft_s * self.correction[0], tpot_s=p.tpot_s * self.correction[1])
+
+    def _excess(self, p: Prediction) -> float:
+        return max(p.ttft_s / self.config.ttft_s, p.tpot_s / self.config.tpot_s)
 
     def _meets(self, p: Prediction, share: float) -> bool:
         return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
@@ -178,7 +216,7 @@ class Planner:
         model is — and learning from them overshoots the next scale-up)."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
-        raw = self.predict(obs, obs.layout, corrected=False)
+        raw = self._price(obs, obs.layout, 1.0, corrected=False)  # the measured tails are of served requests
         if not raw.feasible:
             return
         new = []
@@ -206,7 +244,7 @@ class Planner:
         nothing, counts no interval and never shrinks them."""
         c = self.config
         current = c.bounds.clamp(obs.layout)
-        self._floor = None
+        self._floor = {}
         if up_only:
             self._burst.append(obs.load)
         else:
@@ -244,39 +282,58 @@ class Planner:
             return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
         if up_only:
             return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
-        # Down: only by stopping workers, to the largest of the last intervals' smallest
-        # layouts that met with margin (the most cautious of them), never within the cooldown.
-        fits = [
-            l
-            for l in ranked
-            if l.prefill <= current.prefill
-            and l.decode <= current.decode
-            and l.workers < current.workers
-            and (idle or self._meets(self.predict(obs, l), c.margin))
-            and self._keeps_up(obs, l)
-        ]
-        self._floors.append(min((l.workers for l in fits), default=current.workers))
-        floor = max(self._floors)
-        if len(self._floors) == c.down_after and floor < current.workers and self._since_change > c.cooldown:
-            at_floor = [l for l in fits if l.workers == floor]
-            best = min(at_floor, key=lambda l: (abs(l.prefill - current.prefill), l), default=None)
-            if best is not None:
-                return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best),
-                                    f"{best.prefill}P+{best.decode}D met the SLO with margin {c.margin} "
-                                    f"for {c.down_after} intervals")  # fmt: skip
+        # Down: only by stopping workers, to the smallest layout that would have met each of the
+        # last ``down_after`` intervals' loads with margin (priced now, with what has been learned
+        # since) serving every request, and keeps up with their checks' windows; never within
+        # the cooldown; no refusals counted on (the module's docstring).
+        if self._since_change <= c.cooldown or len(self._bursts) < c.down_after:
+            return Decision(obs.t, Reason.HOLD, current, now_pred)
+        recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
+
+        def met(l: Layout) -> bool:
+            return all(
+                (w.rate == 0 if i else idle)
+                or self._meets(self.predict(replace(obs, load=w), l, shed=0.0), c.margin)
+                for i, w in enumerate(recent)
+            )
+
+        best = next(
+            (
+                l
+                for l in ranked
+                if l.workers < current.workers
+                and l.prefill <= current.prefill
+                and l.decode <= current.decode
+                and self._keeps_up(obs, l, below=current, shed=0.0)
+                and met(l)
+            ),
+            None,
+        )
+        if best is not None:
+            return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best),
+                                f"{best.prefill}P+{best.decode}D meets the last {c.down_after} intervals' "
+                                f"loads with margin {c.margin}")  # fmt: skip
         return Decision(obs.t, Reason.HOLD, current, now_pred)
 
-    def _keeps_up(self, obs: Observation, layout: Layout) -> bool:
+    def _keeps_up(
+        self, obs: Observation, layout: Layout, below: Layout | None = None, shed: float | None = None
+    ) -> bool:
         """``layout`` keeps up with every window of the recent intervals' checks, plus
         ``headroom`` (the checks between decisions grow the pools on a load the layout cannot
         keep up with at all, and the tails' margin says nothing of a decode pool close to
-        full: its step time barely moves until it is)."""
-        if self._floor is None:
-            self._floor = self._fewest(obs)
-        p, d = self._floor
+        full: its step time barely moves until it is). ``below``: a layout being shrunk from,
+        whose pools count as keeping up where they already are short (a pool under its floor
+        is not a reason to hold the other pool's idle workers). ``shed``: the refusals counted
+        on (the config's by default)."""
+        most = self.config.shed if shed is None else shed
+        if most not in self._floor:
+            self._floor[most] = self._fewest(obs, most)
+        p, d = self._floor[most]
+        if below is not None:
+            p, d = min(p, below.prefill), min(d, below.decode)
         return layout.prefill >= p and layout.decode >= d
 
-    def _fewest(self, obs: Observation) -> tuple[int, int]:
+    def _fewest(self, obs: Observation, shed: float) -> tuple[int, int]:
         """The fewest prefill and decode workers that keep up with each recent window (prefill
         and decode are predicted apart: each pool's feasibility is the other's at its largest,
         and grows with the pool)."""
@@ -297,10 +354,12 @@ class Planner:
             o = replace(obs, load=w)
 
             def prefill_ok(n: int, o: Observation = o) -> bool:
-                return math.isfinite(self.predict(o, Layout(n, b.max_decode)).ttft_s)
+                return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)
 
             def decode_ok(n: int, o: Observation = o) -> bool:
-                return math.isfinite(self.predict(o, Layout(b.max_prefill, n)).tpot_s)
+                return math.isfinite(
+                    self.predict(o, Layout(b.max_prefill, n), 0.0).tpot_s
+                )  # refusals spare prefill only
 
             p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
             d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))
@@ -315,11 +374,26 @@ class Planner:
         """The smallest layout predicted to meet and to keep up with the recent checks' busiest
         window (a move sized for this window alone is moved again by the next, busier in the
         other pool), else the bounds' largest. A miss the model does not see yet calls for more
-        workers, not another split."""
+        workers, not another split, first in the pool whose measured tail is nearer its target
+        (the model sees neither short, so its split says nothing of which one is). Refusals
+        are counted on only while the layout keeps up (the module's docstring)."""
         c = self.config
-        least = current.workers + (1 if predicted_ok else 0)
-        larger = (l for l in self._ranked(current) if l.workers >= least and l != current)
-        meeting = (l for l in larger if self._meets(self.predict(obs, l), 1.0) and self._keeps_up(obs, l))
+        ranked = self._ranked(current)
+        if predicted_ok:
+            ranked = [l for l in ranked if l.workers > current.workers]
+            if obs.ttft_s / c.ttft_s >= obs.tpot_s / c.tpot_s:  # False for a NaN: decode first
+                blamed = [l for l in ranked if l.prefill > current.prefill]
+            else:
+                blamed = [l for l in ranked if l.decode > current.decode]
+            # the blamed pool's growth first, each total before the next
+            ranked = sorted(ranked, key=lambda l: (l.workers, l not in blamed))
+        larger = (l for l in ranked if l.workers >= current.workers and l != current)
+        shed = c.shed if now_pred.feasible else 0.0
+        meeting = (
+            l
+            for l in larger
+            if self._meets(self.predict(obs, l, shed), 1.0) and self._keeps_up(obs, l, shed=shed)
+        )
         need = next(meeting, None)
         why = (
             f"attainment {obs.attainment:.2f} < {c.quantile}"
@@ -338,5 +412,4 @@ class Planner:
         self, obs: Observation, reason: Reason, to: Layout, pred: Prediction, detail: str
     ) -> Decision:
         self._since_change = 0
-        self._floors.clear()
         return Decision(obs.t, reason, to, pred, detail)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.planner import Bounds
+from pdserve.deploy.planner import Bounds, PlannerConfig
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
 
@@ -133,7 +134,32 @@ def add_autoscale(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--autoscale-interval", type=float, default=30.0, help="seconds between the planner's decisions"
     )
+    p.add_argument(
+        "--autoscale-shed",
+        type=float,
+        default=None,
+        help="with --autoscale: the most of the requests the planner counts on the router refusing "
+        f"at peak, longest prompts first (default: {AUTO_SHED:g} of the SLO's allowed misses when the "
+        "SLO's admission is reject, else 0)",
+    )
+
+
+# With admission ``reject`` the planner may count on refusing up to this share of the misses
+# the SLO allows (the heaviest prompts, at peak); the rest is the served requests' own margin.
+AUTO_SHED = 0.8
 
 
 def planner_bounds(args: argparse.Namespace) -> Bounds:
     return Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode)
+
+
+def planner_settings(args: argparse.Namespace, ttft_s: float, tpot_s: float, refuses: bool) -> PlannerConfig:
+    """``--autoscale``'s planner for the targets; ``refuses``: the router refuses a request
+    predicted to miss (admission ``reject``), the only way a request is shed."""
+    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args))
+    shed = getattr(args, "autoscale_shed", None)
+    if shed is None:
+        shed = AUTO_SHED * (1 - config.quantile) if refuses else 0.0
+    elif shed and not refuses:
+        raise ValueError("--autoscale-shed counts on the router refusing requests: it needs admission reject")
+    return replace(config, shed=shed)

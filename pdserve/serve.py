@@ -15,7 +15,7 @@ from pdserve.deploy.autoscale import PoolAutoscaler
 from pdserve.deploy.planner import Planner, PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
-from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_bounds
+from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
 from pdserve.model_runtime.backend import default_step_tokens
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
@@ -23,7 +23,7 @@ from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import Caps, RouterConfig
 from pdserve.router.server import StopSignals, chat_summary, first_of, serve_until_signal
-from pdserve.router.slo import SloBook, SloClass
+from pdserve.router.slo import Admission, SloBook, SloClass
 from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
 from pdserve.steptime.load import load_profile
 
@@ -222,7 +222,8 @@ def planner_config(args: argparse.Namespace, config: RouterConfig) -> PlannerCon
             "--autoscale sizes the pools for an SLO: give the default class both targets "
             "(--slo NAME:ttft=MS,tpot=MS)"
         )
-    return PlannerConfig(target.ttft_ms / 1000, target.tpot_ms / 1000, planner_bounds(args))
+    refuses = target.admission is Admission.REJECT
+    return planner_settings(args, target.ttft_ms / 1000, target.tpot_ms / 1000, refuses)
 
 
 def _emulated(compute: str) -> str:

@@ -29,6 +29,10 @@ class Workload:
     # in): a TTFT quantile is that prompt's own prefill plus the queue, and prompt lengths are
     # skewed (a conversation trace's 90th percentile is 2.4x its mean)
     prompt_tail_tokens: float = 0.0
+    # ((share, mean prompt of the lightest ``share`` of the arrivals), ...): the load left when
+    # the router's admission refuses the rest — under overload it refuses what is predicted to
+    # miss, the longest prompts first — for the shares the planner may count on
+    light: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("rate", "prompt_tokens", "output_tokens", "prompt_tail_tokens"):
@@ -37,6 +41,20 @@ class Workload:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
         if not 0 <= self.cached_share <= 1:
             raise ValueError(f"cached_share must be in [0, 1], got {self.cached_share}")
+        for share, mean in self.light:
+            if not (0 < share < 1 and 0 <= mean <= self.prompt_tokens * (1 + 1e-9) and math.isfinite(mean)):
+                raise ValueError(
+                    f"a light share needs 0 < share < 1 and 0 <= its mean <= the mean, got {share, mean}"
+                )
+
+    def light_prompt_tokens(self, share: float) -> float:
+        """The mean prompt of the lightest ``share`` of the arrivals (the mean for 1)."""
+        if share == 1:
+            return self.prompt_tokens
+        for s, mean in self.light:
+            if s == share:
+                return mean
+        raise ValueError(f"the workload was not measured at the share {share}")
 
 
 class WorkloadWindow:
@@ -61,9 +79,12 @@ class WorkloadWindow:
         while q and q[0][0] < now - self.horizon_s:
             q.popleft()
 
-    def workload(self, now: float, span_s: float, quantile: float = 0.9) -> Workload:
-        """Arrival rate and mean lengths over ``(now - span_s, now]``, and the prompt length at
-        ``quantile``; zeros (never NaN) when nothing arrived."""
+    def workload(
+        self, now: float, span_s: float, quantile: float = 0.9, shares: Sequence[float] = ()
+    ) -> Workload:
+        """Arrival rate and mean lengths over ``(now - span_s, now]``, the prompt length at
+        ``quantile`` and the mean prompt of the lightest of each of ``shares``; zeros (never
+        NaN) when nothing arrived."""
         if span_s <= 0:
             raise ValueError("the window must be > 0 s")
         arrivals = _since(list(self._arrivals), now - span_s, now)
@@ -75,8 +96,11 @@ class WorkloadWindow:
             output = statistics.fmean(a[2] for a in arrivals) if arrivals else 0.0
         tokens = sum(e[1] for e in ends)
         cached = sum(e[2] for e in ends) / tokens if tokens else 0.0
-        tail = prompt_quantile([a[1] for a in arrivals], quantile)
-        return Workload(len(arrivals) / span_s, prompt, output, min(1.0, cached), tail)
+        prompts = sorted(a[1] for a in arrivals)
+        tail = prompt_quantile(prompts, quantile)
+        return Workload(
+            len(arrivals) / span_s, prompt, output, min(1.0, cached), tail, light_means(prompts, shares)
+        )
 
 
 def rank(n: int, quantile: float) -> int:
@@ -92,6 +116,23 @@ def prompt_quantile(prompts: Sequence[float], quantile: float) -> float:
     if not prompts:
         return 0.0
     return float(sorted(prompts)[rank(len(prompts), quantile)])
+
+
+def kept(n: int, share: float) -> int:
+    """How many of ``n`` arrivals the lightest ``share`` is (one at least, of any)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"a share must be in (0, 1], got {share}")
+    return max(min(n, 1), int(share * n))
+
+
+def light_means(ordered: Sequence[float], shares: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """``((share, mean of the lightest share), ...)`` of prompt lengths in ascending order
+    (0.0 for none)."""
+    out = []
+    for share in shares:
+        k = kept(len(ordered), share)
+        out.append((share, math.fsum(ordered[:k]) / k if k else 0.0))
+    return tuple(out)
 
 
 def _since(rows: list[tuple[float, ...]], lo: float, hi: float) -> list[tuple[float, ...]]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
-from pdserve.router.workload_window import Workload, prompt_quantile, rank
+from pdserve.router.workload_window import Workload, light_means, prompt_quantile, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 
@@ -206,11 +206,13 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             tpots.append(tpot)
             good += ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
         q = cfg.quantile
-        tail = prompt_quantile([sr.num_prompt_tokens for sr in arrived], q)
+        prompts = sorted(sr.num_prompt_tokens for sr in arrived)
+        tail = prompt_quantile(prompts, q)
+        light = light_means(prompts, cfg.shares)
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail),
+            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail, light),
             requests=len(ended),
             attainment=good / len(ended) if ended else math.nan,
             ttft_s=sorted(ttfts)[rank(len(ttfts), q)] if ttfts else math.nan,

@@ -23,9 +23,9 @@ import numpy as np
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
-from pdserve.deploy.planner import Layout, Observation, Planner, PlannerConfig
-from pdserve.flags import planner_bounds
-from pdserve.router.workload_window import Workload, rank
+from pdserve.deploy.planner import Layout, Observation, Planner
+from pdserve.flags import planner_settings
+from pdserve.router.workload_window import Workload, kept, rank
 from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
@@ -147,9 +147,11 @@ class FluidAutoscaler(PlannerLoop[Role]):
             prompts.append(p)
         lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
         n, prompt = len(lens), float(lens.sum())
-        # ``prompt_quantile`` without sorting a Python list of a window at scale
-        k = rank(n, cfg.quantile)
-        tail = float(np.partition(lens, k)[k]) if n else 0.0
+        # ``prompt_quantile`` and ``light_means`` without a Python list of a window at scale
+        lens.sort()
+        tail = float(lens[rank(n, cfg.quantile)]) if n else 0.0
+        sums = np.cumsum(lens)
+        light = tuple((a, float(sums[k - 1]) / k if k else 0.0) for a in cfg.shares for k in [kept(n, a)])
         # arrivals are logged by the tick: the rate is over the ticks the window holds
         tick = c.config.tick_s
         covered = math.ceil(span / tick - 1e-9) * tick
@@ -165,7 +167,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail),
+            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
             ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,
@@ -220,7 +222,7 @@ def simulate_fluid(
     if args.autoscale:
         if not (ttft and tpot):
             raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
-        planner = Planner(profile, PlannerConfig(ttft, tpot, planner_bounds(args)))
+        planner = Planner(profile, planner_settings(args, ttft, tpot, config.reject))
         scaler = FluidAutoscaler(cluster, planner, auto)
     look = auto.interval_s / auto.checks
     if scaler is not None and config.tick_s > look + 1e-9:

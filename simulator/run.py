@@ -13,7 +13,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestResult, Slo, summarize
 from pdserve.bench.runner import add_workload_args, build_workload, print_summary
 from pdserve.bench.workload import RequestSpec
-from pdserve.deploy.planner import Planner, PlannerConfig
+from pdserve.deploy.planner import Planner
 from pdserve.flags import (
     add_autoscale,
     add_block_size,
@@ -23,7 +23,7 @@ from pdserve.flags import (
     add_result,
     add_scheduler,
     colocated_count,
-    planner_bounds,
+    planner_settings,
     save_result,
 )
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -235,7 +235,8 @@ def autoscaler(
         raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
     if not (slo.ttft_ms and slo.tpot_ms):
         raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
-    planner = Planner(profile, PlannerConfig(slo.ttft_ms / 1000, slo.tpot_ms / 1000, planner_bounds(args)))
+    refuses = getattr(args, "admission", "none") == Admission.REJECT.value
+    planner = Planner(profile, planner_settings(args, slo.ttft_ms / 1000, slo.tpot_ms / 1000, refuses))
     config = AutoscaleConfig(args.autoscale_interval, args.worker_start_s)
     return SimAutoscaler(cluster, planner, config, tracked)
 

@@ -51,6 +51,15 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
 
     p = plan("--min-prefill", "2", "--max-prefill", "4")
     assert p is not None and p.bounds == Bounds(2, 4, 1, 8) and (p.ttft_s, p.tpot_s) == (0.25, 0.05)
+    assert p.shed == 0.0  # the class admits every request: nothing is refused to count on
+    base[-1] = "chat:ttft=250,tpot=50,admission=reject"
+    p = plan()
+    assert p is not None and p.shed == pytest.approx(0.08) and plan("--autoscale-shed", "0").shed == 0.0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="shed"):
+        plan("--autoscale-shed", "0.1")  # all the misses the SLO allows: none left for the served
+    base[-1] = "chat:ttft=250,tpot=50"
+    with pytest.raises(ValueError, match="admission reject"):
+        plan("--autoscale-shed", "0.05")
     for flags, match in (
         (["--autoscale-interval", "0"], "autoscale-interval"),
         (["--autoscale-interval", "nan"], "autoscale-interval"),

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pdserve.bench.runner import build_workload
 from pdserve.bench.workload import RateCurve
 from pdserve.deploy.planner import Layout, Planner, PlannerConfig, moves
-from pdserve.router.workload_window import prompt_quantile
+from pdserve.router.workload_window import light_means, prompt_quantile
 from pdserve.simulator.autoscale import AutoscaleConfig
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
@@ -149,7 +149,7 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
     trimmed to what a window can read."""
     model = load_sim_profile("h100-llama3-8b")
     c = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
-    planner = Planner(model, PlannerConfig(0.25, 0.1))
+    planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
     scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
     rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(600)]  # 20 a second for 30 s
     for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
@@ -163,6 +163,12 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
     assert obs.load.rate == pytest.approx(20.0, rel=0.05)
     assert obs.load.prompt_tokens == pytest.approx(np.mean(window), rel=0.02)
     assert obs.load.prompt_tail_tokens == prompt_quantile(window, 0.9) == 1900.0  # not the longest
+    # the lightest shares' means, as the router's window measures them
+    assert [a for a, _ in obs.load.light] == list(planner.config.shares) == [0.98, 0.96, 0.94, 0.92]
+    for (_, got), (_, want) in zip(
+        obs.load.light, light_means(sorted(window), planner.config.shares), strict=True
+    ):
+        assert got == pytest.approx(want, rel=0.02) and got < obs.load.prompt_tokens
     assert c.arrival_log[0][0] >= 30.0 - 10.0 - 1.0 - c.config.tick_s  # older ticks trimmed
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.deploy.capacity import erlang_c, predict
 from pdserve.deploy.planner import Bounds, Layout, Observation, Planner, PlannerConfig, Reason
-from pdserve.router.workload_window import Workload, WorkloadWindow, prompt_quantile
+from pdserve.router.workload_window import Workload, WorkloadWindow, kept, light_means, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
 CONV = (1263.0, 209.0)  # mean prompt and output tokens of a conversation trace
@@ -242,3 +245,148 @@ def test_the_way_down_keeps_up_with_the_bursts_the_checks_saw() -> None:
     settled = [i for i in changes if i >= 30]
     assert not settled, changes
     assert predict(H100, Workload(650.0 * 1.3, *CONV), layout.prefill, layout.decode).feasible
+
+
+# A heavy-tailed prompt mix as a conversation trace has it: the longest tenth of the prompts
+# carries about a third of the prefill.
+HEAVY = [300.0] * 60 + [1000.0] * 30 + [4000.0] * 10
+SHED = PlannerConfig(ttft_s=0.25, tpot_s=0.1, bounds=Bounds(1, 8, 1, 8), shed=0.08)
+
+
+def heavy(t: float, layout: Layout, rate: float, config: PlannerConfig = SHED, **kw: object) -> Observation:
+    ordered = sorted(HEAVY)
+    load = Workload(
+        rate,
+        sum(HEAVY) / len(HEAVY),
+        200.0,
+        0.0,
+        prompt_quantile(ordered, 0.9),
+        light_means(ordered, config.shares),
+    )
+    return Observation(t, layout, load, **kw)  # type: ignore[arg-type]
+
+
+def test_the_window_measures_the_light_share_means() -> None:
+    w = WorkloadWindow(horizon_s=60.0)
+    for i, p in enumerate(HEAVY):
+        w.arrived(i * 0.1, int(p), 50)
+    load = w.workload(9.95, 10.0, 0.9, (0.95, 0.9))
+    assert load.light == (
+        (0.95, pytest.approx((60 * 300 + 30 * 1000 + 5 * 4000) / 95)),
+        (0.9, pytest.approx(48000 / 90)),
+    )
+    assert (
+        load.light_prompt_tokens(0.9) == pytest.approx(48000 / 90)
+        and load.light_prompt_tokens(1.0) == load.prompt_tokens
+    )
+    with pytest.raises(ValueError, match="not measured"):
+        load.light_prompt_tokens(0.8)
+    assert kept(0, 0.5) == 0 and kept(3, 0.1) == 1 and kept(10, 0.95) == 9
+    assert light_means([], (0.9,)) == ((0.9, 0.0),)
+    for bad in ((1.0, 1.0), (0.5, math.nan), (0.5, 5000.0)):  # a share of all, NaN, over the mean
+        with pytest.raises(ValueError):
+            Workload(1.0, 1000.0, 1.0, light=(bad,))
+
+
+def test_refusing_the_heaviest_prompts_frees_the_prefill_pool_not_decode() -> None:
+    load = heavy(0, Layout(1, 1), 200.0).load
+    everyone = predict(H100, load, 3, 4)
+    refusing = predict(H100, load, 3, 4, admitted=0.92)
+    assert not everyone.feasible and refusing.feasible and refusing.admitted == 0.92
+    assert refusing.prefill_util < 0.8 * everyone.prefill_util
+    assert refusing.tpot_s == everyone.tpot_s  # decode is priced for every arrival
+    # the kept requests must meet at a higher quantile of their own: its wait is longer than
+    # the same load's at the plain quantile
+    kept_load = replace(load, rate=load.rate * 0.92, prompt_tokens=load.light_prompt_tokens(0.92), light=())
+    assert refusing.ttft_s > predict(H100, kept_load, 3, 4).ttft_s
+    for bad in (0.9, 0.85, 1.01):  # at or under the quantile: the SLO cannot be met by refusing
+        with pytest.raises(ValueError):
+            predict(H100, load, 3, 4, admitted=bad)
+    with pytest.raises(ValueError, match="not measured"):
+        predict(H100, load, 3, 4, admitted=0.93)
+
+
+def test_refusals_are_counted_on_to_hold_and_on_a_tail_miss_never_through_a_queue_or_down() -> None:
+    full_config = replace(SHED, shed=0.0)
+
+    def pair() -> tuple[Planner, Planner]:
+        return Planner(H100, SHED), Planner(H100, full_config)
+
+    # a load step the layout cannot keep up with even refusing: sized to serve every request
+    plan, full = pair()
+    step, step_full = (
+        plan.decide(heavy(0, Layout(1, 1), 200.0)),
+        full.decide(heavy(0, Layout(1, 1), 200.0, full_config)),
+    )
+    assert step.reason is Reason.SCALE_UP and step.layout == step_full.layout == Layout(5, 4)
+    # a layout that meets only by refusing the heaviest prompts holds (serving all, it grows)
+    plan, full = pair()
+    assert plan.decide(heavy(0, Layout(4, 4), 200.0)).reason is Reason.HOLD
+    assert full.decide(heavy(0, Layout(4, 4), 200.0, full_config)).reason is Reason.SCALE_UP
+    # a measured tail miss on a layout that keeps up by refusing: one more worker, refusals counted
+    plan, _ = pair()
+    d = plan.decide(heavy(0, Layout(3, 4), 200.0, requests=6000, attainment=0.85, ttft_s=0.24, tpot_s=0.02))
+    assert d.reason is Reason.SCALE_UP and d.layout == Layout(4, 4) and d.predicted.admitted < 1
+    # the way down serves every request: from 7P+4D it stops at 5P+4D, never at 4P or 3P
+    plan, _ = pair()
+    layout, seen = Layout(7, 4), []
+    for i in range(30):
+        for k in (1, 2):
+            plan.decide(heavy(30 * i + 10 * k, layout, 200.0), up_only=True)
+        d = plan.decide(
+            heavy(30 * i + 30, layout, 200.0, requests=6000, attainment=0.97, ttft_s=0.12, tpot_s=0.02)
+        )
+        seen.append(d.layout)
+        layout = d.layout
+    assert layout == Layout(5, 4) and min(l.prefill for l in seen) == 5
+
+
+def test_a_miss_the_model_does_not_see_grows_the_pool_its_tails_blame() -> None:
+    layout = Layout(2, 2)
+    slow_first = Planner(H100, SLO).decide(
+        obs(0, layout, 10.0, requests=500, attainment=0.8, ttft_s=0.24, tpot_s=0.02)
+    )
+    assert slow_first.reason is Reason.SCALE_UP and slow_first.layout == Layout(3, 2)
+    slow_tokens = Planner(H100, SLO).decide(
+        obs(0, layout, 10.0, requests=500, attainment=0.8, ttft_s=0.05, tpot_s=0.09)
+    )
+    assert slow_tokens.reason is Reason.SCALE_UP and slow_tokens.layout == Layout(2, 3)
+
+
+def test_a_pool_short_of_its_floor_does_not_hold_the_others_idle_workers() -> None:
+    """Decode bursts (checks) ask for more decode workers than the layout has, without a miss;
+    an idle prefill pool still steps down."""
+    plan = Planner(H100, SLO)
+    layout = Layout(6, 2)
+    steps = []
+    for i in range(12):
+        for k in (1, 2):  # short windows 1.8x as busy: two decode workers keep up, not with headroom
+            plan.decide(obs(30 * i + 10 * k, layout, 180.0, lens=(100.0, 300.0)), up_only=True)
+        d = plan.decide(obs(30 * i + 30, layout, 100.0, lens=(100.0, 300.0), requests=3000, attainment=0.99))
+        steps += [d.layout] if d.reason is Reason.SCALE_DOWN else []
+        layout = d.layout
+    assert (
+        plan._fewest(obs(400, layout, 100.0, lens=(100.0, 300.0)), 0.0)[1] > 2
+    )  # decode is short of its floor
+    assert steps and layout.prefill < 6 and layout.decode == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 8000), min_size=1, max_size=200),
+    st.floats(0.1, 400.0),
+    st.integers(1, 40),
+    st.integers(1, 24),
+)
+def test_refusing_never_loads_prefill_more_nor_changes_decode(
+    prompts: list[int], rate: float, prefill: int, decode: int
+) -> None:
+    ordered = sorted(float(p) for p in prompts)
+    shares = SHED.shares
+    load = Workload(rate, sum(ordered) / len(ordered), 200.0, 0.0, prompt_quantile(ordered, 0.9),
+                    light_means(ordered, shares))  # fmt: skip
+    everyone = predict(H100, load, prefill, decode)
+    for a in shares:
+        p = predict(H100, load, prefill, decode, admitted=a)
+        assert p.prefill_util <= everyone.prefill_util * (1 + 1e-9)
+        assert p.tpot_s == everyone.tpot_s and p.admitted == a
