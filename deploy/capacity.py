@@ -23,12 +23,12 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   holds).
 
 ``admitted`` < 1 prices the layout as the router's admission would run it under overload:
-it refuses what is predicted to miss, the longest prompts first, so the pools carry the
-lightest ``admitted`` share of the arrivals (``Workload.light``) and attainment needs
+it refuses what is predicted to miss, the longest prompts first, so the prefill pool carries
+the lightest ``admitted`` share of the arrivals (``Workload.light``) and attainment needs
 ``quantile / admitted`` of those within the targets (the TTFT quantile asked of them; the
 prompt at that quantile of the kept ones is the whole load's ``quantile`` prompt). A heavy tail
 makes this matter: the longest tenth of a conversation trace's prompts carries a third of its
-prefill.
+prefill. Decode is priced for every arrival (its refusals are not the long prompts').
 
 ``factors`` scale the model's prefill and decode times by what the router measured (its
 corrected predictor's factors), so a profile that is off for this hardware is corrected before

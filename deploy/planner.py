@@ -54,6 +54,7 @@ alone is more than it can keep up with).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -118,7 +119,9 @@ class PlannerConfig:
     bounds: Bounds = field(default_factory=Bounds)
     quantile: float = 0.9  # the attainment target, and the TTFT quantile that must meet it
     margin: float = 0.75  # a smaller layout must predict at most this share of each target
-    down_after: int = 3  # intervals in a row a smaller layout must qualify (and the window of floors)
+    down_after: int = (
+        3  # intervals whose loads a smaller layout must meet (and whose checks it keeps up with)
+    )
     cooldown: int = 2  # intervals after a change before the next scale-down
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
@@ -134,10 +137,10 @@ class PlannerConfig:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
-        if not 0 <= self.shed < 1 - self.quantile:
-            raise ValueError(f"shed must be in [0, 1 - quantile), got {self.shed}")
+        if not (self.shed == 0 or 1e-3 <= self.shed < 1 - self.quantile):
+            raise ValueError(f"shed must be 0 or in [0.001, 1 - quantile), got {self.shed}")
 
-    @property
+    @functools.cached_property
     def shares(self) -> tuple[float, ...]:
         """The admitted shares a layout is priced at besides all (``Workload.light`` is
         measured at these): ``shed`` in four steps, the largest refusal last."""
@@ -194,7 +197,8 @@ class Planner:
         nearer the targets (the router refuses only what it predicts to miss)."""
         most = self.config.shed if shed is None else shed
         shares = [1.0, *(a for a, _ in obs.load.light if a in self.config.shares and a >= 1 - most - 1e-9)]
-        return min((self._price(obs, layout, a) for a in shares), key=self._excess)
+        # ties (both tails unbounded) go to the lower TTFT: what refusing does for prefill
+        return min((self._price(obs, layout, a) for a in shares), key=lambda p: (self._excess(p), p.ttft_s))
 
     def _price(self, obs: Observation, layout: Layout, admitted: float, corrected: bool = True) -> Prediction:
         c = self.config
@@ -310,7 +314,7 @@ class Planner:
             None,
         )
         if best is not None:
-            return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best),
+            return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0),
                                 f"{best.prefill}P+{best.decode}D meets the last {c.down_after} intervals' "
                                 f"loads with margin {c.margin}")  # fmt: skip
         return Decision(obs.t, Reason.HOLD, current, now_pred)
@@ -381,12 +385,16 @@ class Planner:
         ranked = self._ranked(current)
         if predicted_ok:
             ranked = [l for l in ranked if l.workers > current.workers]
-            if obs.ttft_s / c.ttft_s >= obs.tpot_s / c.tpot_s:  # False for a NaN: decode first
-                blamed = [l for l in ranked if l.prefill > current.prefill]
-            else:
-                blamed = [l for l in ranked if l.decode > current.decode]
+            # nothing served (NaN tails: every request refused or failed) blames prefill too
+            prefill_first = not obs.ttft_s / c.ttft_s < obs.tpot_s / c.tpot_s
             # the blamed pool's growth first, each total before the next
-            ranked = sorted(ranked, key=lambda l: (l.workers, l not in blamed))
+            ranked = sorted(
+                ranked,
+                key=lambda l: (
+                    l.workers,
+                    not (l.prefill > current.prefill if prefill_first else l.decode > current.decode),
+                ),
+            )
         larger = (l for l in ranked if l.workers >= current.workers and l != current)
         shed = c.shed if now_pred.feasible else 0.0
         meeting = (

@@ -159,7 +159,8 @@ def planner_settings(args: argparse.Namespace, ttft_s: float, tpot_s: float, ref
     config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args))
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:
-        shed = AUTO_SHED * (1 - config.quantile) if refuses else 0.0
-    elif shed and not refuses:
+        return replace(config, shed=AUTO_SHED * (1 - config.quantile) if refuses else 0.0)
+    config = replace(config, shed=shed)  # checked first: a bad share says so, admission or not
+    if shed and not refuses:
         raise ValueError("--autoscale-shed counts on the router refusing requests: it needs admission reject")
-    return replace(config, shed=shed)
+    return config

@@ -119,10 +119,11 @@ def prompt_quantile(prompts: Sequence[float], quantile: float) -> float:
 
 
 def kept(n: int, share: float) -> int:
-    """How many of ``n`` arrivals the lightest ``share`` is (one at least, of any)."""
+    """How many of ``n`` arrivals the lightest ``share`` is: at least that share (rounded up:
+    a small window refuses no heavier prompt than the share allows), one at least, of any."""
     if not 0 < share <= 1:
         raise ValueError(f"a share must be in (0, 1], got {share}")
-    return max(min(n, 1), int(share * n))
+    return min(n, max(1, math.ceil(share * n - 1e-9))) if n else 0
 
 
 def light_means(ordered: Sequence[float], shares: Sequence[float]) -> tuple[tuple[float, float], ...]:

@@ -60,6 +60,8 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
     base[-1] = "chat:ttft=250,tpot=50"
     with pytest.raises(ValueError, match="admission reject"):
         plan("--autoscale-shed", "0.05")
+    with pytest.raises(ValueError, match="shed must be"):
+        plan("--autoscale-shed", "-1")  # out of range says so first
     for flags, match in (
         (["--autoscale-interval", "0"], "autoscale-interval"),
         (["--autoscale-interval", "nan"], "autoscale-interval"),
