@@ -5,6 +5,7 @@ simulator on the workload of ``benchmarks/autoscale.py``, where both can run.
     .venv/bin/python -m benchmarks.autoscale_day                # about 45 minutes on 2 cores
     .venv/bin/python -m benchmarks.autoscale_day --check-only   # the model check (about 8 minutes)
     .venv/bin/python -m benchmarks.autoscale_day --oracle-only  # hindsight layouts (about 20 s)
+    .venv/bin/python -m benchmarks.autoscale_day --steady 200,400,700  # cycling at 64 GPUs (~30 s)
 
 Day workload: the Azure conversation trace's requests and arrival pattern, its mean rate along a
 diurnal curve — ``--rate`` req/s at 04:00, rising as a cosine to ``--swing`` × that at 16:00
@@ -286,6 +287,31 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def steady(rates: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    """The planner at a steady load within the day's bounds: 1,500 s of the trace at each rate
+    from 1P+1D; what it changes after the first 300 s is cycling (the load does not move)."""
+    out = []
+    for rate in rates:
+        m = fluid(
+            ["--trace", str(TRACE), "--request-rate", str(rate), "--duration", "1500", *SLO, *ROUTING,
+             "--prefill", "1", "--decode", "1", "--autoscale", "--max-prefill", str(args.max_prefill),
+             "--max-decode", str(args.max_decode)]
+        )  # fmt: skip
+        a = m["autoscale"]
+        late = [r for r in a["reasons"] if r[0] > 300]
+        row = {
+            "rate": rate,
+            "attainment": round(m["slo_attainment"], 4),
+            "worker_seconds": round(a["worker_seconds"]),
+            "changes_after_300s": len(late),
+            "changes_per_5_intervals": round(5 * len(late) / ((1500 - 300) / a["interval_s"]), 2),
+            "final_layout": f"{a['layouts'][-1][1]}P+{a['layouts'][-1][2]}D",
+        }
+        print(f"steady {rate:g} req/s: {row}", flush=True)
+        out.append(row)
+    return {"steady": out}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=250.0, help="req/s at the trough")
@@ -298,14 +324,19 @@ def main() -> int:
     ap.add_argument(
         "--oracle-only", action="store_true", help="only the hindsight layouts of the check's workload"
     )
+    ap.add_argument(
+        "--steady", default="", help="only the steady-load runs at these rates (req/s, comma-separated)"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     result: dict[str, Any] = {"slo": "ttft:250 tpot:100 at 90 %", "routing": "goodput, admission reject"}
-    if args.oracle_only:
+    if args.steady:
+        result.update(steady([float(r) for r in args.steady.split(",")], args))
+    elif args.oracle_only:
         result.update(oracle())
     elif not args.skip_check:
         result.update(check(args))
-    if not (args.check_only or args.oracle_only):
+    if not (args.check_only or args.oracle_only or args.steady):
         result.update(day(args))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     emit(result)
