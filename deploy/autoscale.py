@@ -75,7 +75,7 @@ class PoolAutoscaler:
         acc = router.accounting
         q = self.planner.config.quantile
         span = self.interval_s if span_s is None else span_s
-        requests, served, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
+        requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
         model = getattr(acc.dispatcher, "model", None)
         factors = (1.0, 1.0)
         if model is not None:  # the router's corrections of the same profile, over all workers
@@ -91,7 +91,6 @@ class PoolAutoscaler:
             layout=self.layout(),
             load=acc.window.workload(now, span, q, self.planner.config.shares),
             requests=requests,
-            unserved=requests - served,
             attainment=attainment,
             ttft_s=ttft,
             tpot_s=tpot,

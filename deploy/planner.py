@@ -157,7 +157,6 @@ class Observation:
     layout: Layout  # the workers serving now
     load: Workload
     requests: int = 0  # ended in the window (attainment's sample)
-    unserved: int = 0  # of them, refused or failed: the tails below are the others'
     attainment: float = math.nan  # share of them that met the SLO
     ttft_s: float = math.nan  # measured at the planner's quantile
     tpot_s: float = math.nan  # measured median
@@ -220,12 +219,6 @@ class Planner:
         the tails measure a growing queue — how long the overload lasted, not how far off the
         model is — and learning from them overshoots the next scale-up)."""
         if obs.requests < self.config.min_requests or obs.warming:
-            return
-        if obs.unserved > (1 - self.config.quantile) / 4 * obs.requests:
-            # the served requests' tails: with the router refusing the longest prompts they are
-            # a lighter load's, and learning them against the whole load's prediction would
-            # call the model pessimistic, size the pools smaller, and refuse more (a quarter of
-            # the misses the SLO allows moves the served quantile little)
             return
         raw = self._price(obs, obs.layout, 1.0, corrected=False)  # the measured tails are of served requests
         if not raw.feasible:

@@ -202,15 +202,13 @@ class SloTracker:
         n = max(1, int(horizon_s // step_s))
         return [_stats(outs, times, now - (n - 1 - i) * step_s, step_s, None) for i in range(n)]
 
-    def tails(self, now: float, span_s: float, q: float) -> tuple[int, int, float, float, float]:
-        """``(requests, served, attainment, TTFT at quantile q, median TPOT)`` over the requests
-        that ended in ``(now - span_s, now]`` (seconds; NaN for what an empty window cannot
-        say); the tails are the served requests' (refused and failed ones have none)."""
+    def tails(self, now: float, span_s: float, q: float) -> tuple[int, float, float, float]:
+        """``(requests, attainment, TTFT at quantile q, median TPOT)`` over the requests that
+        ended in ``(now - span_s, now]`` (seconds; NaN for what an empty window cannot say)."""
         outs = list(self._outcomes)
         picked, ttft, tpot = _ended(outs, [o.t for o in outs], now, span_s, None)
         attainment = sum(o.good for o in picked) / len(picked) if picked else math.nan
-        served = sum(o.ok for o in picked)
-        return len(picked), served, attainment, _pct(ttft, q) / 1000, _pct(tpot, 0.5) / 1000
+        return len(picked), attainment, _pct(ttft, q) / 1000, _pct(tpot, 0.5) / 1000
 
     def classes(self) -> list[str]:
         return sorted({o.slo_class for o in self._outcomes})

@@ -214,7 +214,6 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             layout=self.layout(),
             load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail, light),
             requests=len(ended),
-            unserved=len(ended) - len(ttfts),
             attainment=good / len(ended) if ended else math.nan,
             ttft_s=sorted(ttfts)[rank(len(ttfts), q)] if ttfts else math.nan,
             tpot_s=statistics.median(tpots) if tpots else math.nan,

@@ -169,7 +169,6 @@ class FluidAutoscaler(PlannerLoop[Role]):
             layout=self.layout(),
             load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light),
             requests=requests,
-            unserved=requests - int(served.sum()),
             attainment=float(good.sum()) / requests if requests else math.nan,
             ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,
             tpot_s=float(np.median(tpots)) if len(tpots) else math.nan,

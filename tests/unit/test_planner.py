@@ -389,14 +389,3 @@ def test_a_lighter_share_never_has_a_heavier_mean(prompts: list[int], shares: li
         assert m <= mean * (1 + 1e-12)
     by_share = [means[a] for a in sorted(means)]
     assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(by_share))
-
-
-def test_tails_of_a_window_with_many_refusals_teach_nothing() -> None:
-    """With the router refusing the longest prompts, the served requests' tails are a lighter
-    load's: learning them against the whole load's prediction would drift optimistic."""
-    seen = dict(requests=1000, attainment=0.93, ttft_s=0.02, tpot_s=0.02)
-    plan = Planner(H100, SLO)
-    plan.decide(obs(0, Layout(4, 4), 40.0, unserved=60, **seen))  # 6 % refused
-    assert plan.correction == (1.0, 1.0)
-    plan.decide(obs(30, Layout(4, 4), 40.0, unserved=10, **seen))  # 1 %: the tails stand for the load
-    assert plan.correction[0] < 1.0
