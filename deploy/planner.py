@@ -119,9 +119,7 @@ class PlannerConfig:
     bounds: Bounds = field(default_factory=Bounds)
     quantile: float = 0.9  # the attainment target, and the TTFT quantile that must meet it
     margin: float = 0.75  # a smaller layout must predict at most this share of each target
-    down_after: int = (
-        3  # intervals whose loads a smaller layout must meet (and whose checks it keeps up with)
-    )
+    down_after: int = 3  # intervals whose loads (and checks) a smaller layout must meet
     cooldown: int = 2  # intervals after a change before the next scale-down
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
@@ -361,9 +359,8 @@ class Planner:
                 return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)
 
             def decode_ok(n: int, o: Observation = o) -> bool:
-                return math.isfinite(
-                    self.predict(o, Layout(b.max_prefill, n), 0.0).tpot_s
-                )  # refusals spare prefill only
+                # refusals spare prefill only: decode is priced serving everyone
+                return math.isfinite(self.predict(o, Layout(b.max_prefill, n), 0.0).tpot_s)
 
             p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
             d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))

@@ -96,11 +96,8 @@ class WorkloadWindow:
             output = statistics.fmean(a[2] for a in arrivals) if arrivals else 0.0
         tokens = sum(e[1] for e in ends)
         cached = sum(e[2] for e in ends) / tokens if tokens else 0.0
-        prompts = sorted(a[1] for a in arrivals)
-        tail = prompt_quantile(prompts, quantile)
-        return Workload(
-            len(arrivals) / span_s, prompt, output, min(1.0, cached), tail, light_means(prompts, shares)
-        )
+        tail, light = prompt_shape([a[1] for a in arrivals], quantile, shares)
+        return Workload(len(arrivals) / span_s, prompt, output, min(1.0, cached), tail, light)
 
 
 def rank(n: int, quantile: float) -> int:
@@ -111,11 +108,18 @@ def rank(n: int, quantile: float) -> int:
 
 def prompt_quantile(prompts: Sequence[float], quantile: float) -> float:
     """The prompt length at ``quantile`` of ``prompts`` (at ``rank``); 0.0 for none."""
+    return prompt_shape(prompts, quantile, ())[0]
+
+
+def prompt_shape(
+    prompts: Sequence[float], quantile: float, shares: Sequence[float]
+) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """``(the prompt length at quantile, light_means at shares)`` of ``prompts``, sorted once."""
     if not 0 < quantile < 1:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
-    if not prompts:
-        return 0.0
-    return float(sorted(prompts)[rank(len(prompts), quantile)])
+    ordered = sorted(prompts)
+    tail = float(ordered[rank(len(ordered), quantile)]) if ordered else 0.0
+    return tail, light_means(ordered, shares)
 
 
 def kept(n: int, share: float) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
-from pdserve.router.workload_window import Workload, light_means, prompt_quantile, rank
+from pdserve.router.workload_window import Workload, prompt_shape, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 
@@ -206,9 +206,7 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             tpots.append(tpot)
             good += ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
         q = cfg.quantile
-        prompts = sorted(sr.num_prompt_tokens for sr in arrived)
-        tail = prompt_quantile(prompts, q)
-        light = light_means(prompts, cfg.shares)
+        tail, light = prompt_shape([sr.num_prompt_tokens for sr in arrived], q, cfg.shares)
         return Observation(
             t=now,
             layout=self.layout(),

@@ -147,7 +147,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
             prompts.append(p)
         lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
         n, prompt = len(lens), float(lens.sum())
-        # ``prompt_quantile`` and ``light_means`` without a Python list of a window at scale
+        # ``prompt_shape`` without a Python list of a window at scale
         lens.sort()
         tail = float(lens[rank(n, cfg.quantile)]) if n else 0.0
         sums = np.cumsum(lens)
