@@ -34,7 +34,10 @@ def test_a_burst_grows_the_pools_and_the_quiet_shrinks_them() -> None:
 
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
             calls = [pool.submit(one, i) for i in range(48)]
-            time.sleep(0.5)  # half a second of the burst: far more prefill than one worker does
+            # the burst's first second at the router: far more prefill than one worker does (a
+            # fixed half-second sleep saw too few arrivals when the host was slow to send them)
+            window = st.service.router.accounting.window  # type: ignore[union-attr]
+            wait_for(lambda: window.workload(scaler.clock(), 1.0).rate >= 20, 20, "the burst at the router")
             grew = st.run(scaler.tick())
             codes = [c.result() for c in calls]
         assert codes == [200] * 48
