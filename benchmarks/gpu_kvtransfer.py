@@ -43,26 +43,38 @@ def receiver(pipe: Any, backend: str, device: int | str, secret: bytes) -> None:
     import torch
 
     from pdserve.kvtransfer.config import TransportConfig
+    from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
     from pdserve.kvtransfer.states import TransferState
     from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
     if isinstance(device, int):
         torch.cuda.set_device(device)
-    cache = new_kv_cache(SHAPE, torch.bfloat16, _device(device))
-    t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60))
+    shm_path = None
+    if backend == "shm":  # a peer can write only into a cache in a shared mapping
+        cache, shm_path = allocate_shared_kv_cache(SHAPE, torch.bfloat16)
+    else:
+        cache = new_kv_cache(SHAPE, torch.bfloat16, _device(device))
+    t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60), shm_path=shm_path)
     pipe.send(t.listen())
-    while True:
-        cmd = pipe.recv()
-        if cmd[0] == "expect":
-            t.expect(cmd[1], cmd[2])
-            pipe.send("ok")
-        elif cmd[0] == "wait":
-            st = t.wait(cmd[1], 60)
-            pipe.send((st is TransferState.DONE, _digest(cache, cmd[2]) if cmd[3] else ""))
-        else:
-            t.close()
-            return
+    try:
+        while True:
+            cmd = pipe.recv()
+            if cmd[0] == "expect":
+                t.expect(cmd[1], cmd[2])
+                pipe.send("ok")
+            elif cmd[0] == "wait":
+                # The time this process learns the KV is in, on the host's monotonic clock (both
+                # processes read the same one): the pipe back to the sender is not the hand-off.
+                st = t.wait(cmd[1], 60)
+                held_at = time.monotonic()
+                pipe.send((st is TransferState.DONE, _digest(cache, cmd[2]) if cmd[3] else "", held_at))
+            else:
+                return
+    finally:
+        t.close()
+        if shm_path is not None:
+            shm_path.unlink(missing_ok=True)
 
 
 def run(
@@ -70,7 +82,11 @@ def run(
 ) -> dict[str, Any]:
     """Transfers of each of ``counts`` blocks (``REPEAT`` timed each, after two checked by hash):
     throughput of the largest against a device copy of its bytes, and the median time of each
-    size (``by_blocks``, ms), from ``send`` to the receiver reporting DONE."""
+    size, from ``send`` to the receiving process holding the KV (``by_blocks_ms``: the whole
+    hand-off of KV computed before the transfer began, its set-up round trip included) and from
+    the last layer marked computed to the same moment when the transfer was begun layer-wise
+    beforehand (``exposed_by_blocks_ms``: what a prefill worker's request waits for, as it begins
+    the transfer before it computes the prompt's last chunk)."""
     import torch
 
     from benchmarks.common import median_time
@@ -94,22 +110,30 @@ def run(
         rng = random.Random(0)
         exact = True
         by_blocks: dict[int, float] = {}
+        exposed: dict[int, float] = {}
         for n in counts:
-            times = []
-            for i in range(REPEAT + 2):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(2 * REPEAT + 2):
+                layerwise = i >= 2 and i % 2 == 1
                 src, dst = rng.sample(range(SHAPE[1]), n), rng.sample(range(SHAPE[1]), n)
                 tid = f"{backend}-{n}-{i}"
                 parent.send(("expect", tid, dst))
                 assert parent.recv() == "ok"
-                t0 = time.perf_counter()
-                tx.send(tid, addr, src, dst)
+                if layerwise:
+                    tx.send(tid, addr, src, dst, layerwise=True)
+                    time.sleep(0.005)  # the prompt's last chunk: its begin is answered meanwhile
+                t0 = time.monotonic()
+                if layerwise:
+                    tx.layer_ready(tid, SHAPE[0] - 1)
+                else:
+                    tx.send(tid, addr, src, dst)
                 parent.send(("wait", tid, dst, i < 2))
-                ok, digest = parent.recv()
-                dt = time.perf_counter() - t0
+                ok, digest, held_at = parent.recv()
                 exact &= ok and (not digest or digest == _digest(cache, src))
                 if i >= 2:
-                    times.append(dt)
-            by_blocks[n] = statistics.median(times) * 1e3
+                    times[layerwise].append(held_at - t0)
+            by_blocks[n] = statistics.median(times[False]) * 1e3
+            exposed[n] = statistics.median(times[True]) * 1e3
         n = max(counts)
         nbytes = n * SHAPE[0] * cache[0, 0].numel() * cache.element_size()
         a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -122,6 +146,7 @@ def run(
             "device_copy_gbs": copy_bw / 1e9,
             "ratio": bw / copy_bw,
             "by_blocks_ms": by_blocks,
+            "exposed_by_blocks_ms": exposed,
             "block_bytes": SHAPE[0] * cache[0, 0].numel() * cache.element_size(),
         }
     finally:

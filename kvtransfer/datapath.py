@@ -51,6 +51,9 @@ def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
 class DataPath(ABC):
     name: str
     direct_write: bool
+    # The sender may send data before the receiver's ``ready``: the payload travels in the
+    # stream, so a receiver that refuses the transfer only reads it past (``discard_data``).
+    eager: bool = False
 
     def __init__(self, cache: torch.Tensor) -> None:
         self.cache = cache
@@ -75,9 +78,16 @@ class DataPath(ABC):
 
     @abstractmethod
     def push_layer(
-        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layer: int,
+        src: Sequence[int],
+        dst: Sequence[int],
+        done: bool = False,
     ) -> int:
-        """Move one layer's blocks; returns bytes moved. The caller holds the transfer's lock."""
+        """Move one layer's blocks; returns bytes moved. The caller holds the transfer's lock.
+        ``done``: the frame announcing them also ends the transfer."""
 
     def push_layers(
         self,
@@ -87,11 +97,16 @@ class DataPath(ABC):
         src: Sequence[int],
         dst: Sequence[int],
         after: object | None = None,
+        last: bool = False,
     ) -> int:
         """Move several computed layers (the caller holds the transfer's lock). ``after``: the
-        ``computed_marker`` taken when the last of them was reported computed."""
+        ``computed_marker`` taken when the last of them was reported computed; ``last``: they
+        are the transfer's final layers, and their final frame ends it (one frame, not two)."""
         self._order_after(after)
-        return sum(self.push_layer(conn, transfer_id, layer, src, dst) for layer in layers)
+        return sum(
+            self.push_layer(conn, transfer_id, layer, src, dst, done=last and layer == layers.stop - 1)
+            for layer in layers
+        )
 
     def computed_marker(self) -> object | None:
         """Called on the thread that computes the cache, once the layers it reports are written
@@ -119,6 +134,7 @@ class DataPath(ABC):
 class TcpPath(DataPath):
     name = "tcp"
     direct_write = False
+    eager = True
 
     def __init__(self, cache: torch.Tensor) -> None:
         super().__init__(cache)
@@ -127,10 +143,17 @@ class TcpPath(DataPath):
         self._arr = _block_bytes(cache).numpy()  # shares memory with the cache
 
     def push_layer(
-        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layer: int,
+        src: Sequence[int],
+        dst: Sequence[int],
+        done: bool = False,
     ) -> int:
         arr = self._arr[layer]
-        conn.send("data", [arr[b] for b in src], id=transfer_id, layer=layer, first=0, count=len(src))
+        end = {"done": True} if done else {}
+        conn.send("data", [arr[b] for b in src], id=transfer_id, layer=layer, first=0, count=len(src), **end)
         return len(src) * self.block_nbytes
 
     def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
@@ -175,9 +198,15 @@ class _DirectWritePath(DataPath):
         self._peers.clear()  # drop mappings of peers' caches
 
     def push_layer(
-        self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+        self,
+        conn: Connection,
+        transfer_id: str,
+        layer: int,
+        src: Sequence[int],
+        dst: Sequence[int],
+        done: bool = False,
     ) -> int:
-        return self.push_layers(conn, transfer_id, range(layer, layer + 1), src, dst)
+        return self.push_layers(conn, transfer_id, range(layer, layer + 1), src, dst, last=done)
 
     def push_layers(
         self,
@@ -187,11 +216,13 @@ class _DirectWritePath(DataPath):
         src: Sequence[int],
         dst: Sequence[int],
         after: object | None = None,
+        last: bool = False,
     ) -> int:
         self._order_after(after)
         self._copy(conn, layers, src, dst)
         self._written(conn)
-        conn.send("layer", id=transfer_id, layer=layers.start, count=len(layers))
+        end = {"done": True} if last else {}
+        conn.send("layer", id=transfer_id, layer=layers.start, count=len(layers), **end)
         return len(layers) * len(src) * self.block_nbytes
 
     def _written(self, conn: Connection) -> None:
@@ -435,12 +466,13 @@ class CudaIpcPath(_DirectWritePath):
         src: Sequence[int],
         dst: Sequence[int],
         after: object | None = None,
+        last: bool = False,
     ) -> int:
         # Ordered before entering the copy stream: without a marker, "everything on the caller's
         # current stream" must name the caller's stream, not the copy stream itself.
         order_after(self._stream, after)
         with torch.cuda.stream(self._stream):
-            return super().push_layers(conn, transfer_id, layers, src, dst)
+            return super().push_layers(conn, transfer_id, layers, src, dst, last=last)
 
     def _written(self, conn: Connection) -> None:
         self._stream.synchronize()  # the bytes are in the peer's memory before we say so

@@ -366,9 +366,16 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             order_after(self.stream, marker)
 
         def push_layer(
-            self, conn: Connection, transfer_id: str, layer: int, src: Sequence[int], dst: Sequence[int]
+            self,
+            conn: Connection,
+            transfer_id: str,
+            layer: int,
+            src: Sequence[int],
+            dst: Sequence[int],
+            done: bool = False,
         ) -> int:
-            conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src))
+            end = {"done": True} if done else {}
+            conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src), **end)
             self._run(conn, self.lib.send, block_pointers(self.cache, layer, src), peer=1)
             return len(src) * self.block_nbytes
 

@@ -1,16 +1,20 @@
 """The receiving (decode) side: reserved destinations, a listener, one reader per connection.
 
-The owner (the decode worker) reserves blocks, then calls ``expect(id, blocks, lease)``. A sender
-connects, authenticates, and sends ``begin`` naming exactly those blocks; the receiver answers
-``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write) frames until
-``done``. A transfer is DONE only when every layer arrived in full. Any doubt fails it: a missing
-layer at ``done``, a lost connection, an expired lease, a cancel. For direct-write paths an
-accepted transfer is failed only once no write can reach its blocks any more: the sender
-confirmed it stopped (``aborted``), its connection is gone, or the write fence passed. The fence:
-``ready`` tells a direct-write sender when the lease ends on the host's monotonic clock, and the
-sender starts no write after that; a sender that never confirms an abort loses the blocks at
-lease end + ``fence_grace_s`` (which bounds one write already under way) and its connection is
-closed, as it no longer follows the protocol.
+The owner (the decode worker) reserves blocks, then calls ``expect(id, blocks, lease)``. A
+sender connects, authenticates, and sends ``begin`` naming exactly those blocks; the receiver
+answers ``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write)
+frames, the last of which says ``done`` (a separate ``done`` frame is accepted too). An
+``eager`` begin (tcp only: this side writes the payload, so nothing lands in the blocks unless
+the begin was accepted) gets no ``ready``: its data follows at once, and is read past if it is
+refused. A direct-write sender must wait for ``ready``, which carries the fence below; an eager
+begin on such a path is refused. A transfer is DONE only when every layer arrived in full. Any
+doubt fails it: a missing layer at ``done``, a lost connection, an expired lease, a cancel. For
+direct-write paths an accepted transfer is failed only once no write can reach its blocks any
+more: the sender confirmed it stopped (``aborted``), its connection is gone, or the write fence
+passed. The fence: ``ready`` tells a direct-write sender when the lease ends on the host's
+monotonic clock, and the sender starts no write after that; a sender that never confirms an
+abort loses the blocks at lease end + ``fence_grace_s`` (which bounds one write already under
+way) and its connection is closed, as it no longer follows the protocol.
 """
 
 from __future__ import annotations
@@ -304,6 +308,8 @@ class Receiver(TransferTable[Incoming]):
                 reason = "destination blocks differ from the reservation"
             elif f["num_layers"] != t.num_layers:
                 reason = f"{f['num_layers']} layers, expected {t.num_layers}"
+            elif f.get("eager") and not path.eager:
+                reason = f"the {path.name} path must wait for ready"
             if reason is not None:
                 # A begun transfer is left alone: another begin must not fail it under its sender.
                 if t is not None and t.state is TransferState.BOOTSTRAPPING:
@@ -317,6 +323,8 @@ class Receiver(TransferTable[Incoming]):
                 t.started = time.monotonic()
         if reason is not None:
             conn.send("reject", id=f["id"], reason=reason, cause=FailureCause.REJECTED.value)
+        elif f.get("eager"):
+            return  # its data is on the way already
         elif path.direct_write:
             assert t is not None
             conn.send("ready", id=f["id"], write_until_ns=int(t.deadline * 1e9))
@@ -353,6 +361,8 @@ class Receiver(TransferTable[Incoming]):
             if got >= len(t.dst_blocks):
                 t.layers.add(f["layer"])
                 self._lock.notify_all()
+            if f.get("done"):
+                self._end(t)
 
     def _on_layer(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
         if not path.direct_write:
@@ -368,6 +378,8 @@ class Receiver(TransferTable[Incoming]):
             t.layers.update(range(first, first + count))
             t.nbytes += count * len(t.dst_blocks) * path.block_nbytes
             self._lock.notify_all()
+            if f.get("done"):
+                self._end(t)
 
     def _on_done(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
         with self._lock:
@@ -375,10 +387,15 @@ class Receiver(TransferTable[Incoming]):
             if t is None:
                 self.stats.ignored_frames += 1
                 return
-            if len(t.layers) == t.num_layers:
-                self._finish(t, TransferState.DONE)
-            else:
-                self._finish(t, TransferState.FAILED, FailureCause.PROTOCOL)
+            self._end(t)
+
+    def _end(self, t: Incoming) -> None:
+        """The sender says it sent everything (caller holds the lock): DONE if every layer is
+        here in full, a protocol failure otherwise."""
+        if len(t.layers) == t.num_layers:
+            self._finish(t, TransferState.DONE)
+        else:
+            self._finish(t, TransferState.FAILED, FailureCause.PROTOCOL)
 
     def _on_abort(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
         # The sender gave up; it sends this only after it stopped writing.

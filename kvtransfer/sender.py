@@ -4,12 +4,18 @@
 connects (lazily, once per peer) and sends ``begin`` without waiting for the answer, so the
 set-up round trips of several transfers to one peer overlap each other's copies. The reader
 thread takes the peer's answers (``ready``, ``reject``, ``abort``); a ``ready`` moves the
-transfer to TRANSFERRING and hands it back to the pusher, which pushes each layer as soon as it
-is computed (``layer_ready``) or all at once, and ends with ``done``. A ``begin`` unanswered
-within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held while
-one of its layers is written, so an abort or a failure never races a write: once a transfer is
-FAILED or DONE the transport no longer touches its source blocks (and, for direct-write paths,
-the peer's).
+transfer to TRANSFERRING. Layers move as soon as they are computed (``layer_ready``) or all at
+once; the frame that announces the last of them also ends the transfer, so a whole transfer is
+``begin``, ``ready`` and one frame. Who pushes: the pusher thread, on ``begin`` and on every
+``layer_ready``; the reader thread itself on ``ready`` for a direct-write path (its push is a
+local copy and one small frame, and a hop back to the pusher would cost more than the copy of a
+small request). On an ``eager`` path (tcp: the receiver reads the payload itself, and reads past
+what it refuses) the sender does not wait for ``ready`` at all: ``begin`` and the data go out
+back to back, and a ``reject`` fails a transfer still under way. A ``begin`` unanswered within
+the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held while one of
+its layers is written, so an abort or a failure never races a write: once a transfer is FAILED
+or DONE the transport no longer touches its source blocks (and, for direct-write paths, the
+peer's).
 
 Direct-write fence: a direct-write receiver's ``ready`` carries the end of its lease on the
 host's monotonic clock (direct-write peers share a host, hence that clock). The sender starts no
@@ -25,8 +31,9 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.channel import (
@@ -68,6 +75,7 @@ class Outgoing:
     answer_by: float = 0.0  # when the begin went out, plus the I/O timeout
     write_until_ns: int | None = None  # direct-write fence from the receiver's ready
     conn: Connection | None = None  # the connection its begin went out on; all its bytes use it
+    eager: bool = False  # its data went out without waiting for ``ready``
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
 
@@ -289,45 +297,57 @@ class Sender(TransferTable[Outgoing]):
             assert t is not None
             if t.state.terminal:
                 continue
-            conn: Connection | None = None
-            try:
-                if time.monotonic() > t.deadline:
-                    raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
-                if kind == "begin":
-                    with p.conn_lock:
-                        conn = p.conn if p.conn is not None and not p.conn.closed.is_set() else None
-                    if conn is None:
-                        conn = self._connect(p)
-                        with p.conn_lock:
-                            p.conn = conn
-                    t.conn = conn
-                    t.answer_by = time.monotonic() + self.peering.io_timeout_s
-                    self._begin(conn, t)
-                    continue  # the reader hands it back on ``ready``
-                conn = t.conn
-                if conn is not None:
-                    self._push_ready_layers(conn, t)
-            except ConnectionBroken as e:  # the stream is unusable: everything on it fails
-                log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
-                if conn is not None:
-                    self._fail_peer(p, conn, e.cause, current=t)
-                else:
-                    self._fail(p, t, e.cause, notify_peer=False)
-            except TransferError as e:  # this transfer only
-                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
-                self._fail(p, t, e.cause, notify_peer=True)
-            except Exception:  # a bug must fail the transfer, not kill the pusher silently
-                log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
-                self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
+            if kind == "begin":
+                self._guarded(p, t, partial(self._open_and_begin, p, t))
+            elif (conn := t.conn) is not None:
+                self._guarded(p, t, partial(self._push_ready_layers, conn, t))
 
-    def _begin(self, conn: Connection, t: Outgoing) -> None:
+    def _guarded(self, p: _Peer, t: Outgoing, step: Callable[[], None]) -> None:
+        """Run one step of ``t`` on a transport thread; a failure fails ``t`` (or, when the stream
+        itself broke, everything on it), never the thread."""
+        try:
+            if time.monotonic() > t.deadline:
+                raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
+            step()
+        except ConnectionBroken as e:  # the stream is unusable: everything on it fails
+            log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
+            broken = t.conn  # set once its begin found a connection
+            if broken is not None:
+                self._fail_peer(p, broken, e.cause, current=t)
+            else:
+                self._fail(p, t, e.cause, notify_peer=False)
+        except TransferError as e:  # this transfer only
+            log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
+            self._fail(p, t, e.cause, notify_peer=True)
+        except Exception:  # a bug must fail the transfer, not kill the thread silently
+            log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
+            self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
+
+    def _open_and_begin(self, p: _Peer, t: Outgoing) -> None:
+        """Send ``begin`` on the peer's connection (made first if there is none); on an eager
+        path push what is computed right behind it, otherwise the reader resumes on ``ready``."""
+        with p.conn_lock:
+            conn = p.conn if p.conn is not None and not p.conn.closed.is_set() else None
+        if conn is None:
+            conn = self._connect(p)
+            with p.conn_lock:
+                p.conn = conn
+        t.conn = conn
+        eager = self.path.eager
+        with t.lock:
+            t.answer_by = time.monotonic() + self.peering.io_timeout_s
+            if eager and t.state is TransferState.BOOTSTRAPPING:
+                t.eager, t.state = True, TransferState.TRANSFERRING
         conn.send(
             "begin",
             id=t.transfer_id,
             dst_blocks=list(t.dst_blocks),
             num_layers=self.num_layers,
             layerwise=t.layerwise,
+            **({"eager": True} if eager else {}),
         )
+        if eager:
+            self._push_ready_layers(conn, t)
 
     def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
         with self._lock:  # layer_ready sets both under this lock: read them as one pair
@@ -340,12 +360,12 @@ class Sender(TransferTable[Outgoing]):
             if t.write_until_ns is not None and time.monotonic_ns() >= t.write_until_ns:
                 raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
             layers = range(t.layers_sent, ready)
+            last = layers.stop == self.num_layers
             t.nbytes += self.path.push_layers(
-                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker
+                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last
             )
             t.layers_sent = layers.stop
-            if t.layers_sent == self.num_layers:
-                conn.send("done", id=t.transfer_id)
+            if last:
                 self._finish(t, TransferState.DONE)
 
     def _reader(self, p: _Peer, conn: Connection) -> None:
@@ -368,7 +388,11 @@ class Sender(TransferTable[Outgoing]):
                     self.stats.ignored_frames += 1
                     continue
                 with t.lock:
-                    if t.state is not TransferState.BOOTSTRAPPING or t.conn is not conn:
+                    # An eager transfer is under way before its answer: only a reject concerns it.
+                    waiting = t.state is TransferState.BOOTSTRAPPING or (
+                        t.eager and t.state is TransferState.TRANSFERRING and f["t"] == "reject"
+                    )
+                    if not waiting or t.conn is not conn:
                         self.stats.ignored_frames += 1
                         continue
                     if f["t"] == "reject":
@@ -377,7 +401,10 @@ class Sender(TransferTable[Outgoing]):
                         continue
                     t.write_until_ns = f.get("write_until_ns")
                     t.state = TransferState.TRANSFERRING
-                p.events.put(("progress", t))
+                if self.path.direct_write:
+                    self._guarded(p, t, partial(self._push_ready_layers, conn, t))
+                else:
+                    p.events.put(("progress", t))
         except (TransferError, wire.FrameError) as e:
             if not conn.closed.is_set():
                 log.info("kv connection to %s ended: %s", p.address, e)

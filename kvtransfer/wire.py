@@ -42,9 +42,11 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "welcome": {"mac": bytes, "backend": str, "info": dict},
     "refuse": {"reason": str, "cause": str},
     # sender -> receiver
-    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool},
-    "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT},  # + raw payload (tcp)
-    "layer": {"id": _ID, "layer": _UINT, "count": _UINT},  # layers [layer, layer+count) written
+    # eager: the sender sends data without waiting for ``ready`` (paths the receiver writes)
+    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool, "eager": bool},
+    # + raw payload (tcp); done: this frame ends the transfer (no separate ``done``)
+    "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT, "done": bool},
+    "layer": {"id": _ID, "layer": _UINT, "count": _UINT, "done": bool},  # [layer, layer+count) written
     "done": {"id": _ID},
     "aborted": {"id": _ID},  # the sender stopped writing this transfer (answers "abort")
     # receiver -> sender
@@ -53,7 +55,13 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     # either direction: give up on a transfer
     "abort": {"id": _ID, "reason": str},
 }
-_OPTIONAL: dict[str, set[str]] = {"hello": {"info"}, "ready": {"write_until_ns"}}
+_OPTIONAL: dict[str, set[str]] = {
+    "hello": {"info"},
+    "ready": {"write_until_ns"},
+    "begin": {"eager"},
+    "data": {"done"},
+    "layer": {"done"},
+}
 
 
 def encode(frame_type: str, **fields: Any) -> bytes:

@@ -254,10 +254,11 @@ def test_direct_writer_starts_no_write_after_the_fence(monkeypatch: pytest.Monke
 
 
 def test_unanswered_begin_times_out_on_the_sender() -> None:
-    """A peer that accepts the connection but never answers ``begin``: the sender gives up after
-    its I/O timeout and serves the next transfer to another peer."""
-    silent = transport("tcp")
-    sender = transport("tcp", seed=14, io_timeout_s=0.3)
+    """A peer that accepts the connection but never answers ``begin``: a direct-write sender
+    (which must wait for ``ready``) gives up after its I/O timeout and serves the next transfer
+    to another peer."""
+    silent = transport("shm")
+    sender = transport("shm", seed=14, io_timeout_s=0.3)
     pool = BlockPool(SHAPE[1])
     try:
         silent.listen()
@@ -267,7 +268,7 @@ def test_unanswered_begin_times_out_on_the_sender() -> None:
         sender.send("q", silent.address, [2, 3], [0, 1])
         assert outcome(sender, "q") is FailureCause.TIMEOUT
         assert time.monotonic() - t0 < 3
-        receiver = transport("tcp")
+        receiver = transport("shm")
         try:
             receiver.listen()
             dst = pick(pool, 2, random.Random(14))

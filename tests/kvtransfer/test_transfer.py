@@ -179,9 +179,9 @@ def test_copies_wait_for_the_marker_taken_on_the_computing_thread(monkeypatch: p
 
     original = path.push_layers
 
-    def push_layers(conn, tid, layers, src, dst, after=None):  # type: ignore[no-untyped-def]
+    def push_layers(conn, tid, layers, src, dst, after=None, last=False):  # type: ignore[no-untyped-def]
         pushed.append((layers, after))
-        return original(conn, tid, layers, src, dst, after)
+        return original(conn, tid, layers, src, dst, after, last)
 
     monkeypatch.setattr(path, "computed_marker", marker)
     monkeypatch.setattr(path, "push_layers", push_layers)
