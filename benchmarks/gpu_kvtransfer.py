@@ -8,6 +8,8 @@
   GPU it says so and skips.
 
 Run: ``python -m benchmarks.gpu_kvtransfer`` (under 5 minutes). The last line is one JSON object.
+``--cpu``: the hand-off's fixed cost over this host's shm and tcp paths instead (no GPU; the
+shm path is direct-write, as ``cuda_ipc`` is), three rounds, about a minute.
 """
 
 from __future__ import annotations
@@ -55,24 +57,28 @@ def receiver(pipe: Any, backend: str, device: int | str, secret: bytes) -> None:
         cache, shm_path = allocate_shared_kv_cache(SHAPE, torch.bfloat16)
     else:
         cache = new_kv_cache(SHAPE, torch.bfloat16, _device(device))
-    t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60), shm_path=shm_path)
-    pipe.send(t.listen())
+    t = None
     try:
+        t = KVTransport(cache, secret, TransportConfig(backend=backend, io_timeout_s=60), shm_path=shm_path)
+        pipe.send(t.listen())
         while True:
             cmd = pipe.recv()
             if cmd[0] == "expect":
                 t.expect(cmd[1], cmd[2])
                 pipe.send("ok")
             elif cmd[0] == "wait":
-                # The time this process learns the KV is in, on the host's monotonic clock (both
-                # processes read the same one): the pipe back to the sender is not the hand-off.
+                # Waiting before the sender starts its clock, so the time taken is when this
+                # process learns the KV is in (its own reading of the host's monotonic clock,
+                # which both processes share), not a pipe's delivery.
+                pipe.send("waiting")
                 st = t.wait(cmd[1], 60)
                 held_at = time.monotonic()
                 pipe.send((st is TransferState.DONE, _digest(cache, cmd[2]) if cmd[3] else "", held_at))
             else:
                 return
     finally:
-        t.close()
+        if t is not None:
+            t.close()
         if shm_path is not None:
             shm_path.unlink(missing_ok=True)
 
@@ -91,6 +97,7 @@ def run(
 
     from benchmarks.common import median_time
     from pdserve.kvtransfer.config import TransportConfig
+    from pdserve.kvtransfer.states import TransferState
     from pdserve.kvtransfer.transport import KVTransport
     from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
@@ -119,15 +126,18 @@ def run(
                 tid = f"{backend}-{n}-{i}"
                 parent.send(("expect", tid, dst))
                 assert parent.recv() == "ok"
-                if layerwise:
+                if layerwise:  # begun while the prompt's last chunk computes: answered by then
                     tx.send(tid, addr, src, dst, layerwise=True)
-                    time.sleep(0.005)  # the prompt's last chunk: its begin is answered meanwhile
+                    accepted_by = time.monotonic() + 10
+                    while tx.state(tid) is TransferState.BOOTSTRAPPING and time.monotonic() < accepted_by:
+                        time.sleep(0.0005)
+                parent.send(("wait", tid, dst, i < 4))  # the first two of each kind checked
+                assert parent.recv() == "waiting"
                 t0 = time.monotonic()
                 if layerwise:
                     tx.layer_ready(tid, SHAPE[0] - 1)
                 else:
                     tx.send(tid, addr, src, dst)
-                parent.send(("wait", tid, dst, i < 2))
                 ok, digest, held_at = parent.recv()
                 exact &= ok and (not digest or digest == _digest(cache, src))
                 if i >= 2:
@@ -166,9 +176,34 @@ def fixed_cost_ms(by_blocks_ms: dict[int, float], block_bytes: int) -> tuple[flo
     return intercept, slope
 
 
+def cpu_handoff(rounds: int = 3) -> dict[str, Any]:
+    """The hand-off's fixed cost on this host's CPU paths (shm: direct-write, as ``cuda_ipc``;
+    tcp), ``rounds`` times each: the medians of the whole and exposed intercepts."""
+    out: dict[str, Any] = {}
+    for backend in ("shm", "tcp"):
+        whole, exposed = [], []
+        for _ in range(rounds):
+            r = run(backend, "cpu", "cpu", (1, 4, 16, 64))
+            assert r["byte_exact"], f"{backend}: bytes differ"
+            whole.append(fixed_cost_ms(r["by_blocks_ms"], r["block_bytes"])[0])
+            exposed.append(fixed_cost_ms(r["exposed_by_blocks_ms"], r["block_bytes"])[0])
+            print(backend, {k: round(v, 3) for k, v in r["by_blocks_ms"].items()},
+                  {k: round(v, 3) for k, v in r["exposed_by_blocks_ms"].items()}, flush=True)  # fmt: skip
+        out[backend] = {
+            "fixed_ms": statistics.median(whole),
+            "exposed_fixed_ms": statistics.median(exposed),
+            "rounds_fixed_ms": whole,
+            "rounds_exposed_fixed_ms": exposed,
+        }
+    return out
+
+
 def main() -> int:
     import torch
 
+    if "--cpu" in sys.argv[1:]:
+        print(json.dumps(cpu_handoff(), sort_keys=True))
+        return 0
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0

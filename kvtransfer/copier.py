@@ -13,6 +13,7 @@ torch thread settings (which ``torch.set_num_threads`` from another thread would
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -34,6 +35,7 @@ class BlockCopier:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, min(threads or (os.cpu_count() or 1), 4))
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # a peer's pusher and reader threads may both copy
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         total = sum(d.nbytes for d, _ in pairs)
@@ -43,13 +45,15 @@ class BlockCopier:
         if len(pairs) < PIECES_PER_THREAD * self.threads:  # few large pieces (runs): cut them up
             per = -(-PIECES_PER_THREAD * self.threads // len(pairs))
             pairs = [piece for d, s in pairs for piece in _split(d, s, per)]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
+            pool = self._pool
         # Every thread takes the next piece from one shared iterator (a list iterator's next is
         # atomic under the GIL): a helper thread that wakes late (a busy host) simply copies
         # fewer pieces instead of finishing last with a fixed share.
         work = iter(pairs)
-        futures = [self._pool.submit(_run, work) for _ in range(self.threads - 1)]
+        futures = [pool.submit(_run, work) for _ in range(self.threads - 1)]
         try:
             _run(work)  # the calling thread copies too
         finally:
@@ -60,9 +64,10 @@ class BlockCopier:
             f.result()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def _run(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:

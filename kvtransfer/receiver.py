@@ -4,17 +4,19 @@ The owner (the decode worker) reserves blocks, then calls ``expect(id, blocks, l
 sender connects, authenticates, and sends ``begin`` naming exactly those blocks; the receiver
 answers ``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write)
 frames, the last of which says ``done`` (a separate ``done`` frame is accepted too). An
-``eager`` begin (tcp only: this side writes the payload, so nothing lands in the blocks unless
-the begin was accepted) gets no ``ready``: its data follows at once, and is read past if it is
-refused. A direct-write sender must wait for ``ready``, which carries the fence below; an eager
-begin on such a path is refused. A transfer is DONE only when every layer arrived in full. Any
-doubt fails it: a missing layer at ``done``, a lost connection, an expired lease, a cancel. For
-direct-write paths an accepted transfer is failed only once no write can reach its blocks any
-more: the sender confirmed it stopped (``aborted``), its connection is gone, or the write fence
-passed. The fence: ``ready`` tells a direct-write sender when the lease ends on the host's
-monotonic clock, and the sender starts no write after that; a sender that never confirms an
-abort loses the blocks at lease end + ``fence_grace_s`` (which bounds one write already under
-way) and its connection is closed, as it no longer follows the protocol.
+``eager`` begin gets no ``ready``: its data follows at once, and is read past if it is refused.
+Only tcp takes one (this side writes the payload, so nothing lands in the blocks unless the
+begin was accepted); elsewhere it is refused — a direct-write sender must hold the fence that
+``ready`` carries (below) before it writes. What this side takes beyond the first protocol
+(``features``: ``END_FLAG``, ``EAGER``) is offered in its ``welcome``, and a sender uses only
+that. A transfer is DONE only when every layer arrived in full. Any doubt fails it: a missing
+layer at ``done``, a lost connection, an expired lease, a cancel. For direct-write paths an
+accepted transfer is failed only once no write can reach its blocks any more: the sender
+confirmed it stopped (``aborted``), its connection is gone, or the write fence passed. The
+fence: ``ready`` tells a direct-write sender when the lease ends on the host's monotonic clock,
+and the sender starts no write after that; a sender that never confirms an abort loses the
+blocks at lease end + ``fence_grace_s`` (which bounds one write already under way) and its
+connection is closed, as it no longer follows the protocol.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
 FENCE_GRACE_S = 2.0
+
+
+def features(path: DataPath) -> list[str]:
+    """What this receiver understands beyond the first protocol, offered in its ``welcome``: a
+    sender uses only what its peer offers, so either side can be upgraded first."""
+    return [wire.END_FLAG, *([wire.EAGER] if path.eager else [])]
 
 
 @dataclass
@@ -247,7 +255,7 @@ class Receiver(TransferTable[Incoming]):
 
     def _serve(self, conn: Connection) -> None:
         try:
-            offers = {name: p.receiver_info() for name, p in self.paths.items()}
+            offers = {name: {**p.receiver_info(), "features": features(p)} for name, p in self.paths.items()}
             hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers, self.peering.tls)
             path = self.paths[conn.backend]
             path.accept(conn, hello)

@@ -5,17 +5,21 @@ connects (lazily, once per peer) and sends ``begin`` without waiting for the ans
 set-up round trips of several transfers to one peer overlap each other's copies. The reader
 thread takes the peer's answers (``ready``, ``reject``, ``abort``); a ``ready`` moves the
 transfer to TRANSFERRING. Layers move as soon as they are computed (``layer_ready``) or all at
-once; the frame that announces the last of them also ends the transfer, so a whole transfer is
-``begin``, ``ready`` and one frame. Who pushes: the pusher thread, on ``begin`` and on every
-``layer_ready``; the reader thread itself on ``ready`` for a direct-write path (its push is a
-local copy and one small frame, and a hop back to the pusher would cost more than the copy of a
-small request). On an ``eager`` path (tcp: the receiver reads the payload itself, and reads past
-what it refuses) the sender does not wait for ``ready`` at all: ``begin`` and the data go out
-back to back, and a ``reject`` fails a transfer still under way. A ``begin`` unanswered within
-the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held while one of
-its layers is written, so an abort or a failure never races a write: once a transfer is FAILED
-or DONE the transport no longer touches its source blocks (and, for direct-write paths, the
-peer's).
+once, and the frame that announces the last of them also ends the transfer (where the receiver
+offers ``END_FLAG``; a ``done`` frame otherwise): a whole direct-write transfer is ``begin``,
+``ready`` and one ``layer`` frame. Who pushes: the pusher thread on every ``layer_ready`` (and
+right after an eager ``begin``); the reader thread itself on ``ready`` for a direct-write path
+(its push is a local copy and one small frame, and a hop back to the pusher would cost more
+than the copy of a small request). On an eager path (tcp, where the receiver offers ``EAGER``:
+it reads the payload itself, and reads past what it refuses) the sender does not wait for
+``ready`` at all: ``begin`` and the data go out back to back. There, DONE means every byte was
+handed to the connection, not that the receiver took it: a ``reject`` fails a transfer still
+under way, and one that comes after DONE is counted (``rejected_after_send``) and logged — the
+receiving side fails its own record either way. A ``begin`` that waits for its answer and gets
+none within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held
+while one of its layers is written, so an abort or a failure never races a write: once a
+transfer is FAILED or DONE the transport no longer touches its source blocks (and, for
+direct-write paths, the peer's).
 
 Direct-write fence: a direct-write receiver's ``ready`` carries the end of its lease on the
 host's monotonic clock (direct-write peers share a host, hence that clock). The sender starts no
@@ -72,7 +76,7 @@ class Outgoing:
     layers_sent: int = 0
     computed: object | None = None  # the path's marker taken when layers_ready last grew
     lock: threading.Lock = field(default_factory=threading.Lock)
-    answer_by: float = 0.0  # when the begin went out, plus the I/O timeout
+    answer_by: float = 0.0  # when the begin went out, plus the I/O timeout (0: not out yet)
     write_until_ns: int | None = None  # direct-write fence from the receiver's ready
     conn: Connection | None = None  # the connection its begin went out on; all its bytes use it
     eager: bool = False  # its data went out without waiting for ``ready``
@@ -332,20 +336,22 @@ class Sender(TransferTable[Outgoing]):
             conn = self._connect(p)
             with p.conn_lock:
                 p.conn = conn
-        t.conn = conn
-        eager = self.path.eager
-        with t.lock:
+        eager = self.path.eager and wire.EAGER in conn.info.get("features", ())
+        with t.lock:  # a cancel now either comes first (no begin goes out) or sees it out
+            if t.state.terminal:
+                return
+            t.conn = conn
             t.answer_by = time.monotonic() + self.peering.io_timeout_s
-            if eager and t.state is TransferState.BOOTSTRAPPING:
+            if eager:
                 t.eager, t.state = True, TransferState.TRANSFERRING
-        conn.send(
-            "begin",
-            id=t.transfer_id,
-            dst_blocks=list(t.dst_blocks),
-            num_layers=self.num_layers,
-            layerwise=t.layerwise,
-            **({"eager": True} if eager else {}),
-        )
+            conn.send(
+                "begin",
+                id=t.transfer_id,
+                dst_blocks=list(t.dst_blocks),
+                num_layers=self.num_layers,
+                layerwise=t.layerwise,
+                **({"eager": True} if eager else {}),
+            )
         if eager:
             self._push_ready_layers(conn, t)
 
@@ -361,11 +367,14 @@ class Sender(TransferTable[Outgoing]):
                 raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
             layers = range(t.layers_sent, ready)
             last = layers.stop == self.num_layers
+            flag = wire.END_FLAG in conn.info.get("features", ())
             t.nbytes += self.path.push_layers(
-                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last
+                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last and flag
             )
             t.layers_sent = layers.stop
             if last:
+                if not flag:
+                    conn.send("done", id=t.transfer_id)
                 self._finish(t, TransferState.DONE)
 
     def _reader(self, p: _Peer, conn: Connection) -> None:
@@ -392,6 +401,11 @@ class Sender(TransferTable[Outgoing]):
                     waiting = t.state is TransferState.BOOTSTRAPPING or (
                         t.eager and t.state is TransferState.TRANSFERRING and f["t"] == "reject"
                     )
+                    if t.eager and t.state is TransferState.DONE and f["t"] == "reject" and t.conn is conn:
+                        log.info("kv transfer %s refused by %s after it was sent: %s",
+                                 t.transfer_id, p.address, f["reason"])  # fmt: skip
+                        self.stats.failures["rejected_after_send"] += 1
+                        continue
                     if not waiting or t.conn is not conn:
                         self.stats.ignored_frames += 1
                         continue

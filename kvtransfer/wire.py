@@ -15,6 +15,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 VERSION = 1
+# Features a receiver offers in its ``welcome`` info (``"features": [...]``); a sender uses one
+# only when offered (an older receiver refuses frames with fields it does not know).
+END_FLAG = "end_flag"  # ``done`` on the last ``data`` / ``layer`` frame instead of a ``done`` frame
+EAGER = "eager"  # ``begin`` with ``eager``: data follows without waiting for ``ready`` (tcp)
 LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 20  # control frames carry block lists and handles, nothing bulky
 MAX_DEPTH = 6
@@ -42,7 +46,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "welcome": {"mac": bytes, "backend": str, "info": dict},
     "refuse": {"reason": str, "cause": str},
     # sender -> receiver
-    # eager: the sender sends data without waiting for ``ready`` (paths the receiver writes)
+    # eager: the data follows without waiting for ``ready`` (tcp, where the receiver offers EAGER)
     "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool, "eager": bool},
     # + raw payload (tcp); done: this frame ends the transfer (no separate ``done``)
     "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT, "done": bool},

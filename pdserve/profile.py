@@ -272,9 +272,12 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
                 receiver.expect(tid, ids)
                 sender.send(tid, addr, ids, ids)
                 deadline = t0 + 60
-                while receiver.wait(tid, 0.05) is not TransferState.DONE:
-                    # A refused sender fails at once while the receiver would wait out its lease.
-                    if sender.state(tid) is TransferState.FAILED or time.perf_counter() > deadline:
+                while (state := receiver.wait(tid, 0.05)) is not TransferState.DONE:
+                    # Either side may see a failure first (a refused eager tcp sender may already
+                    # have sent everything; a refused direct-write one fails while the receiver
+                    # would wait out its lease).
+                    failed = TransferState.FAILED in (state, sender.state(tid))
+                    if failed or time.perf_counter() > deadline:
                         raise RuntimeError(f"{args.link} transfer failed while profiling the link")
                 dt = time.perf_counter() - t0
                 receiver.forget(tid)

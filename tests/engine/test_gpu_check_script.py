@@ -18,6 +18,7 @@ KEYS = (
     "prefill_mfu_2k",
     "prefill_mfu_8k",
     "handoff_fixed_ms",
+    "handoff_exposed_fixed_ms",
 )
 
 
