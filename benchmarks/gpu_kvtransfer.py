@@ -73,6 +73,7 @@ def receiver(pipe: Any, backend: str, device: int | str, secret: bytes) -> None:
                 pipe.send("waiting")
                 st = t.wait(cmd[1], 60)
                 held_at = time.monotonic()
+                t.forget(cmd[1])
                 pipe.send((st is TransferState.DONE, _digest(cache, cmd[2]) if cmd[3] else "", held_at))
             else:
                 return
@@ -86,7 +87,8 @@ def receiver(pipe: Any, backend: str, device: int | str, secret: bytes) -> None:
 def run(
     backend: str, rx_device: int | str, tx_device: int | str, counts: tuple[int, ...] = (BLOCKS,)
 ) -> dict[str, Any]:
-    """Transfers of each of ``counts`` blocks (``REPEAT`` timed each, after two checked by hash):
+    """Transfers of each of ``counts`` blocks (``REPEAT`` timed of each kind, after two untimed
+    whole ones; the first four checked by hash):
     throughput of the largest against a device copy of its bytes, and the median time of each
     size, from ``send`` to the receiving process holding the KV (``by_blocks_ms``: the whole
     hand-off of KV computed before the transfer began, its set-up round trip included) and from
@@ -106,6 +108,7 @@ def run(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, backend, rx_device, secret))
     proc.start()
+    child.close()  # the child's end lives in the child: a child that dies ends our recv
     device = _device(tx_device)
     if isinstance(tx_device, int):
         torch.cuda.set_device(tx_device)
@@ -129,9 +132,10 @@ def run(
                 if layerwise:  # begun while the prompt's last chunk computes: answered by then
                     tx.send(tid, addr, src, dst, layerwise=True)
                     accepted_by = time.monotonic() + 10
-                    while tx.state(tid) is TransferState.BOOTSTRAPPING and time.monotonic() < accepted_by:
+                    while tx.state(tid) is TransferState.BOOTSTRAPPING:
+                        assert time.monotonic() < accepted_by, f"{tid}: begin not answered"
                         time.sleep(0.0005)
-                parent.send(("wait", tid, dst, i < 4))  # the first two of each kind checked
+                parent.send(("wait", tid, dst, i < 4))  # 3 whole and 1 layer-wise checked by hash
                 assert parent.recv() == "waiting"
                 t0 = time.monotonic()
                 if layerwise:

@@ -51,9 +51,6 @@ def _block_bytes(cache: torch.Tensor) -> torch.Tensor:
 class DataPath(ABC):
     name: str
     direct_write: bool
-    # The sender may send data before the receiver's ``ready``: the payload travels in the
-    # stream, so a receiver that refuses the transfer only reads it past (``discard_data``).
-    eager: bool = False
 
     def __init__(self, cache: torch.Tensor) -> None:
         self.cache = cache
@@ -134,7 +131,6 @@ class DataPath(ABC):
 class TcpPath(DataPath):
     name = "tcp"
     direct_write = False
-    eager = True
 
     def __init__(self, cache: torch.Tensor) -> None:
         super().__init__(cache)

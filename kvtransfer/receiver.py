@@ -3,20 +3,17 @@
 The owner (the decode worker) reserves blocks, then calls ``expect(id, blocks, lease)``. A
 sender connects, authenticates, and sends ``begin`` naming exactly those blocks; the receiver
 answers ``ready`` (or ``reject``) and then takes ``data`` (tcp) or ``layer`` (direct-write)
-frames, the last of which says ``done`` (a separate ``done`` frame is accepted too). An
-``eager`` begin gets no ``ready``: its data follows at once, and is read past if it is refused.
-Only tcp takes one (this side writes the payload, so nothing lands in the blocks unless the
-begin was accepted); elsewhere it is refused — a direct-write sender must hold the fence that
-``ready`` carries (below) before it writes. What this side takes beyond the first protocol
-(``features``: ``END_FLAG``, ``EAGER``) is offered in its ``welcome``, and a sender uses only
-that. A transfer is DONE only when every layer arrived in full. Any doubt fails it: a missing
-layer at ``done``, a lost connection, an expired lease, a cancel. For direct-write paths an
-accepted transfer is failed only once no write can reach its blocks any more: the sender
-confirmed it stopped (``aborted``), its connection is gone, or the write fence passed. The
-fence: ``ready`` tells a direct-write sender when the lease ends on the host's monotonic clock,
-and the sender starts no write after that; a sender that never confirms an abort loses the
-blocks at lease end + ``fence_grace_s`` (which bounds one write already under way) and its
-connection is closed, as it no longer follows the protocol.
+frames, the last of which says ``done`` (a separate ``done`` frame is accepted too). What this
+side takes beyond the first protocol (``features``: ``END_FLAG``) is offered in its ``welcome``,
+and a sender uses only that, so either side may be upgraded first. A transfer is DONE only when
+every layer arrived in full. Any doubt fails it: a missing layer at ``done``, a lost connection,
+an expired lease, a cancel. For direct-write paths an accepted transfer is failed only once no
+write can reach its blocks any more: the sender confirmed it stopped (``aborted``), its
+connection is gone, or the write fence passed. The fence: ``ready`` tells a direct-write sender
+when the lease ends on the host's monotonic clock, and the sender starts no write after that; a
+sender that never confirms an abort loses the blocks at lease end + ``fence_grace_s`` (which
+bounds one write already under way) and its connection is closed, as it no longer follows the
+protocol.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ FENCE_GRACE_S = 2.0
 def features(path: DataPath) -> list[str]:
     """What this receiver understands beyond the first protocol, offered in its ``welcome``: a
     sender uses only what its peer offers, so either side can be upgraded first."""
-    return [wire.END_FLAG, *([wire.EAGER] if path.eager else [])]
+    return [wire.END_FLAG]
 
 
 @dataclass
@@ -316,8 +313,6 @@ class Receiver(TransferTable[Incoming]):
                 reason = "destination blocks differ from the reservation"
             elif f["num_layers"] != t.num_layers:
                 reason = f"{f['num_layers']} layers, expected {t.num_layers}"
-            elif f.get("eager") and not path.eager:
-                reason = f"the {path.name} path must wait for ready"
             if reason is not None:
                 # A begun transfer is left alone: another begin must not fail it under its sender.
                 if t is not None and t.state is TransferState.BOOTSTRAPPING:
@@ -331,8 +326,6 @@ class Receiver(TransferTable[Incoming]):
                 t.started = time.monotonic()
         if reason is not None:
             conn.send("reject", id=f["id"], reason=reason, cause=FailureCause.REJECTED.value)
-        elif f.get("eager"):
-            return  # its data is on the way already
         elif path.direct_write:
             assert t is not None
             conn.send("ready", id=f["id"], write_until_ns=int(t.deadline * 1e9))

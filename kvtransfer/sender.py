@@ -4,20 +4,12 @@
 connects (lazily, once per peer) and sends ``begin`` without waiting for the answer, so the
 set-up round trips of several transfers to one peer overlap each other's copies. The reader
 thread takes the peer's answers (``ready``, ``reject``, ``abort``); a ``ready`` moves the
-transfer to TRANSFERRING. Layers move as soon as they are computed (``layer_ready``) or all at
-once, and the frame that announces the last of them also ends the transfer (where the receiver
-offers ``END_FLAG``; a ``done`` frame otherwise): a whole direct-write transfer is ``begin``,
-``ready`` and one ``layer`` frame. Who pushes: the pusher thread on every ``layer_ready`` (and
-right after an eager ``begin``); the reader thread itself on ``ready`` for a direct-write path
-(its push is a local copy and one small frame, and a hop back to the pusher would cost more
-than the copy of a small request). On an eager path (tcp, where the receiver offers ``EAGER``:
-it reads the payload itself, and reads past what it refuses) the sender does not wait for
-``ready`` at all: ``begin`` and the data go out back to back. There, DONE means every byte was
-handed to the connection, not that the receiver took it: a ``reject`` fails a transfer still
-under way, and one that comes after DONE is counted (``rejected_after_send``) and logged — the
-receiving side fails its own record either way. A ``begin`` that waits for its answer and gets
-none within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is held
-while one of its layers is written, so an abort or a failure never races a write: once a
+transfer to TRANSFERRING and hands it back to the pusher, which pushes each layer as soon as it
+is computed (``layer_ready``) or all at once; the frame that announces the last of them also
+ends the transfer (where the receiver offers ``END_FLAG``; a ``done`` frame otherwise), so a
+whole direct-write transfer is ``begin``, ``ready`` and one ``layer`` frame. A ``begin``
+unanswered within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is
+held while one of its layers is written, so an abort or a failure never races a write: once a
 transfer is FAILED or DONE the transport no longer touches its source blocks (and, for
 direct-write paths, the peer's).
 
@@ -63,6 +55,12 @@ log = logging.getLogger(__name__)
 PEER_IDLE_S = 60.0  # a peer with nothing in flight this long loses its thread and connection
 
 
+def offered(conn: Connection) -> frozenset[str]:
+    """The protocol features the receiver at the other end offered in its ``welcome``."""
+    features = conn.info.get("features")
+    return frozenset(f for f in features if isinstance(f, str)) if isinstance(features, list) else frozenset()
+
+
 @dataclass(eq=False)
 class Outgoing:
     transfer_id: str
@@ -79,7 +77,8 @@ class Outgoing:
     answer_by: float = 0.0  # when the begin went out, plus the I/O timeout (0: not out yet)
     write_until_ns: int | None = None  # direct-write fence from the receiver's ready
     conn: Connection | None = None  # the connection its begin went out on; all its bytes use it
-    eager: bool = False  # its data went out without waiting for ``ready``
+    begun: bool = False  # its begin is on the wire: an abort now reaches a receiver that knows it
+    cause: FailureCause | None = None  # why it FAILED
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
 
@@ -219,13 +218,14 @@ class Sender(TransferTable[Outgoing]):
             self.completions.sent(t.transfer_id)
         else:
             assert cause is not None
+            t.cause = cause
             self.stats.failures[cause.value] += 1
             self.completions.failed(t.transfer_id, cause)
         return True
 
     def _fail(self, p: _Peer, t: Outgoing, cause: FailureCause, notify_peer: bool) -> None:
         with t.lock:  # waits for a layer write in progress to finish
-            begun = t.state is TransferState.TRANSFERRING or t.answer_by > 0  # begin went out
+            begun = t.begun  # else the pusher, sending the begin, follows it with the abort
             if not self._finish(t, TransferState.FAILED, cause):
                 return
         conn = t.conn
@@ -328,32 +328,38 @@ class Sender(TransferTable[Outgoing]):
             self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
 
     def _open_and_begin(self, p: _Peer, t: Outgoing) -> None:
-        """Send ``begin`` on the peer's connection (made first if there is none); on an eager
-        path push what is computed right behind it, otherwise the reader resumes on ``ready``."""
+        """Send ``begin`` on the peer's connection (made first if there is none); the reader
+        hands the transfer back on ``ready``."""
         with p.conn_lock:
             conn = p.conn if p.conn is not None and not p.conn.closed.is_set() else None
         if conn is None:
             conn = self._connect(p)
             with p.conn_lock:
                 p.conn = conn
-        eager = self.path.eager and wire.EAGER in conn.info.get("features", ())
-        with t.lock:  # a cancel now either comes first (no begin goes out) or sees it out
+        with t.lock:
             if t.state.terminal:
-                return
+                return  # cancelled while queued: no begin goes out
             t.conn = conn
             t.answer_by = time.monotonic() + self.peering.io_timeout_s
-            if eager:
-                t.eager, t.state = True, TransferState.TRANSFERRING
-            conn.send(
-                "begin",
-                id=t.transfer_id,
-                dst_blocks=list(t.dst_blocks),
-                num_layers=self.num_layers,
-                layerwise=t.layerwise,
-                **({"eager": True} if eager else {}),
+        # Outside the lock: a send may wait on a full socket, and a cancel must not wait with it.
+        conn.send(
+            "begin",
+            id=t.transfer_id,
+            dst_blocks=list(t.dst_blocks),
+            num_layers=self.num_layers,
+            layerwise=t.layerwise,
+        )
+        with t.lock:
+            t.begun = True
+            # failed here while the begin went out (no abort was sent: the receiver would have
+            # ignored one ahead of the begin); a refusal or a lost connection needs none
+            stopped = t.state is TransferState.FAILED and t.cause not in (
+                FailureCause.REJECTED,
+                FailureCause.PEER_LOST,
             )
-        if eager:
-            self._push_ready_layers(conn, t)
+        if stopped:
+            assert t.cause is not None
+            conn.send("abort", id=t.transfer_id, reason=t.cause.value)
 
     def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
         with self._lock:  # layer_ready sets both under this lock: read them as one pair
@@ -367,7 +373,7 @@ class Sender(TransferTable[Outgoing]):
                 raise TransferError(FailureCause.TIMEOUT, "the receiver's lease ended (write fence)")
             layers = range(t.layers_sent, ready)
             last = layers.stop == self.num_layers
-            flag = wire.END_FLAG in conn.info.get("features", ())
+            flag = wire.END_FLAG in offered(conn)
             t.nbytes += self.path.push_layers(
                 conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last and flag
             )
@@ -397,16 +403,7 @@ class Sender(TransferTable[Outgoing]):
                     self.stats.ignored_frames += 1
                     continue
                 with t.lock:
-                    # An eager transfer is under way before its answer: only a reject concerns it.
-                    waiting = t.state is TransferState.BOOTSTRAPPING or (
-                        t.eager and t.state is TransferState.TRANSFERRING and f["t"] == "reject"
-                    )
-                    if t.eager and t.state is TransferState.DONE and f["t"] == "reject" and t.conn is conn:
-                        log.info("kv transfer %s refused by %s after it was sent: %s",
-                                 t.transfer_id, p.address, f["reason"])  # fmt: skip
-                        self.stats.failures["rejected_after_send"] += 1
-                        continue
-                    if not waiting or t.conn is not conn:
+                    if t.state is not TransferState.BOOTSTRAPPING or t.conn is not conn:
                         self.stats.ignored_frames += 1
                         continue
                     if f["t"] == "reject":
@@ -415,10 +412,7 @@ class Sender(TransferTable[Outgoing]):
                         continue
                     t.write_until_ns = f.get("write_until_ns")
                     t.state = TransferState.TRANSFERRING
-                if self.path.direct_write:
-                    self._guarded(p, t, partial(self._push_ready_layers, conn, t))
-                else:
-                    p.events.put(("progress", t))
+                p.events.put(("progress", t))
         except (TransferError, wire.FrameError) as e:
             if not conn.closed.is_set():
                 log.info("kv connection to %s ended: %s", p.address, e)

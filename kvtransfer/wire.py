@@ -18,7 +18,6 @@ VERSION = 1
 # Features a receiver offers in its ``welcome`` info (``"features": [...]``); a sender uses one
 # only when offered (an older receiver refuses frames with fields it does not know).
 END_FLAG = "end_flag"  # ``done`` on the last ``data`` / ``layer`` frame instead of a ``done`` frame
-EAGER = "eager"  # ``begin`` with ``eager``: data follows without waiting for ``ready`` (tcp)
 LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 20  # control frames carry block lists and handles, nothing bulky
 MAX_DEPTH = 6
@@ -46,8 +45,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "welcome": {"mac": bytes, "backend": str, "info": dict},
     "refuse": {"reason": str, "cause": str},
     # sender -> receiver
-    # eager: the data follows without waiting for ``ready`` (tcp, where the receiver offers EAGER)
-    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool, "eager": bool},
+    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool},
     # + raw payload (tcp); done: this frame ends the transfer (no separate ``done``)
     "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT, "done": bool},
     "layer": {"id": _ID, "layer": _UINT, "count": _UINT, "done": bool},  # [layer, layer+count) written
@@ -62,7 +60,6 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
 _OPTIONAL: dict[str, set[str]] = {
     "hello": {"info"},
     "ready": {"write_until_ns"},
-    "begin": {"eager"},
     "data": {"done"},
     "layer": {"done"},
 }

@@ -273,9 +273,8 @@ def measure_link(args: argparse.Namespace, layout: tuple[int, ...], dtype: Any) 
                 sender.send(tid, addr, ids, ids)
                 deadline = t0 + 60
                 while (state := receiver.wait(tid, 0.05)) is not TransferState.DONE:
-                    # Either side may see a failure first (a refused eager tcp sender may already
-                    # have sent everything; a refused direct-write one fails while the receiver
-                    # would wait out its lease).
+                    # Either side may see a failure first (a refused sender fails at once while
+                    # the receiver would wait out its lease; a failed receiver ends the wait).
                     failed = TransferState.FAILED in (state, sender.state(tid))
                     if failed or time.perf_counter() > deadline:
                         raise RuntimeError(f"{args.link} transfer failed while profiling the link")
