@@ -180,6 +180,12 @@ class OutputPusher:
                 except WorkerFailed:
                     return  # the loop died: closing the socket tells the router
                 self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+            # Stopping: what the engine produced since the last batch still goes out — a drained
+            # worker's last deltas end the requests the drain waited for, and a router that
+            # never got them would move those requests as if the worker had died under them.
+            with contextlib.suppress(WorkerFailed):
+                if deltas := self.loop.collect(0.0):
+                    self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
         except BaseException as e:
             if not self._stop.is_set():
                 self.error = e
