@@ -35,7 +35,7 @@ class BlockCopier:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, min(threads or (os.cpu_count() or 1), 4))
         self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()  # a peer's pusher and reader threads may both copy
+        self._pool_lock = threading.Lock()  # every peer's pusher thread copies through this
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         total = sum(d.nbytes for d, _ in pairs)

@@ -44,10 +44,9 @@ MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
 FENCE_GRACE_S = 2.0
 
 
-def features(path: DataPath) -> list[str]:
-    """What this receiver understands beyond the first protocol, offered in its ``welcome``: a
-    sender uses only what its peer offers, so either side can be upgraded first."""
-    return [wire.END_FLAG]
+# What this receiver understands beyond the first protocol, offered in its ``welcome``: a sender
+# uses only what its peer offers, so either side can be upgraded first.
+FEATURES = (wire.END_FLAG,)
 
 
 @dataclass
@@ -252,7 +251,8 @@ class Receiver(TransferTable[Incoming]):
 
     def _serve(self, conn: Connection) -> None:
         try:
-            offers = {name: {**p.receiver_info(), "features": features(p)} for name, p in self.paths.items()}
+            features = list(FEATURES)
+            offers = {name: {**p.receiver_info(), "features": features} for name, p in self.paths.items()}
             hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers, self.peering.tls)
             path = self.paths[conn.backend]
             path.accept(conn, hello)

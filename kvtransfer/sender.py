@@ -27,9 +27,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.channel import (
@@ -301,31 +300,25 @@ class Sender(TransferTable[Outgoing]):
             assert t is not None
             if t.state.terminal:
                 continue
-            if kind == "begin":
-                self._guarded(p, t, partial(self._open_and_begin, p, t))
-            elif (conn := t.conn) is not None:
-                self._guarded(p, t, partial(self._push_ready_layers, conn, t))
-
-    def _guarded(self, p: _Peer, t: Outgoing, step: Callable[[], None]) -> None:
-        """Run one step of ``t`` on a transport thread; a failure fails ``t`` (or, when the stream
-        itself broke, everything on it), never the thread."""
-        try:
-            if time.monotonic() > t.deadline:
-                raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
-            step()
-        except ConnectionBroken as e:  # the stream is unusable: everything on it fails
-            log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
-            broken = t.conn  # set once its begin found a connection
-            if broken is not None:
-                self._fail_peer(p, broken, e.cause, current=t)
-            else:
-                self._fail(p, t, e.cause, notify_peer=False)
-        except TransferError as e:  # this transfer only
-            log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
-            self._fail(p, t, e.cause, notify_peer=True)
-        except Exception:  # a bug must fail the transfer, not kill the thread silently
-            log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
-            self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
+            try:
+                if time.monotonic() > t.deadline:
+                    raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
+                if kind == "begin":
+                    self._open_and_begin(p, t)  # the reader hands it back on ``ready``
+                elif t.conn is not None:
+                    self._push_ready_layers(t.conn, t)
+            except ConnectionBroken as e:  # the stream is unusable: everything on it fails
+                log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
+                if t.conn is not None:  # set once its begin found a connection
+                    self._fail_peer(p, t.conn, e.cause, current=t)
+                else:
+                    self._fail(p, t, e.cause, notify_peer=False)
+            except TransferError as e:  # this transfer only
+                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
+                self._fail(p, t, e.cause, notify_peer=True)
+            except Exception:  # a bug must fail the transfer, not kill the pusher silently
+                log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
+                self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
 
     def _open_and_begin(self, p: _Peer, t: Outgoing) -> None:
         """Send ``begin`` on the peer's connection (made first if there is none); the reader

@@ -56,7 +56,7 @@ from pdserve.worker.commands import (
     encode_error,
 )
 from pdserve.worker.loop import EngineLoop, WorkerFailed
-from pdserve.worker.messages import OutputBatch, WorkerLoad
+from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerLoad
 
 log = logging.getLogger(__name__)
 Stream = socket.socket | TlsStream  # the channel, plain or over the deployment's TLS
@@ -167,6 +167,9 @@ class OutputPusher:
         with self._send_lock:
             sock.sendall(data)
 
+    def _send_deltas(self, deltas: list[TokenDelta]) -> None:
+        self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+
     def _run(self) -> None:
         try:
             self._sock = sock = self._connect()
@@ -179,13 +182,13 @@ class OutputPusher:
                     deltas = self.loop.collect(HEARTBEAT_S)
                 except WorkerFailed:
                     return  # the loop died: closing the socket tells the router
-                self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+                self._send_deltas(deltas)
             # Stopping: what the engine produced since the last batch still goes out — a drained
             # worker's last deltas end the requests the drain waited for, and a router that
             # never got them would move those requests as if the worker had died under them.
             with contextlib.suppress(WorkerFailed):
                 if deltas := self.loop.collect(0.0):
-                    self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+                    self._send_deltas(deltas)
         except BaseException as e:
             if not self._stop.is_set():
                 self.error = e

@@ -109,7 +109,7 @@ def test_a_receiver_that_offers_no_features_gets_the_first_protocol(
 ) -> None:
     """Either side may be upgraded first: against a receiver that does not offer ``END_FLAG``
     (an older one refuses fields it does not know) the sender ends with a ``done`` frame."""
-    monkeypatch.setattr("pdserve.kvtransfer.receiver.features", lambda path: [])
+    monkeypatch.setattr("pdserve.kvtransfer.receiver.FEATURES", ())
     with pair(backend, 7) as (sender, receiver, spool, rpool):
         addr = receiver.address
         src, dst = pick(spool, 3, random.Random(13)), pick(rpool, 3, random.Random(14))
