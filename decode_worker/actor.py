@@ -27,13 +27,25 @@ def _queued(outcome: Future[KVTarget | None]) -> bool:
 
 def _decode_engine(host: WorkerHost) -> DecodeEngine:
     return DecodeEngine(
-        host.rt, host.transport, host.spec.engine.scheduler, host.spec.worker_id, WorkerRole.DECODE
+        host.rt,
+        host.transport,
+        host.spec.engine.scheduler,
+        host.spec.worker_id,
+        WorkerRole.DECODE,
+        overlap=host.rt.overlap,
     )
 
 
 def _colocated_engine(host: WorkerHost) -> DecodeEngine:
     # No transport: a colocated engine neither sends nor receives KV.
-    return DecodeEngine(host.rt, None, host.spec.engine.scheduler, host.spec.worker_id, WorkerRole.COLOCATED)
+    return DecodeEngine(
+        host.rt,
+        None,
+        host.spec.engine.scheduler,
+        host.spec.worker_id,
+        WorkerRole.COLOCATED,
+        overlap=host.rt.overlap,
+    )
 
 
 def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] | None:

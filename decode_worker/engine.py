@@ -24,6 +24,15 @@ commands never queue behind it.
 Ids: the router's commands arrive in the order it sent them (one channel per worker), so an
 abort never overtakes the add it cancels, and an unknown id leaves no trace.
 
+Overlap (``overlap=True``, a GPU's default): a step is launched and its tokens read at the next
+``step``, after the step that follows it was planned (``ColocatedScheduler.schedule_ahead``) and
+launched, so the device runs one step while the host turns the last one into deltas and plans
+the next. Stops are thus seen one step late: a request that ends on a stop token had one more
+row computed, whose token is dropped (a ``max_tokens`` end is known ahead and costs nothing). A
+step whose plan would preempt, or that has a prompt to prefill, is planned after the running
+step's update instead, and a step with prompt chunks is read before the engine returns (an
+abort frees a prompt's blocks at once, which a step in flight could still be writing).
+
 Single-threaded: one caller serializes every method.
 """
 
@@ -36,12 +45,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.states import FailureCause
+from pdserve.model_runtime.engine.runner import StepHandle
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.kv_cache.manager import blocks_needed
 from pdserve.model_runtime.request import FinishReason, Request
 from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
-from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.model_runtime.scheduler.plan import SchedulePlan, SchedulerConfig
 from pdserve.model_runtime.validation import validate_request
 from pdserve.worker.deltas import delta_for
 from pdserve.worker.engine_base import RoleEngineBase
@@ -62,6 +72,13 @@ class Reservation:
 
 
 @dataclass
+class LaunchedStep:
+    plan: SchedulePlan
+    handle: StepHandle
+    owners: dict[str, Request]  # the request each chunk was planned for (ids may be re-used)
+
+
+@dataclass
 class PendingReservation:
     request: Request
     transfer_id: str
@@ -78,8 +95,11 @@ class DecodeEngine(RoleEngineBase):
         worker_id: str,
         role: WorkerRole = WorkerRole.DECODE,
         clock: Clock = time.monotonic,
+        overlap: bool = False,
     ) -> None:
         self.rt = rt
+        self.overlap = overlap
+        self._launched: LaunchedStep | None = None  # overlap: the step whose tokens are read next
         self.clock = clock
         self.transport = transport
         self.worker_id = worker_id
@@ -284,7 +304,7 @@ class DecodeEngine(RoleEngineBase):
     # -- stepping ----------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     @property
     def has_pending_io(self) -> bool:
@@ -292,7 +312,7 @@ class DecodeEngine(RoleEngineBase):
 
     @property
     def idle(self) -> bool:
-        return not self._requests and not self._cancelling and not self._pending
+        return not self._requests and not self._cancelling and not self._pending and self._launched is None
 
     def request_state(self) -> dict[str, int]:
         return {
@@ -311,18 +331,38 @@ class DecodeEngine(RoleEngineBase):
         self._poll_transfers()
         if self._pending:
             self._serve_pending()
+        deltas: list[TokenDelta] = []
+        if self._launched is not None:
+            running = self._launched
+            ahead = self.scheduler.schedule_ahead()
+            self._launched = self._launch(ahead) if ahead is not None else None
+            deltas = self._finish(running)
+            if self._launched is not None:
+                return deltas
         if not self.scheduler.has_work:
-            return []
+            return deltas
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
-        result = self.rt.runner.execute(plan.chunks, self._requests)
-        update = self.scheduler.update(plan, result.sampled)
+            return deltas
+        launched = self._launch(plan)
+        if self.overlap and all(c.is_decode for c in plan.chunks):
+            self._launched = launched  # (only decode rows retire their blocks while in flight)
+            return deltas
+        return deltas + self._finish(launched)
+
+    def _launch(self, plan: SchedulePlan) -> LaunchedStep:
+        owners = {c.request_id: self._requests[c.request_id] for c in plan.chunks}
+        return LaunchedStep(plan, self.rt.runner.launch(plan.chunks, self._requests), owners)
+
+    def _finish(self, step: LaunchedStep) -> list[TokenDelta]:
+        """Read a launched step's tokens, apply them, and report what they added."""
+        result = step.handle.result()
+        update = self.scheduler.update(step.plan, result.sampled)
         deltas: list[TokenDelta] = []
         for rid in result.sampled:
             req = self._requests.get(rid)
-            if req is None:
-                continue
+            if req is None or req is not step.owners[rid]:
+                continue  # ended (or aborted, and its id re-used) since the step was planned
             lp = result.logprobs.get(rid)
             deltas.append(self._delta(req, [lp] if lp is not None else []))
         for req in update.finished:

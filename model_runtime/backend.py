@@ -42,6 +42,18 @@ def choose_backend(device_type: str, triton_available: bool, requested: str | No
     return Backend.TORCH
 
 
+OVERLAP_SETTINGS = ("auto", "on", "off")
+
+
+def use_overlap(requested: str, device_type: str) -> bool:
+    """Whether decode steps overlap (``EngineConfig.overlap``; ``auto``: on a GPU, whose steps run
+    asynchronously to the host; a CPU computes a step while launching it, so there the overlap
+    would only cost the extra row of each request that ends on a stop token)."""
+    if requested not in OVERLAP_SETTINGS:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {requested!r}")
+    return requested == "on" or (requested == "auto" and device_type == "cuda")
+
+
 # Decode batch sizes a CUDA graph is captured for; a step pads up to the next one. Dense at the
 # bottom (where single users live) and at most a third of padding above.
 _BUCKETS = (1, 2, 4, *sorted(m << k for k in range(2, 15) for m in (2, 3)))  # 8, 12, 16, 24, …

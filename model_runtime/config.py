@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.model_runtime.backend import OVERLAP_SETTINGS
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -237,11 +238,14 @@ class EngineConfig:
     step_log: str = ""  # a directory: each worker logs its steps there (``engine.step_log``); "" off
     backend: str = "auto"  # auto | torch | paged (``backend.choose_backend``)
     cuda_graphs: bool = True  # paged backend on CUDA: replay decode steps from captured graphs
+    overlap: str = "auto"  # auto | on | off: plan a decode step while one runs (``backend.use_overlap``)
 
     def __post_init__(self) -> None:
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
         _ = self.profile  # an unknown profile fails here, before any worker starts
+        if self.overlap not in OVERLAP_SETTINGS:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {self.overlap!r}")
 
     @property
     def profile(self) -> StepTimeModel | None:

@@ -83,7 +83,8 @@ def _weights(p: Preset) -> dict[str, torch.Tensor]:
     head_dim = p.hidden_size // p.num_heads
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) * in_f**-0.5
+        w: torch.Tensor = torch.randn(out_f, in_f, generator=g) * in_f**-0.5
+        return w
 
     def norm() -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(p.hidden_size, generator=g)

@@ -17,7 +17,7 @@ from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
-from pdserve.model_runtime.backend import default_step_tokens
+from pdserve.model_runtime.backend import OVERLAP_SETTINGS, default_step_tokens
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -110,6 +110,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help=f"{' | '.join(COMPUTE_MODES)}: the model, no math, or a GPU's timing (emulated:h100-llama3-8b)",
     )
     p.add_argument(
+        "--overlap",
+        choices=OVERLAP_SETTINGS,
+        default="auto",
+        help="plan and launch each decode step while the one before runs, stops seen a step late "
+        "(default auto: on a GPU)",
+    )
+    p.add_argument(
         "--step-log",
         default="",
         metavar="DIR",
@@ -162,6 +169,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         max_logprobs=args.max_logprobs,
         compute=args.compute,
         step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
+        overlap=args.overlap,
     )
     colocated = colocated_count(args)
     kv_host = args.kv_host or (NODE_ADDRESS if args.address else "127.0.0.1")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.states import Completions, FailureCause
-from pdserve.model_runtime.engine.runner import StepResult
+from pdserve.model_runtime.engine.runner import DoneStep, StepResult
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
@@ -70,6 +70,9 @@ class SimRunner:
         if on_layer is not None:
             on_layer(0)
         return StepResult({c.request_id: TOKEN for c in chunks if c.sample}, {})
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> DoneStep:
+        return DoneStep(self.execute(chunks, requests))
 
     def release(self, request_id: str) -> None:
         pass

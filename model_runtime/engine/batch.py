@@ -34,7 +34,7 @@ def build_batch(
     decode_lens: list[int] = []
     prefills: list[PrefillSeq] = []
 
-    def as_long(x: Sequence[int]) -> torch.Tensor:
+    def as_long(x: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
     for c in chunks:
@@ -61,6 +61,7 @@ def build_batch(
             k_pos = torch.arange(end_pos, device=device).unsqueeze(0)
             mask = k_pos <= q_pos
             if windowed:
+                assert sliding_window is not None
                 mask &= k_pos > q_pos - sliding_window
         if c.start_pos > 0:
             cached = as_long(c.block_table[: -(-c.start_pos // block_size)])

@@ -14,12 +14,19 @@ rows) write no KV and read none, so no block of any sequence is touched by them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from pdserve.model_runtime.backend import bucket_for
-from pdserve.model_runtime.engine.step_inputs import Stager, StepInputs, StepLayout, unpack
+from pdserve.model_runtime.engine.step_inputs import (
+    Stager,
+    StepInputs,
+    StepLayout,
+    fill_pending,
+    source_of,
+    unpack,
+)
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
@@ -55,7 +62,9 @@ class DecodeGraphs:
         inp = self.inputs[bucket]
         return self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_cache, None)
 
-    def _stage(self, chunks: Sequence[ScheduledChunk], bucket: int) -> None:
+    def _stage(
+        self, chunks: Sequence[ScheduledChunk], bucket: int, previous: Mapping[str, int] | None = None
+    ) -> None:
         """Write the step into the bucket's layout in the host buffer and upload it.
 
         Only what changes is written: each row's id, position, slot and length, and the used
@@ -68,16 +77,17 @@ class DecodeGraphs:
         n, bs = len(chunks), self.block_size
         host = self.stager.host(self.layouts[bucket].size)
         views = unpack(torch.from_numpy(host), self.layouts[bucket], 0, 0, sample_all=True)
-        ids, pos = views.input_ids.numpy(), views.positions.numpy()
+        ids, pos, src = views.input_ids.numpy(), views.positions.numpy(), views.sources.numpy()
         slots, lens = views.meta.slot_mapping.numpy(), views.meta.decode_seq_lens.numpy()
         tables = views.meta.decode_block_tables.numpy()
+        prev = previous or {}
         for i, c in enumerate(chunks):
             p = c.start_pos
-            ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
+            ids[i], pos[i], lens[i], src[i] = c.token_ids[0], p, p + 1, source_of(c, prev)
             slots[i] = c.block_table[p // bs] * bs + p % bs
             used = p // bs + 1
             tables[i, :used] = c.block_table[:used]
-        ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 0
+        ids[n:], pos[n:], slots[n:], lens[n:], src[n:] = 0, 0, -1, 0, -1
         self.stager.upload(len(host))
 
     def _capture(self) -> None:
@@ -104,11 +114,19 @@ class DecodeGraphs:
             and all(c.is_decode and c.start_pos // self.block_size < self.decode_width for c in chunks)
         )
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[str]]:
-        """Logits of the step's rows (in ``sample_ids`` order) and those ids; ``fits`` must hold."""
+    def run(
+        self, chunks: Sequence[ScheduledChunk], previous: tuple[Mapping[str, int], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the step's rows (in ``sample_ids`` order) and those ids; ``fits`` must hold.
+        ``previous``: the last step's sampled rows by request id and its tokens on the device,
+        which ``pending`` rows take as their input (outside the graph, before the replay)."""
         bucket = bucket_for(len(chunks), self.buckets)
         assert bucket is not None
-        self._stage(chunks, bucket)
+        self._stage(chunks, bucket, previous[0] if previous is not None else None)
+        if any(c.pending for c in chunks):
+            assert previous is not None
+            inp = self.inputs[bucket]
+            fill_pending(inp.input_ids, inp.sources, previous[1])
         if self.graphs:
             self.graphs[bucket].replay()
             logits = self.outputs[bucket]

@@ -3,6 +3,10 @@
 The ``torch`` backend builds ``AttentionMetadata`` per step (``batch``); the ``paged`` backend
 packs the step into one int32 buffer (``step_inputs``) and replays decode-only steps from CUDA
 graphs (``decode_graphs``) when it has them.
+
+``launch`` queues a step and returns before the device is done; ``execute`` waits. A step's
+``pending`` rows take as input the tokens of the step launched just before, which stay on the
+device (``_previous``), so the next decode step can be queued before the host has read them.
 """
 
 from __future__ import annotations
@@ -16,13 +20,26 @@ from pdserve.model_runtime.backend import Backend, graph_buckets
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.engine.batch import build_batch
 from pdserve.model_runtime.engine.decode_graphs import DecodeGraphs
-from pdserve.model_runtime.engine.runner import StepResult
-from pdserve.model_runtime.engine.step_inputs import Stager, pack_step, unpack
+from pdserve.model_runtime.engine.runner import DoneStep, StepHandle, StepResult
+from pdserve.model_runtime.engine.step_inputs import Stager, fill_pending, pack_step, source_of, unpack
 from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.request import Request
-from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow
+from pdserve.model_runtime.sampling.sampler import SampledStep, Sampler, SampleRow
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+
+
+class _LaunchedStep:
+    """A model step queued on the device; ``result`` waits for its sampled ids."""
+
+    def __init__(self, sample_ids: list[str], sampled: SampledStep) -> None:
+        self.sample_ids, self.sampled = sample_ids, sampled
+
+    def result(self) -> StepResult:
+        out = self.sampled.result()
+        sampled = dict(zip(self.sample_ids, out.token_ids, strict=True))
+        lps = {rid: lp for rid, lp in zip(self.sample_ids, out.logprobs, strict=True) if lp is not None}
+        return StepResult(sampled, lps)
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,8 @@ class ModelRunner:
             kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
         self.kv_cache = kv_cache
         self.sampler = Sampler()
+        # The last launched step's sampled rows by request id, and its tokens on the device.
+        self._previous: tuple[dict[str, int], torch.Tensor] | None = None
         self.window = config.sliding_window or 0
         self.paged = model.backend is Backend.PAGED
         self.stager = Stager(self.device) if self.paged else None
@@ -81,11 +100,25 @@ class ModelRunner:
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         """Run one step. ``on_layer(i)``: layer ``i``'s KV is written (for layer-wise transfer)."""
+        return self._launch(chunks, requests, on_layer).result()
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
+        """Queue one step and return; ``result()`` waits for its tokens."""
+        return self._launch(chunks, requests, None)
+
+    def _launch(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None,
+    ) -> StepHandle:
+        previous, self._previous = self._previous, None
         if not chunks:
-            return StepResult({}, {})
-        logits, sample_ids = self._forward(chunks, on_layer)
+            return DoneStep(StepResult({}, {}))
+        logits, sample_ids = self._forward(chunks, on_layer, previous)
         if not sample_ids:
-            return StepResult({}, {})
+            return DoneStep(StepResult({}, {}))
+        pending = {c.request_id for c in chunks if c.pending}
         rows = []
         for rid in sample_ids:
             req = requests[rid]
@@ -96,30 +129,42 @@ class ModelRunner:
                     output_ids=req.output_token_ids,
                     eos_ids=req.eos_token_ids,
                     request_id=rid,
+                    pending=int(rid in pending),
                 )
             )
-        result = self.sampler(logits, rows)
-        sampled = dict(zip(sample_ids, result.token_ids, strict=True))
-        lps = {rid: lp for rid, lp in zip(sample_ids, result.logprobs, strict=True) if lp is not None}
-        return StepResult(sampled, lps)
+        sampled = self.sampler.launch(logits, rows)
+        self._previous = ({rid: i for i, rid in enumerate(sample_ids)}, sampled.tokens)
+        return _LaunchedStep(sample_ids, sampled)
 
     def _forward(
-        self, chunks: Sequence[ScheduledChunk], on_layer: Callable[[int], None] | None
+        self,
+        chunks: Sequence[ScheduledChunk],
+        on_layer: Callable[[int], None] | None,
+        previous: tuple[dict[str, int], torch.Tensor] | None,
     ) -> tuple[torch.Tensor, list[str]]:
-        """Logits of the sampled rows and their request ids, in row order."""
+        """Logits of the sampled rows and their request ids, in row order. ``previous``: the
+        last launched step's sampled rows and tokens, the inputs of ``pending`` chunks."""
+        if any(c.pending for c in chunks) and previous is None:
+            raise RuntimeError("a pending input with no step launched before it")
         if not self.paged:
             batch = build_batch(chunks, self.block_size, self.device, self.config.sliding_window)
+            if previous is not None and any(c.pending for c in chunks):
+                sources = [s for c in chunks for s in (source_of(c, previous[0]),) * c.num_tokens]
+                src = torch.tensor(sources, dtype=torch.long, device=self.device)
+                fill_pending(batch.input_ids, src, previous[1])
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows, on_layer
             )
             return logits, batch.sample_ids
         if self.graphs is not None and on_layer is None and self.graphs.fits(chunks):
-            return self.graphs.run(chunks)
+            return self.graphs.run(chunks, previous)
         assert self.stager is not None
-        packed = pack_step(chunks, self.block_size)
+        packed = pack_step(chunks, self.block_size, previous[0] if previous is not None else None)
         inp = unpack(
             self.stager.stage(packed.values), packed.layout, packed.prefill_max_q, self.window, False
         )
+        if packed.pending and previous is not None:
+            fill_pending(inp.input_ids, inp.sources, previous[1])
         logits = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.sample_rows, on_layer
         )

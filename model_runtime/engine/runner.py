@@ -18,6 +18,23 @@ class StepResult:
     logprobs: dict[str, Logprob]
 
 
+class StepHandle(Protocol):
+    """A launched step. ``result`` waits for its tokens; call it once, before the result of any
+    step launched after it."""
+
+    def result(self) -> StepResult: ...
+
+
+@dataclass
+class DoneStep:
+    """A step whose result is already on the host."""
+
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value
+
+
 class Runner(Protocol):
     def execute(
         self,
@@ -26,6 +43,12 @@ class Runner(Protocol):
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         """Compute one step; ``on_layer(i)`` once layer ``i``'s KV is written (layer-wise push)."""
+        ...
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
+        """Start one step; the caller may plan and launch the next before reading this one's
+        ``result``. A ``pending`` chunk's input is the token the step launched just before
+        sampled for its request (so steps are launched, and their results read, in order)."""
         ...
 
     def release(self, request_id: str) -> None:

@@ -23,11 +23,12 @@ from pdserve.model_runtime.backend import (
     choose_backend,
     kv_blocks_for_free_memory,
     step_reserve_bytes,
+    use_overlap,
 )
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
-from pdserve.model_runtime.engine.runner import StepResult
+from pdserve.model_runtime.engine.runner import DoneStep, StepHandle, StepResult
 from pdserve.model_runtime.kernels.launch import triton_available
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
@@ -62,6 +63,8 @@ class StepRunner(Protocol):
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult: ...
 
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle: ...
+
     def release(self, request_id: str) -> None: ...
 
     def kept_requests(self) -> int: ...
@@ -77,6 +80,7 @@ class ZeroRunner:
         self.kv_cache = kv_cache
         self._eos = frozenset(config.eos_token_ids)
         self.num_layers = kv_cache.shape[0]
+        self._previous: dict[str, int] = {}  # the last step's tokens: ``pending`` chunks' inputs
 
     def token_for(self, previous: int, position: int) -> int:
         t = (previous * 31 + position * 7 + 11) % self.config.vocab_size
@@ -93,12 +97,20 @@ class ZeroRunner:
         if on_layer is not None:
             for i in range(self.num_layers):
                 on_layer(i)
-        sampled = {
-            c.request_id: self.token_for(c.token_ids[-1], c.start_pos + c.num_tokens)
-            for c in chunks
-            if c.sample
-        }
+        return self._sample(chunks)
+
+    def _sample(self, chunks: Sequence[ScheduledChunk]) -> StepResult:
+        previous, self._previous = self._previous, {}
+        sampled = {}
+        for c in chunks:
+            if c.sample:
+                last = previous[c.request_id] if c.pending else c.token_ids[-1]
+                sampled[c.request_id] = self.token_for(last, c.start_pos + c.num_tokens)
+        self._previous = sampled
         return StepResult(sampled, {})
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
+        return DoneStep(self._sample(chunks))
 
     def release(self, request_id: str) -> None:
         pass
@@ -107,12 +119,33 @@ class ZeroRunner:
         return 0
 
 
+class _EmulatedStep:
+    """An emulated step: its tokens are known at once, handed over when the device would be done."""
+
+    def __init__(self, value: StepResult, done_at: float) -> None:
+        self.value, self.done_at = value, done_at
+
+    def result(self) -> StepResult:
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)  # sleeping costs no CPU: one core emulates many GPUs
+        return self.value
+
+
 class EmulatedRunner(ZeroRunner):
-    """``ZeroRunner``'s tokens, delivered after the time the profile predicts for the step."""
+    """``ZeroRunner``'s tokens, delivered after the time the profile predicts for the step. Like a
+    device, it runs launched steps one after another: a step launched while another runs starts
+    when that one ends."""
 
     def __init__(self, config: ModelConfig, kv_cache: torch.Tensor, profile: StepTimeModel) -> None:
         super().__init__(config, kv_cache)
         self.profile = profile
+        self._busy_until = 0.0  # perf_counter time the last launched step ends
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
+        start = max(time.perf_counter(), self._busy_until)
+        self._busy_until = start + self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
+        return _EmulatedStep(self._sample(chunks), self._busy_until)
 
     def execute(
         self,
@@ -120,12 +153,7 @@ class EmulatedRunner(ZeroRunner):
         requests: Mapping[str, Request],
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
-        t0 = time.perf_counter()
-        predicted = self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
-        result = super().execute(chunks, requests, None)
-        left = t0 + predicted - time.perf_counter()
-        if left > 0:
-            time.sleep(left)  # sleeping costs no CPU: one core emulates many GPUs
+        result = self.launch(chunks, requests).result()
         if on_layer is not None:
             for i in range(self.num_layers):
                 on_layer(i)
@@ -145,6 +173,7 @@ class Runtime:
     runner: StepRunner
     tokenizer: TextTokenizer | None
     profile: StepTimeModel | None = None
+    overlap: bool = False  # decode steps overlap (``backend.use_overlap``)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -238,6 +267,7 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         runner=runner,
         tokenizer=TextTokenizer.load(checkpoint),
         profile=profile,
+        overlap=use_overlap(config.overlap, device.type),
     )
     log.info(
         "loaded %s (%s, %s, compute=%s) in %.2fs: %d KV blocks of %d tokens",

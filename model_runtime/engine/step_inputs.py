@@ -1,17 +1,19 @@
 """A step's inputs for the ``paged`` backend: every index the forward pass reads, packed into one
 int32 buffer, so a step costs one host→device copy whatever its shape.
 
-Layout (``StepLayout``), segment after segment: input ids, positions and cache slots of the
-``rows`` tokens; the rows to sample; decode sequence lengths and block tables
-(``decodes × decode_width``); prefill row bounds, start positions and block tables. Decode rows come
-first (the forward's attention splits the batch there). A layout fixes every offset, so a CUDA
-graph captured over the views of one layout replays correctly for any step written into it
-(``decode_graphs`` pads to a bucket with rows that write no KV, slot -1, and read none, length 0).
+Layout (``StepLayout``), segment after segment: input ids, positions, cache slots and input
+sources of the ``rows`` tokens (a source ``i >= 0``: the input is row ``i`` of the tokens the
+previous step sampled, still on the device; -1: the input id as written); the rows to sample;
+decode sequence lengths and block tables (``decodes × decode_width``); prefill row bounds, start
+positions and block tables. Decode rows come first (the forward's attention splits the batch
+there). A layout fixes every offset, so a CUDA graph captured over the views of one layout
+replays correctly for any step written into it (``decode_graphs`` pads to a bucket with rows
+that write no KV, slot -1, and read none, length 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +39,7 @@ class StepLayout:
         prefill = (
             (self.prefills + 1 + self.prefills + self.prefills * self.prefill_width) if self.prefills else 0
         )
-        return 3 * self.rows + self.samples + self.decodes * (1 + self.decode_width) + prefill
+        return 4 * self.rows + self.samples + self.decodes * (1 + self.decode_width) + prefill
 
 
 @dataclass
@@ -46,6 +48,7 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
+    sources: torch.Tensor  # per row: -1, or the previous step's sampled row that is its input
     sample_rows: torch.Tensor | None  # None: every row is sampled (a graph bucket)
     meta: PagedMetadata
 
@@ -56,21 +59,42 @@ class PackedStep:
     layout: StepLayout
     sample_ids: list[str]  # request id of each sampled row, in row order
     prefill_max_q: int
+    pending: bool  # some input is a token of the previous step (see ``sources``)
 
 
-def pack_step(chunks: Sequence[ScheduledChunk], block_size: int) -> PackedStep:
+def source_of(chunk: ScheduledChunk, previous: Mapping[str, int]) -> int:
+    """The input source of a one-token chunk: its request's row among the previous step's
+    sampled tokens when its input is pending, else -1."""
+    if not chunk.pending:
+        return -1
+    row = previous.get(chunk.request_id)
+    if row is None:
+        raise RuntimeError(f"{chunk.request_id}: its input is pending but the previous step sampled none")
+    return row
+
+
+def pack_step(
+    chunks: Sequence[ScheduledChunk], block_size: int, previous: Mapping[str, int] | None = None
+) -> PackedStep:
     """Pack ``chunks`` for an eager step (decodes first, whatever their order; block tables as
-    wide as the step's widest sequence). Graph steps write their fixed layouts in place instead
-    (``decode_graphs``)."""
+    wide as the step's widest sequence). ``previous``: request id -> row of the tokens the
+    previous step sampled (for ``pending`` chunks). Graph steps write their fixed layouts in
+    place instead (``decode_graphs``)."""
     decodes = [c for c in chunks if c.single_token]
     prefills = [c for c in chunks if not c.single_token]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    sources: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[str] = []
+    prev = previous or {}
     for c in (*decodes, *prefills):
         ids.extend(c.token_ids)
+        if c.pending:
+            sources.append(source_of(c, prev))
+        else:
+            sources.extend([-1] * c.num_tokens)
         for pos in range(c.start_pos, c.start_pos + c.num_tokens):
             positions.append(pos)
             slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
@@ -91,11 +115,11 @@ def pack_step(chunks: Sequence[ScheduledChunk], block_size: int) -> PackedStep:
     for c in prefills:
         cu.append(cu[-1] + c.num_tokens)
     prefill_part = (cu + [c.start_pos for c in prefills] + p_tables) if prefills else []
-    values = ids + positions + slots + sample_rows + dec_lens + dec_tables + prefill_part
+    values = ids + positions + slots + sources + sample_rows + dec_lens + dec_tables + prefill_part
     layout = StepLayout(len(ids), len(sample_rows), len(decodes), d_width, len(prefills), p_width)
     assert len(values) == layout.size
     max_q = max((c.num_tokens for c in prefills), default=0)
-    return PackedStep(values, layout, sample_ids, max_q)
+    return PackedStep(values, layout, sample_ids, max_q, any(c.pending for c in chunks))
 
 
 def unpack(
@@ -115,7 +139,7 @@ def unpack(
         return view
 
     t = layout.rows
-    input_ids, positions, slots = take(t), take(t), take(t)
+    input_ids, positions, slots, sources = take(t), take(t), take(t), take(t)
     sample_rows = take(layout.samples)
     dec_lens = take(layout.decodes)
     dec_tables = take(layout.decodes * layout.decode_width).view(layout.decodes, layout.decode_width)
@@ -137,7 +161,14 @@ def unpack(
         prefill_max_q=prefill_max_q,
         window=window,
     )
-    return StepInputs(input_ids, positions, None if sample_all else sample_rows, meta)
+    return StepInputs(input_ids, positions, sources, None if sample_all else sample_rows, meta)
+
+
+def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
+    """On the device, in place: each row with a source takes the previous step's sampled token
+    at that source (``sources`` -1: the row keeps its id)."""
+    taken = previous.index_select(0, sources.clamp(min=0).long()).to(input_ids.dtype)
+    input_ids.copy_(torch.where(sources >= 0, taken, input_ids))
 
 
 class Stager:

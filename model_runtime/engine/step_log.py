@@ -7,6 +7,9 @@ decode token being ``[1, context]``). Times are ``time.monotonic()``: CLOCK_MONO
 clock for every process on a host, so the steps of workers sharing a host line up (which steps
 ran while another worker was stepping is what co-activity is measured from).
 
+A step launched while the one before still runs (overlapped decode) is recorded from when that
+one's result was read (the device was busy until then at least) to when its own was.
+
 Turned on per deployment with ``pdserve serve --step-log DIR`` (each worker appends to
 ``DIR/<worker_id>.jsonl``); off by default. A line costs a few microseconds against steps of
 milliseconds.
@@ -30,6 +33,10 @@ Chunks = tuple[tuple[int, int], ...]
 R = TypeVar("R", covariant=True)
 
 
+class Handle(Protocol[R]):
+    def result(self) -> R: ...
+
+
 class Runner(Protocol[R]):
     """``engine.runtime.StepRunner``, restated without torch so this module stays pure."""
 
@@ -41,6 +48,8 @@ class Runner(Protocol[R]):
         requests: Mapping[str, Request],
         on_layer: Callable[[int], None] | None = None,
     ) -> R: ...
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> Handle[R]: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -135,6 +144,7 @@ class LoggedRunner(Generic[R]):
         self.log = log
         self.clock = clock
         self.kv_cache = inner.kv_cache
+        self.last_end = float("-inf")  # when the last launched step's result was read
 
     def execute(
         self,
@@ -150,8 +160,28 @@ class LoggedRunner(Generic[R]):
         self.log.record(StepRecord(start, self.clock(), shape))
         return result
 
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> _LoggedStep[R]:
+        return _LoggedStep(self, self.inner.launch(chunks, requests), chunks, self.clock())
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 
     def kept_requests(self) -> int:
         return self.inner.kept_requests()
+
+
+class _LoggedStep(Generic[R]):
+    def __init__(
+        self, owner: LoggedRunner[R], inner: Handle[R], chunks: Sequence[ScheduledChunk], launched: float
+    ) -> None:
+        self.owner, self.inner, self.chunks, self.launched = owner, inner, chunks, launched
+
+    def result(self) -> R:
+        result = self.inner.result()
+        end = self.owner.clock()
+        if self.chunks:
+            start = max(self.launched, self.owner.last_end)
+            shape = tuple((c.num_tokens, c.start_pos) for c in self.chunks)
+            self.owner.log.record(StepRecord(start, end, shape))
+        self.owner.last_end = end
+        return result

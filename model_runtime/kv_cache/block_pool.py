@@ -167,11 +167,14 @@ class BlockPool:
             self.num_evictions += 1
 
     # -- invariants --------------------------------------------------------------------------
-    def check_integrity(self, owners: Mapping[str, Sequence[int]] | None = None) -> PoolStats:
+    def check_integrity(
+        self, owners: Mapping[str, Sequence[int]] | Iterable[Sequence[int]] | None = None
+    ) -> PoolStats:
         """Raise ``IntegrityError`` on any inconsistency; return the stats it verified.
 
-        ``owners`` maps each holder (request id) to the blocks it references; when given, every
-        block's reference count must equal how many times owners list it.
+        ``owners`` maps each holder (request id) to the blocks it references (or lists them, one
+        sequence per holder); when given, every block's reference count must equal how many
+        times owners list it.
         """
         stats = self.stats()
         recount = sum(1 for b in self._free_queue if self._key[b] is not None)
@@ -192,7 +195,7 @@ class BlockPool:
             raise IntegrityError("block keys and key index differ in size")
         if owners is not None:
             counts: Counter[int] = Counter()
-            for blocks in owners.values():
+            for blocks in owners.values() if isinstance(owners, Mapping) else owners:
                 counts.update(blocks)
             for b in range(self.num_blocks):
                 if counts[b] != self._ref[b]:

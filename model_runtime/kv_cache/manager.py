@@ -11,6 +11,10 @@ Contract:
   request holds blocks: ``get_computed_blocks`` on a request without blocks keeps nothing, and
   ``free`` drops all of it. Keys are never carried over from an earlier holder of the same id,
   whose tokens may differ (that would publish one context's KV under another's keys).
+* ``retire`` ends a request's hold on its blocks while a step already launched may still write
+  them (an overlapped decode step): the request's state goes, as with ``free``, but the blocks
+  stay out of the pool under a handle until ``release``. The request's id is free at once for a
+  new request, whose blocks are its own.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class KVCacheManager:
         # step hands every running request's table to the executor, and a table changes once
         # every ``block_size`` tokens
         self._views: dict[str, tuple[int, ...]] = {}
+        self._retired: dict[int, list[int]] = {}  # handle -> blocks a launched step may write
+        self._next_handle = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,6 +172,25 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    def retire(self, request_id: str) -> int | None:
+        """Drop the request's state but keep its blocks until ``release(handle)``; ``None``
+        (nothing kept) when it held no block."""
+        table = self._blocks.get(request_id)
+        if not table:
+            self.free(request_id)
+            return None
+        self._blocks.pop(request_id)
+        self.free(request_id)  # the rest of its state
+        handle = self._next_handle
+        self._next_handle += 1
+        self._retired[handle] = table
+        return handle
+
+    def release(self, handle: int) -> None:
+        """Return the blocks ``retire`` kept under ``handle``."""
+        table = self._retired.pop(handle)
+        self.pool.free(reversed(table))
+
     def stats(self) -> PoolStats:
         return self.pool.stats()
 
@@ -175,7 +200,7 @@ class KVCacheManager:
             raise AssertionError(
                 f"per-request KV state kept for requests without blocks: {sorted(stray)[:5]}"
             )
-        return self.pool.check_integrity(self._blocks)
+        return self.pool.check_integrity([*self._blocks.values(), *self._retired.values()])
 
     def request_state(self) -> dict[str, int]:
         """Sizes of the per-request maps (all 0 once no request holds blocks)."""
@@ -184,4 +209,5 @@ class KVCacheManager:
             "kv_keys": len(self._keys),
             "kv_published": len(self._num_published),
             "kv_views": len(self._views),
+            "kv_retired": len(self._retired),
         }

@@ -119,7 +119,7 @@ class _Tensors:
             raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
         handle, f = self._where[name]
         try:
-            t = handle.get_tensor(name)
+            t: torch.Tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{f}: cannot read {name!r} ({e})") from None
         if tuple(t.shape) != shape:

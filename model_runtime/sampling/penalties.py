@@ -46,13 +46,19 @@ class PenaltyCounts:
         outputs: Sequence[Sequence[int]],
         vocab: int,
         device: torch.device,
+        pending: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``seen`` [n, vocab] bool and ``counts`` [n, vocab] float32 of these requests. An empty
-        request id keeps no record (the rows are rebuilt every call)."""
+        request id keeps no record (the rows are rebuilt every call). ``pending[i]``: tokens
+        request ``i`` sampled on the device that ``outputs[i]`` lacks (an overlapped step); its
+        record must count them, as it cannot be rebuilt without them."""
         seen, counts = [], []
-        for rid, prompt, output in zip(request_ids, prompts, outputs, strict=True):
+        pend = pending if pending is not None else [0] * len(request_ids)
+        for rid, prompt, output, ahead in zip(request_ids, prompts, outputs, pend, strict=True):
             rec = self._records.get(rid) if rid else None
-            if rec is None or rec.prompt_len != len(prompt) or rec.counted != len(output):
+            if rec is None or rec.prompt_len != len(prompt) or rec.counted != len(output) + ahead:
+                if ahead:
+                    raise RuntimeError(f"{rid}: penalty counts lack the token of the step in flight")
                 rec = _build(prompt, output, vocab, device)
                 if rid:
                     self._records[rid] = rec

@@ -19,10 +19,11 @@ Order of transforms on a row of float32 logits (each skipped when neutral for ev
     the rest of the batch, on which worker drew the earlier tokens, or on any state kept
     between steps (a request resumed elsewhere, or a re-used id, draws exactly the same).
 
-On a GPU nothing here waits for the device until the end: the batch's parameters reach it in
-one upload (and none while the batch's composition repeats, as it does from one decode step to
-the next), penalty counts live on the device (``penalties``), and the sampled ids with their
-log-probabilities come back in one copy.
+On a GPU nothing here waits for the device: the batch's parameters reach it in one upload (and
+none while the batch's composition repeats, as it does from one decode step to the next),
+penalty counts live on the device (``penalties``), and the sampled ids with their
+log-probabilities come back in one non-blocking copy that ``SampledStep.result`` waits for, so
+the next step can be launched first (its inputs read ``SampledStep.tokens`` on the device).
 """
 
 from __future__ import annotations
@@ -47,10 +48,16 @@ class SampleRow:
     output_ids: Sequence[int]
     eos_ids: frozenset[int]
     request_id: str = ""
+    pending: int = 0  # tokens sampled on the device, not yet in ``output_ids`` (an overlapped step)
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens before the one this row samples (its position in the output)."""
+        return len(self.output_ids) + self.pending
 
     @property
     def seed(self) -> int | None:
-        return None if self.params.seed is None else position_seed(self.params.seed, len(self.output_ids))
+        return None if self.params.seed is None else position_seed(self.params.seed, self.num_output)
 
 
 _MASK64 = (1 << 64) - 1
@@ -135,6 +142,7 @@ def apply_penalties(
         [r.output_ids for r in sub_rows],
         logits.shape[1],
         logits.device,
+        [r.pending for r in sub_rows],
     )
     p = params.values.index_select(0, params.penalized)
     rep, freq, pres = p[:, _REP : _REP + 1], p[:, _FREQ : _FREQ + 1], p[:, _PRES : _PRES + 1]
@@ -148,7 +156,7 @@ def apply_penalties(
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
     for i, r in enumerate(rows):
         p = r.params
-        if len(r.output_ids) < p.min_tokens:
+        if r.num_output < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_ids))
             ids = [t for t in banned if t < logits.shape[1]]
             if ids:
@@ -199,13 +207,72 @@ def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+class SampledStep:
+    """A step's sampled ids on the device, and their copy to the host (with the log-probabilities
+    asked for) under way. ``result`` waits for the copy; call it once."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        host: torch.Tensor,
+        done: torch.cuda.Event | None,
+        want: list[int | None],
+        k: int,
+    ) -> None:
+        self.tokens = tokens  # [rows] int64, on the device
+        self._host, self._done, self._want, self._k = host, done, want, k
+
+    def result(self) -> SampleResult:
+        if self._done is not None:
+            self._done.synchronize()
+        table = self._host.tolist()
+        k = self._k
+        ids = [int(r[0]) for r in table]
+        logprobs: list[Logprob | None] = []
+        for w, r in zip(self._want, table, strict=True):
+            if w is None:
+                logprobs.append(None)
+                continue
+            top = tuple((int(t), v) for t, v in zip(r[2 : 2 + w], r[2 + k : 2 + k + w], strict=True))
+            logprobs.append(Logprob(int(r[0]), r[1], top))
+        return SampleResult(ids, logprobs)
+
+
+class _HostRing:
+    """Pinned host buffers for the copies out, two in turn: a step's copy must not land in the
+    buffer the step before it still has to read (two steps are in flight when they overlap)."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def copy_out(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if t.device.type != "cuda":
+            return t.cpu(), None
+        i, self._turn = self._turn, 1 - self._turn
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()  # the step that used this buffer was read (or is about to be)
+        n = t.numel()
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[i] = torch.empty(max(n, 4096), dtype=t.dtype, pin_memory=True)
+        host = buf[:n].view(t.shape)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        self._events[i] = done
+        return host, done
+
+
 class Sampler:
     """Samples a step's rows; keeps per request only the penalty counts (``release`` drops them)."""
 
     def __init__(self) -> None:
         self.penalties = PenaltyCounts()
         self._last: BatchParams | None = None
-        self._host: torch.Tensor | None = None  # pinned, for the one device-to-host copy
+        self._ring = _HostRing()
 
     def release(self, request_id: str) -> None:
         self.penalties.release(request_id)
@@ -215,6 +282,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """``logits``: float32 [len(rows), vocab]. Does not modify the caller's tensor."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledStep:
+        """Sample on the device and start the copy out; returns without waiting for either."""
         raw = logits
         logits = logits.clone()
         params = self._last = batch_params(rows, logits.device, self._last)
@@ -230,38 +301,14 @@ class Sampler:
             self.penalties.advance(
                 [rows[i].request_id for i in params.penalized_rows], chosen.index_select(0, params.penalized)
             )
-        return self._result(raw, chosen, rows)
-
-    def _result(self, raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
-        """Ids and log-probabilities, brought to the host in one copy (float64 holds both exactly)."""
         want = [r.params.logprobs for r in rows]
         k = max((w or 0 for w in want), default=0)
-        parts = [chosen.unsqueeze(1).to(torch.float64)]
-        with_lp = any(w is not None for w in want)
-        if with_lp:
+        parts = [chosen.unsqueeze(1).to(torch.float64)]  # float64 holds ids and logprobs exactly
+        if any(w is not None for w in want):
             lp = torch.log_softmax(raw, dim=-1)
             parts.append(lp.gather(1, chosen.unsqueeze(1)).to(torch.float64))
             if k:
                 top_v, top_i = lp.topk(k, dim=-1)
                 parts += [top_i.to(torch.float64), top_v.to(torch.float64)]
-        table = self._to_host(torch.cat(parts, dim=1)).tolist()
-        ids = [int(r[0]) for r in table]
-        logprobs: list[Logprob | None] = []
-        for w, r in zip(want, table, strict=True):
-            if w is None:
-                logprobs.append(None)
-                continue
-            top = tuple((int(t), v) for t, v in zip(r[2 : 2 + w], r[2 + k : 2 + k + w], strict=True))
-            logprobs.append(Logprob(int(r[0]), r[1], top))
-        return SampleResult(ids, logprobs)
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cuda":
-            return t.cpu()
-        n = t.numel()
-        if self._host is None or self._host.numel() < n:
-            self._host = torch.empty(max(n, 4096), dtype=t.dtype, pin_memory=True)
-        host = self._host[:n].view(t.shape)
-        host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        return host
+        host, done = self._ring.copy_out(torch.cat(parts, dim=1))
+        return SampledStep(chosen, host, done, want, k)

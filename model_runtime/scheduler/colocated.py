@@ -57,6 +57,14 @@ class ColocatedScheduler:
             chunks=(*decode.chunks, *prefill.chunks), preempted=(*decode.preempted, *prefill.preempted)
         )
 
+    def schedule_ahead(self) -> SchedulePlan | None:
+        """The next step planned while the current one runs (``DecodeScheduler.schedule_ahead``),
+        for decode-only stretches: ``None`` while a prompt waits or is part-way (it is planned
+        with the tokens the running step yields, after its update)."""
+        if self.prefill.num_waiting or self.prefill.num_running:
+            return None
+        return self.decode.schedule_ahead(self.config.max_num_seqs)
+
     def _schedule_prefill_priority(self) -> SchedulePlan:
         """Whole waiting prompts if any can start (within the sequence limit and the pool),
         else one decode token for every running request."""

@@ -56,12 +56,19 @@ class SchedulerConfig:
             raise ValueError("max_prefill_chunk must be >= 0")
 
 
+# The input of a ``pending`` chunk: a token the host does not know yet.
+PENDING_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens of one request to run in this step.
 
     ``token_ids`` sit at positions ``start_pos ..``; ``block_table`` covers all of them, so the
     runner writes their KV into those blocks. ``sample`` asks for a token from the last position.
+    ``pending``: a decode row scheduled ahead (``DecodeScheduler.schedule_ahead``) whose input is
+    the token its request sampled in the step launched just before, still on the device; its
+    ``token_ids`` hold ``PENDING_TOKEN`` and the runner fills the input in on the device.
     """
 
     request_id: str
@@ -69,6 +76,7 @@ class ScheduledChunk:
     start_pos: int
     block_table: tuple[int, ...]
     sample: bool
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +123,18 @@ def make_chunk(kv: KVCacheManager, req: Request, num_tokens: int) -> ScheduledCh
         start_pos=start,
         block_table=kv.block_table_view(req.request_id),
         sample=start + num_tokens == req.num_tokens,
+    )
+
+
+def ahead_chunk(kv: KVCacheManager, req: Request) -> ScheduledChunk:
+    """The decode row after the one in flight: its input is the token that step samples."""
+    return ScheduledChunk(
+        request_id=req.request_id,
+        token_ids=(PENDING_TOKEN,),
+        start_pos=req.num_computed_tokens + 1,
+        block_table=kv.block_table_view(req.request_id),
+        sample=True,
+        pending=True,
     )
 
 

@@ -15,6 +15,8 @@ KEYS = (
     "decode_mbu_b1",
     "decode_mbu_b64",
     "host_overhead_ratio",
+    "host_overhead_ratio_lone",
+    "decode_b1_engine_step_ms",
     "prefill_mfu_2k",
     "prefill_mfu_8k",
     "handoff_fixed_ms",

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
 from pdserve.model_runtime.model.loader import load_model
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
+from pdserve.model_runtime.scheduler.plan import PENDING_TOKEN, ScheduledChunk, SchedulerConfig
 from tests.engine.hf_models import hf_greedy, make_hf_model
 
 BLOCK = 16
@@ -207,3 +208,44 @@ def test_triton_kernels_interpreted_give_hf_tokens(tmp_path: Path) -> None:
         with kernels_on_cpu():
             got = [o.token_ids for o in engine.generate(prompts, greedy)]
         assert got == expected, kind
+
+
+def test_a_step_ahead_takes_its_inputs_on_the_device_with_one_upload() -> None:
+    """An overlapped decode step's rows read the previous step's sampled tokens where they lie:
+    no host read of device data, still one host→device copy."""
+    runner = _runner("meta")
+    graphs = runner.graphs
+    assert graphs is not None
+    chunks = [
+        dataclasses.replace(c, token_ids=(PENDING_TOKEN,), pending=True) if i != 1 else c
+        for i, c in enumerate(_decode_chunks([17, 40, 3]))
+    ]
+    previous = ({"r0": 1, "r2": 0}, torch.empty(2, dtype=torch.long, device="meta"))
+    with traced() as trace:
+        logits, ids = graphs.run(chunks, previous)
+    assert logits.is_meta and ids == ["r0", "r1", "r2"]
+    assert trace.host_to_device == 1
+    assert "aten._local_scalar_dense.default" not in [name for name, _ in trace.ops]
+    with pytest.raises(RuntimeError, match="pending"):
+        graphs.run(chunks, ({"r0": 1}, previous[1]))  # r2's token is not among them
+
+
+def test_pending_inputs_are_filled_in_from_the_previous_step() -> None:
+    """Through the eager packed path and the graph layout alike, a pending row computes exactly
+    what the same row with the token written in does."""
+    for via_graph in (False, True):
+        runner = _runner("cpu")
+        known = _decode_chunks([17, 40, 3])
+        pending = [dataclasses.replace(c, token_ids=(PENDING_TOKEN,), pending=True) for c in known]
+        previous = ({"r0": 2, "r1": 0, "r2": 3}, torch.tensor([5, 9, 5, 5]))
+        if via_graph:
+            assert runner.graphs is not None
+            expect = runner.graphs.run(known)[0].clone()
+            runner.kv_cache.zero_()
+            got = runner.graphs.run(pending, previous)[0]
+        else:
+            prefill = ScheduledChunk("p", tuple(range(3, 23)), 0, (30, 31), sample=True)
+            expect = runner._forward([*known, prefill], None, None)[0].clone()
+            runner.kv_cache.zero_()
+            got = runner._forward([*pending, prefill], None, previous)[0]
+        torch.testing.assert_close(got, expect)

@@ -81,7 +81,13 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
 
     looked_at = req("r", [*first, *shared, 9])
     kv.get_computed_blocks(looked_at)  # then the request is aborted while still queued
-    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0, "kv_views": 0}
+    assert kv.request_state() == {
+        "kv_tables": 0,
+        "kv_keys": 0,
+        "kv_published": 0,
+        "kv_views": 0,
+        "kv_retired": 0,
+    }
 
     reused = req("r", [11, 12, 13, 14, *shared, 9])
     hits, _ = kv.get_computed_blocks(reused)
@@ -95,7 +101,13 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
     hits, tokens = kv.get_computed_blocks(victim)
     assert tokens == 4, "the second block's KV was computed after [11, 12, 13, 14], not [1, 2, 3, 4]"
     kv.check_integrity()
-    assert kv.request_state() == {"kv_tables": 0, "kv_keys": 0, "kv_published": 0, "kv_views": 0}
+    assert kv.request_state() == {
+        "kv_tables": 0,
+        "kv_keys": 0,
+        "kv_published": 0,
+        "kv_views": 0,
+        "kv_retired": 0,
+    }
 
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.booleans()), max_size=60))
@@ -117,3 +129,24 @@ def test_block_table_view_always_equals_the_table(ops: list[tuple[int, int, bool
     for r in reqs.values():
         kv.free(r.request_id)
     assert not any(kv.request_state().values())
+
+
+def test_retired_blocks_stay_out_of_the_pool_until_released_and_the_id_is_free_at_once() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = req("a", list(range(1, 10)))
+    assert kv.allocate_slots(a, 9)
+    blocks = kv.block_table("a")
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)
+    handle = kv.retire("a")
+    assert handle is not None and not kv.holds("a")
+    assert kv.num_free_blocks == 1 and kv.request_state()["kv_retired"] == 1
+    again = req("a", [50, 51, 52, 53, 54])  # the same id, another request: its own blocks
+    assert kv.allocate_slots(again, 1) and not set(kv.block_table("a")) & set(blocks)
+    assert not kv.allocate_slots(req("b", [1, 2, 3, 4, 5]), 5)  # the retired ones are not free
+    kv.check_integrity()
+    kv.release(handle)
+    kv.free("a")
+    assert kv.stats().used == 0 and kv.request_state()["kv_retired"] == 0
+    kv.check_integrity()
+    assert kv.retire("nobody") is None

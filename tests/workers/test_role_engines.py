@@ -35,11 +35,13 @@ def prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(1, 250) for _ in range(rng.randrange(3, 70))) for _ in range(n)]
 
 
-@pytest.fixture(params=["tcp", "shm"])
+@pytest.fixture(params=["tcp", "shm", "shm+overlap"])
 def pair(request: pytest.FixtureRequest):
-    tcfg = TransportConfig(backend=request.param)
+    backend, _, overlap = request.param.partition("+")
+    tcfg = TransportConfig(backend=backend)
     p = PrefillWorker(WorkerSpec("p0", WorkerRole.PREFILL, ENGINE, tcfg, SECRET))
-    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, ENGINE, tcfg, SECRET))
+    decode = dataclasses.replace(ENGINE, overlap="on" if overlap else "off")
+    d = DecodeWorker(WorkerSpec("d0", WorkerRole.DECODE, decode, tcfg, SECRET))
     yield p, d
     for w in (p, d):
         assert w.wait_idle(5.0), f"{w.spec.worker_id} still holds requests"
