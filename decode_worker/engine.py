@@ -15,7 +15,8 @@ A remotely prefilled request on this worker::
                                     locally (prompt + first token prefilled here), then DECODING
       RESERVED --abort--> transfer cancelled; blocks freed once the transport reports it failed
                           (a direct-write sender may still be writing until then)
-    DECODING --finished | abort--> blocks freed
+    DECODING --finished | abort--> blocks freed (retired until a step in flight that writes
+                                    them is read, with overlap)
 
 A pending reservation is a future the engine resolves on its own thread (between steps, when
 room frees or its deadline passes), so a caller waiting for room holds no engine time and other
@@ -345,8 +346,10 @@ class DecodeEngine(RoleEngineBase):
         if plan.empty:
             return deltas
         launched = self._launch(plan)
-        if self.overlap and all(c.is_decode for c in plan.chunks):
-            self._launched = launched  # (only decode rows retire their blocks while in flight)
+        if self.overlap and all(self.scheduler.decode.is_scheduled(c.request_id) for c in plan.chunks):
+            # Only the decode scheduler's rows keep their blocks from the pool while a step may
+            # write them: a prompt's last chunk (one token, say) must be read before an abort.
+            self._launched = launched
             return deltas
         return deltas + self._finish(launched)
 

@@ -221,5 +221,5 @@ class Stager:
         self.device_buffer[:n].copy_(self._host[:n], non_blocking=self._pinned)
         if self._pinned:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.device))
         return self.device_buffer

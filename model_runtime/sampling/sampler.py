@@ -253,7 +253,9 @@ class _HostRing:
         i, self._turn = self._turn, 1 - self._turn
         ev = self._events[i]
         if ev is not None:
-            ev.synchronize()  # the step that used this buffer was read (or is about to be)
+            # Steps are read in launch order, so the one that used this buffer, two launches ago,
+            # was read before this launch: the wait is for a copy already done.
+            ev.synchronize()
         n = t.numel()
         buf = self._bufs[i]
         if buf is None or buf.numel() < n:
@@ -261,7 +263,7 @@ class _HostRing:
         host = buf[:n].view(t.shape)
         host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record()
+        done.record(torch.cuda.current_stream(t.device))  # the copy's stream, not the current device's
         self._events[i] = done
         return host, done
 

@@ -91,7 +91,8 @@ class ColocatedScheduler:
         return out
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request early (abort, stop string); frees its blocks wherever it is."""
+        """End a request early (abort, stop string); frees its blocks wherever it is (a decode
+        row in a step in flight: once that step is read, ``DecodeScheduler.remove``)."""
         req = self.decode.remove(request_id) or self.prefill.remove(request_id)
         if req is not None and not req.is_finished:
             req.finish(reason)

@@ -63,11 +63,6 @@ class DecodeScheduler:
         req.status = RequestStatus.DECODING
         self.running.append(req)
 
-    @property
-    def in_flight(self) -> bool:
-        """A plan was scheduled and not yet updated."""
-        return bool(self._scheduled) or self._ahead is not None
-
     def remove(self, request_id: str) -> Request | None:
         """Take a running request out (abort). Its blocks return to the pool now, or with the
         update of the last scheduled plan that holds it (that step may still write them)."""
@@ -103,7 +98,7 @@ class DecodeScheduler:
         """One decode token per running request, oldest first (and the requests preempted)."""
         if self._ahead is not None or self._retired:
             raise RuntimeError("a decode plan is still in flight: update it before scheduling")
-        self._scheduled = {}  # a plan never run (its step raised) holds nothing
+        self._scheduled = {}  # (a plan scheduled and never run is dropped; nothing of it is held)
         limit = self.config.max_num_seqs if seq_budget is None else seq_budget
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
