@@ -23,7 +23,9 @@ engine is judged by, with its ceilings measured in the same run.
 it, so the script cannot rot between GPU loans); its numbers mean nothing.
 
 Run: ``python -m benchmarks.gpu_engine_check [--out DIR]``. Writes ``DIR/gpu_engine_check.json``
-(``$OUT`` when set) and prints it as the last line.
+(``$OUT`` when set) after every phase, so a lease that ends midway keeps what was measured; a
+phase that fails records its error under ``errors`` and the next phases still run. The JSON is
+printed as the last line.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,13 +149,7 @@ class Bench:
         read = weight_bytes(self.config, dtype_bytes) + batch * ctx * self.config.kv_bytes_per_token(
             dtype_bytes
         )
-        engine = self.engine_step(batch, ctx, repeat)
-        return {
-            "replay_ms": replay * 1e3,
-            "step_ms": step * 1e3,
-            "engine_step_ms": engine * 1e3,
-            "bytes_read": float(read),
-        }
+        return {"replay_ms": replay * 1e3, "step_ms": step * 1e3, "bytes_read": float(read)}
 
     def engine_step(self, batch: int, ctx: int, steps: int) -> float:
         """Seconds per step of ``DecodeEngine``'s loop over ``batch`` requests at ``ctx`` tokens,
@@ -221,47 +219,116 @@ def main(argv: list[str] | None = None) -> int:
         "model": "tiny" if dry else "llama-3.1-8b shape, random bf16",
         "context": ctx,
     }
+    report = Report(Path(args.out) / "gpu_engine_check.json", out)
     t0 = time.perf_counter()
-    copy_bw = memory_copy_bandwidth(device, mib=64 if dry else 2048)
-    mm = matmul_flops(device, dtype, n=256 if dry else 8192)["matmul"]
-    out.update(copy_gbs=copy_bw / 1e9, matmul_tflops=mm / 1e12)
-    print(f"ceilings: copy {copy_bw / 1e9:.0f} GB/s, matmul {mm / 1e12:.1f} TFLOP/s", flush=True)
-    bench = Bench(config, device, dtype, big, ctx)
-    out["setup_s"] = time.perf_counter() - t0
-    for batch in (1, big):
-        d = bench.decode(batch, ctx, repeat)
-        key = "b1" if batch == 1 else "b64" if not dry else f"b{batch}"
-        mbu = d["bytes_read"] / (d["replay_ms"] / 1e3) / copy_bw
-        for part in ("replay", "step", "engine_step"):
-            out[f"decode_{key}_{part}_ms"] = d[f"{part}_ms"]
-        out[f"decode_mbu_{'b64' if batch == big else 'b1'}"] = mbu
+    ceil: dict[str, float] = {}
+
+    def ceilings() -> None:
+        ceil["copy"] = memory_copy_bandwidth(device, mib=64 if dry else 2048)
+        ceil["mm"] = matmul_flops(device, dtype, n=256 if dry else 8192)["matmul"]
+        out.update(copy_gbs=ceil["copy"] / 1e9, matmul_tflops=ceil["mm"] / 1e12)
         print(
-            f"decode batch {batch}: replay {d['replay_ms']:.2f} ms, lone step {d['step_ms']:.2f} ms, "
-            f"engine step {d['engine_step_ms']:.2f} ms, MBU {mbu:.2f}",
+            f"ceilings: copy {out['copy_gbs']:.0f} GB/s, matmul {out['matmul_tflops']:.1f} TFLOP/s",
             flush=True,
         )
-    out["host_overhead_ratio"] = out["decode_b1_engine_step_ms"] / out["decode_b1_replay_ms"]
-    out["host_overhead_ratio_lone"] = out["decode_b1_step_ms"] / out["decode_b1_replay_ms"]
-    for n, key in zip(prefills, ("2k", "8k"), strict=True):
-        t = bench.prefill(n, max(3, repeat // 4))
-        mfu = prefill_flops(config, n) / t / mm
-        out[f"prefill_{key}_ms"], out[f"prefill_mfu_{key}"] = t * 1e3, mfu
-        print(f"prefill {n}: {t * 1e3:.1f} ms, MFU {mfu:.2f}", flush=True)
-    del bench
+
+    if not report.phase("ceilings", ceilings):
+        return report.finish(t0, 1)
+    benches: list[Bench] = []
+
+    def setup() -> None:
+        benches.append(Bench(config, device, dtype, big, ctx))
+        out["setup_s"] = time.perf_counter() - t0
+
+    if report.phase("setup", setup):
+        bench = benches[0]
+        for batch in (1, big):
+            key = "b1" if batch == 1 else "b64" if not dry else f"b{batch}"
+            mbu_key = f"decode_mbu_{'b64' if batch == big else 'b1'}"
+
+            def decode(batch: int = batch, key: str = key, mbu_key: str = mbu_key) -> None:
+                d = bench.decode(batch, ctx, repeat)
+                out[f"decode_{key}_replay_ms"], out[f"decode_{key}_step_ms"] = d["replay_ms"], d["step_ms"]
+                out[mbu_key] = mbu = d["bytes_read"] / (d["replay_ms"] / 1e3) / ceil["copy"]
+                print(
+                    f"decode batch {batch}: replay {d['replay_ms']:.2f} ms, lone step {d['step_ms']:.2f} ms, "
+                    f"MBU {mbu:.2f}",
+                    flush=True,
+                )
+
+            def engine(batch: int = batch, key: str = key) -> None:
+                ms = out[f"decode_{key}_engine_step_ms"] = bench.engine_step(batch, ctx, repeat) * 1e3
+                print(f"decode batch {batch}: engine step (overlapped) {ms:.2f} ms", flush=True)
+
+            report.phase(f"decode_{key}", decode)
+            report.phase(f"engine_{key}", engine)
+        if "decode_b1_replay_ms" in out:
+            if "decode_b1_engine_step_ms" in out:
+                out["host_overhead_ratio"] = out["decode_b1_engine_step_ms"] / out["decode_b1_replay_ms"]
+            out["host_overhead_ratio_lone"] = out["decode_b1_step_ms"] / out["decode_b1_replay_ms"]
+        for n, key in zip(prefills, ("2k", "8k"), strict=True):
+
+            def prefill(n: int = n, key: str = key) -> None:
+                t = bench.prefill(n, max(3, repeat // 4))
+                mfu = prefill_flops(config, n) / t / ceil["mm"]
+                out[f"prefill_{key}_ms"], out[f"prefill_mfu_{key}"] = t * 1e3, mfu
+                print(f"prefill {n}: {t * 1e3:.1f} ms, MFU {mfu:.2f}", flush=True)
+
+            report.phase(f"prefill_{key}", prefill)
+        del bench
+        benches.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the hand-off's processes need the memory
     counts = (1, 4) if dry else (1, 4, 16, 64, 128)
-    out.update(_handoff("tcp" if dry else "cuda_ipc", "cpu" if dry else 0, counts))
-    print(f"hand-off fixed cost {out['handoff_fixed_ms']:.3f} ms", flush=True)
+
+    def handoff() -> None:
+        out.update(_handoff("tcp" if dry else "cuda_ipc", "cpu" if dry else 0, counts))
+        print(f"hand-off fixed cost {out['handoff_fixed_ms']:.3f} ms", flush=True)
+
+    report.phase("handoff", handoff)
     rc = 0
     if not (dry or args.skip_tests):
-        tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/engine/test_gpu.py"], cwd=ROOT
-        )
-        out["gpu_tests_rc"] = rc = tests.returncode
-    out["wall_s"] = time.perf_counter() - t0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_engine_check.json").write_text(json.dumps(out, indent=1, sort_keys=True))
-    print(json.dumps(out, sort_keys=True))
-    return rc
+
+        def gpu_tests() -> None:
+            tests = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/engine/test_gpu.py"],
+                cwd=ROOT,
+                timeout=300,
+            )
+            out["gpu_tests_rc"] = tests.returncode
+
+        report.phase("gpu_tests", gpu_tests)
+        rc = int(out.get("gpu_tests_rc", 1))
+    return report.finish(t0, rc if "errors" not in out else 1)
+
+
+class Report:
+    """The run's results, written after every phase: a lease that ends (or a phase that fails)
+    midway still leaves what was measured, and each failure's error under ``errors``."""
+
+    def __init__(self, path: Path, out: dict[str, Any]) -> None:
+        self.path, self.out = path, out
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, name: str, fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+            ok = True
+        except Exception as e:  # the next phase may still measure something
+            traceback.print_exc()
+            self.out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            ok = False
+        self.write()
+        return ok
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.out, indent=1, sort_keys=True))
+
+    def finish(self, t0: float, rc: int) -> int:
+        self.out["wall_s"] = time.perf_counter() - t0
+        self.write()
+        print(json.dumps(self.out, sort_keys=True))
+        return rc
 
 
 if __name__ == "__main__":

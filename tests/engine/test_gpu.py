@@ -54,6 +54,16 @@ def test_paged_backend_is_the_cuda_default_and_captures_graphs() -> None:
     engine.check_integrity()
 
 
+def test_overlapped_decode_on_cuda_equals_synchronous() -> None:
+    """Graph replays fed from the previous step's sampled ids on the device, two pinned copies
+    in flight, events on the model's stream: the same tokens and logprobs as reading each step
+    before the next (float32, so the two runs' arithmetic is the same)."""
+    from tests.engine.test_overlap_engine import check_overlap_matches, runtime
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_overlap_matches(lambda: runtime("paged", "cuda", "float32"))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_cuda_graph_decode_equals_eager_and_hf(kind: str, tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -36,8 +36,26 @@ def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     written = json.loads((tmp_path / "gpu_engine_check.json").read_text())
     assert written == last
+    assert "errors" not in last, last.get("errors")
     for key in KEYS:
         assert key in last, key
         assert not isinstance(last[key], float) or last[key] == last[key], key  # not NaN
     assert last["handoff"]["byte_exact"] is True
     assert last["decode_mbu_b1"] > 0 and last["prefill_mfu_2k"] > 0
+
+
+def test_a_failing_phase_is_recorded_and_the_rest_still_written(tmp_path: Path) -> None:
+    from benchmarks.gpu_engine_check import Report
+
+    out: dict[str, object] = {"gpu": "x"}
+    report = Report(tmp_path / "r.json", out)
+
+    def fails() -> None:
+        out["half"] = 1
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    assert not report.phase("decode_b1", fails)
+    assert report.phase("handoff", lambda: out.update(handoff_fixed_ms=0.2))
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["errors"] == {"decode_b1": "RuntimeError: CUDA error: an illegal memory access"}
+    assert written["half"] == 1 and written["handoff_fixed_ms"] == 0.2

@@ -5,6 +5,8 @@ in flight, so the engine's output is exactly the synchronous engine's, on both b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from pdserve.decode_worker.engine import DecodeEngine
@@ -25,11 +27,12 @@ PARAMS = [
 ]
 
 
-def runtime(backend: str) -> Runtime:
+def runtime(backend: str, device: str = "cpu", dtype: str | None = None) -> Runtime:
     return build_runtime(
         EngineConfig(
             model="tiny",
-            device="cpu",
+            device=device,
+            dtype=dtype,
             backend=backend,
             cache=CacheConfig(block_size=8, num_blocks=64),
             scheduler=SchedulerConfig(64, 8),
@@ -90,16 +93,22 @@ def flat(deltas: list) -> tuple:  # type: ignore[type-arg]
     return tokens, logprobs, deltas[-1][2:]
 
 
-@pytest.mark.parametrize("backend", ["torch", "paged"])
-def test_overlapped_decode_gives_the_synchronous_output(backend: str) -> None:
-    first, _ = generate(runtime(backend), overlap=False)
+def check_overlap_matches(make: Callable[[], Runtime]) -> None:
+    """``make``'s engine gives the same output overlapped as synchronous (also run on CUDA by
+    ``test_gpu.py``)."""
+    first, _ = generate(make(), overlap=False)
     greedy = flat(first["r0"])[0]
     stop_id = greedy[6]
-    sync, _ = generate(runtime(backend), overlap=False, stop_id=stop_id)
-    ahead, pending_rows = generate(runtime(backend), overlap=True, stop_id=stop_id)
+    sync, _ = generate(make(), overlap=False, stop_id=stop_id)
+    ahead, pending_rows = generate(make(), overlap=True, stop_id=stop_id)
     assert pending_rows > 30
     assert sync.keys() == ahead.keys()
     for rid in sync:
         assert flat(ahead[rid]) == flat(sync[rid]), rid
     tokens, _, (_, reason, stopped_by) = flat(sync["stop"])
     assert (reason, stopped_by) == ("stop", stop_id) and tokens == greedy[: greedy.index(stop_id) + 1]
+
+
+@pytest.mark.parametrize("backend", ["torch", "paged"])
+def test_overlapped_decode_gives_the_synchronous_output(backend: str) -> None:
+    check_overlap_matches(lambda: runtime(backend))
