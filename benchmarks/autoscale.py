@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--policy", default="goodput", help="routing, for the static and autoscaled runs")
     ap.add_argument("--admission", default="reject", help="what the router does with a request bound to miss")
     ap.add_argument("--local-prefill", action="store_true", help="goodput policy: decode workers may prefill")
+    ap.add_argument("--spend", type=float, default=0.0, help="--autoscale-spend of the autoscaled run")
     args = ap.parse_args()
     if args.quick:
         args.curve, args.duration, args.step_at, args.steady = (
@@ -142,6 +143,8 @@ def main() -> int:
             "--autoscale",
             *bounds,
             *timing,
+            "--autoscale-spend",
+            str(args.spend),
         ]
     )
     a = auto["autoscale"]
@@ -153,6 +156,7 @@ def main() -> int:
         "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
         "slo": "ttft:250 tpot:100 at 90 %",
         "routing": f"{args.policy}, admission {args.admission}",
+        "spend": args.spend,
         "best_static": f"{best['prefill']}P+{best['decode']}D",
         "static_attainment": round(best["attainment"], 4),
         "autoscaled_attainment": round(auto["slo_attainment"], 4),

@@ -40,6 +40,13 @@ checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale 
 carries a fifth more than its interval's mean, and a layout sized for one window would be
 moved again by the next (the busiest for prefill is not the busiest for decode).
 
+With ``spend`` > 0 the planner spends the SLO's error budget: the requests that met beyond
+the attainment target over the last ``budget_intervals`` windows are a bank, and growing and
+holding size the next interval for a lower attainment (down to the target less the SLO's own
+allowance) whose extra misses spend up to ``spend`` of it: a quiet stretch pays for a trough
+held on fewer workers, and a step's misses empty the bank, so the next growth sizes for the
+target again. The way down never spends it (its margin is what keeps the pools from cycling).
+
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
 predicted tails at most ``margin`` × the targets) for several intervals, and no scale-down
@@ -127,6 +134,12 @@ class PlannerConfig:
     # it refuses what is predicted to miss, the longest prompts first), out of the 1 - quantile
     # the SLO allows to miss; 0 sizes the pools to serve every request
     shed: float = 0.0
+    # spending the SLO's error budget: the requests that met beyond ``quantile`` over the last
+    # ``budget_intervals`` decisions are banked, and growing or holding may size the next
+    # interval for a lower quantile whose extra misses spend up to ``spend`` of the bank (never
+    # below ``quantile`` less the SLO's own allowance); 0 sizes every interval for ``quantile``
+    spend: float = 0.0
+    budget_intervals: int = 20
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
@@ -137,6 +150,8 @@ class PlannerConfig:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
         if not (self.shed == 0 or 1e-3 <= self.shed < 1 - self.quantile):
             raise ValueError(f"shed must be 0 or in [0.001, 1 - quantile), got {self.shed}")
+        if not 0 <= self.spend <= 1 or self.budget_intervals < 1:
+            raise ValueError(f"spend must be in [0, 1] and budget_intervals >= 1, got {self.spend}")
 
     @functools.cached_property
     def shares(self) -> tuple[float, ...]:
@@ -188,6 +203,9 @@ class Planner:
         self._burst: list[Workload] = []  # this interval's, so far
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
+        # (ended, met) of the last decisions' windows: the error budget's bank
+        self._ledger: deque[tuple[int, float]] = deque(maxlen=config.budget_intervals)
+        self.quantile = config.quantile  # the one growing and holding size for (``spend``)
 
     def predict(self, obs: Observation, layout: Layout, shed: float | None = None) -> Prediction:
         """``layout``'s corrected prediction for ``obs``'s workload: serving every arrival, or
@@ -198,9 +216,16 @@ class Planner:
         # ties (both tails unbounded) go to the lower TTFT: what refusing does for prefill
         return min((self._price(obs, layout, a) for a in shares), key=lambda p: (self._excess(p), p.ttft_s))
 
-    def _price(self, obs: Observation, layout: Layout, admitted: float, corrected: bool = True) -> Prediction:
-        c = self.config
-        p = predict(self.model, obs.load, layout.prefill, layout.decode, c.quantile, obs.factors, admitted)
+    def _price(
+        self,
+        obs: Observation,
+        layout: Layout,
+        admitted: float,
+        corrected: bool = True,
+        quantile: float | None = None,
+    ) -> Prediction:
+        q = self.quantile if quantile is None else quantile
+        p = predict(self.model, obs.load, layout.prefill, layout.decode, q, obs.factors, admitted)
         if not corrected:
             return p
         return replace(p, ttft_s=p.ttft_s * self.correction[0], tpot_s=p.tpot_s * self.correction[1])
@@ -218,7 +243,8 @@ class Planner:
         model is — and learning from them overshoots the next scale-up)."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
-        raw = self._price(obs, obs.layout, 1.0, corrected=False)  # the measured tails are of served requests
+        # the measured tails are of served requests, at the SLO's quantile
+        raw = self._price(obs, obs.layout, 1.0, corrected=False, quantile=self.config.quantile)
         if not raw.feasible:
             return
         new = []
@@ -244,6 +270,13 @@ class Planner:
         window — it may grow the pools (a load step should not wait for the next decision),
         but only on a measured miss or a load the layout cannot keep up with at all; it learns
         nothing, counts no interval and never shrinks them."""
+        d = self._decide(obs, up_only)
+        if self.quantile < self.config.quantile and d.reason is not Reason.SCALE_DOWN:
+            note = f"spending the error budget: sized for {self.quantile:.3f}"
+            d = replace(d, detail=f"{d.detail}; {note}" if d.detail else note)
+        return d
+
+    def _decide(self, obs: Observation, up_only: bool) -> Decision:
         c = self.config
         current = c.bounds.clamp(obs.layout)
         self._floor = {}
@@ -254,6 +287,7 @@ class Planner:
             self._learn(obs)
             self._bursts.append([*self._burst, obs.load])
             self._burst = []
+            self.quantile = self._budgeted_quantile(obs)
         now_pred = self.predict(obs, current)
         if obs.warming:
             # A warm-up skews what the workers measure (their first steps, the backlog they were
@@ -262,7 +296,7 @@ class Planner:
             if obs.load.rate > 0 and current == obs.layout and not now_pred.feasible:
                 return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
-        measured_miss = obs.requests >= c.min_requests and obs.attainment < c.quantile  # False for NaN
+        measured_miss = obs.requests >= c.min_requests and obs.attainment < self.quantile  # False for NaN
         if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
             # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
@@ -292,10 +326,10 @@ class Planner:
             return Decision(obs.t, Reason.HOLD, current, now_pred)
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
-        def met(l: Layout) -> bool:
+        def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
             return all(
                 (w.rate == 0 if i else idle)
-                or self._meets(self.predict(replace(obs, load=w), l, shed=0.0), c.margin)
+                or self._meets(self._price(replace(obs, load=w), l, 1.0, quantile=c.quantile), c.margin)
                 for i, w in enumerate(recent)
             )
 
@@ -316,6 +350,20 @@ class Planner:
                                 f"{best.prefill}P+{best.decode}D meets the last {c.down_after} intervals' "
                                 f"loads with margin {c.margin}")  # fmt: skip
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _budgeted_quantile(self, obs: Observation) -> float:
+        """The quantile growing and holding size the next interval for: the SLO's, less what
+        spending ``spend`` of the banked surplus (met requests beyond the quantile over the last
+        ``budget_intervals`` windows) on its expected requests allows, at most the SLO's own
+        allowance (``1 - quantile``) below it."""
+        c = self.config
+        if obs.requests and math.isfinite(obs.attainment):
+            self._ledger.append((obs.requests, obs.requests * obs.attainment))
+        if not c.spend:
+            return c.quantile
+        bank = sum(met - c.quantile * n for n, met in self._ledger)
+        expected = max(obs.requests, c.min_requests)
+        return c.quantile - min(1 - c.quantile, max(0.0, c.spend * bank / expected))
 
     def _keeps_up(
         self, obs: Observation, layout: Layout, below: Layout | None = None, shed: float | None = None
@@ -401,7 +449,7 @@ class Planner:
         )
         need = next(meeting, None)
         why = (
-            f"attainment {obs.attainment:.2f} < {c.quantile}"
+            f"attainment {obs.attainment:.2f} < {self.quantile:.3g}"
             if measured_miss
             else f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms"
         )

@@ -142,6 +142,15 @@ def add_autoscale(p: argparse.ArgumentParser) -> None:
         f"at peak, longest prompts first (default: {AUTO_SHED:g} of the SLO's allowed misses when the "
         "SLO's admission is reject, else 0)",
     )
+    p.add_argument(
+        "--autoscale-spend",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="with --autoscale: spend the SLO's error budget — size each interval for a lower "
+        "attainment while the last 20 intervals banked requests met beyond it, up to SHARE of the bank "
+        "an interval (default 0: every interval sized for the SLO's attainment)",
+    )
 
 
 # With admission ``reject`` the planner may count on refusing up to this share of the misses
@@ -156,7 +165,7 @@ def planner_bounds(args: argparse.Namespace) -> Bounds:
 def planner_settings(args: argparse.Namespace, ttft_s: float, tpot_s: float, refuses: bool) -> PlannerConfig:
     """``--autoscale``'s planner for the targets; ``refuses``: the router refuses a request
     predicted to miss (admission ``reject``), the only way a request is shed."""
-    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args))
+    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=getattr(args, "autoscale_spend", 0.0))
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:
         return replace(config, shed=AUTO_SHED * (1 - config.quantile) if refuses else 0.0)

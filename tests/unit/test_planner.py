@@ -389,3 +389,33 @@ def test_a_lighter_share_never_has_a_heavier_mean(prompts: list[int], shares: li
         assert m <= mean * (1 + 1e-12)
     by_share = [means[a] for a in sorted(means)]
     assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(by_share))
+
+
+def test_the_error_budget_is_banked_by_good_windows_and_spent_growing_not_going_down() -> None:
+    spend = replace(SLO, spend=0.5, budget_intervals=4)
+    plan, strict = Planner(H100, spend), Planner(H100, SLO)
+    layout = Layout(2, 2)
+    good = {"requests": 1000, "attainment": 0.99, "ttft_s": 0.1, "tpot_s": 0.02}
+    for i in range(4):  # four windows 9 points over: a bank of 360 met requests beyond 0.9
+        plan.decide(obs(30 * i, layout, 20.0, **good))  # type: ignore[arg-type]
+        strict.decide(obs(30 * i, layout, 20.0, **good))  # type: ignore[arg-type]
+    # half the bank over the next ~1000 requests: 18 points below, capped at the SLO's own 10
+    assert plan.quantile == pytest.approx(0.8) and strict.quantile == 0.9
+    # a window at 0.85 is within what the budget allows: held, where the strict planner grows
+    miss = {"requests": 1000, "attainment": 0.85, "ttft_s": 0.2, "tpot_s": 0.02}
+    d = plan.decide(obs(120, layout, 20.0, **miss))  # type: ignore[arg-type]
+    assert d.reason is Reason.HOLD and "spending the error budget" in d.detail
+    assert strict.decide(obs(120, layout, 20.0, **miss)).reason is Reason.SCALE_UP  # type: ignore[arg-type]
+    # misses empty the bank (the oldest good window leaves it too): sized for 0.9 again
+    for i in range(3):
+        plan.decide(obs(150 + 30 * i, layout, 20.0, requests=1000, attainment=0.7, ttft_s=0.4, tpot_s=0.02))
+    assert plan.quantile == 0.9
+
+
+def test_spending_is_off_by_default_and_checked() -> None:
+    plan = Planner(H100, SLO)
+    plan.decide(obs(0, Layout(2, 2), 20.0, requests=1000, attainment=1.0, ttft_s=0.1, tpot_s=0.02))
+    assert plan.quantile == SLO.quantile and SLO.spend == 0.0
+    for bad in ({"spend": -0.1}, {"spend": 1.5}, {"spend": math.nan}, {"budget_intervals": 0}):
+        with pytest.raises(ValueError):
+            replace(SLO, **bad)  # type: ignore[arg-type]
