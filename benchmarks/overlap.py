@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks.common import emit
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.runner import StepHandle
+from pdserve.model_runtime.engine.runner import PassThroughRunner, StepHandle
 from pdserve.model_runtime.engine.runtime import Runtime, StepRunner, build_runtime
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -39,25 +39,17 @@ from pdserve.steptime.model import StepTimeModel
 from pdserve.worker.messages import WorkerRole, WorkItem
 
 
-class Predicting:
+class Predicting(PassThroughRunner):
     """Passes steps through, adding up the device time the profile predicts for each."""
 
     def __init__(self, inner: StepRunner, profile: StepTimeModel) -> None:
-        self.inner, self.profile, self.kv_cache = inner, profile, inner.kv_cache
+        super().__init__(inner)
+        self.profile = profile
         self.predicted = 0.0
 
     def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
         self.predicted += self.profile.step_time((c.num_tokens, c.start_pos) for c in chunks)
         return self.inner.launch(chunks, requests)
-
-    def execute(self, chunks, requests, on_layer=None):  # type: ignore[no-untyped-def]
-        return self.inner.execute(chunks, requests, on_layer)
-
-    def release(self, request_id: str) -> None:
-        self.inner.release(request_id)
-
-    def kept_requests(self) -> int:
-        return self.inner.kept_requests()
 
 
 def runtime(compute: str, batch: int, ctx: int, steps: int) -> Runtime:
@@ -76,8 +68,8 @@ def runtime(compute: str, batch: int, ctx: int, steps: int) -> Runtime:
 
 def per_step(rt: Runtime, overlap: bool, batch: int, ctx: int, steps: int) -> tuple[float, float]:
     """Wall seconds per decode step of the engine's loop, and the predicted device seconds."""
-    profile = rt.profile
-    runner = Predicting(rt.runner, profile) if profile is not None else None
+    profile, inner = rt.profile, rt.runner
+    runner = Predicting(inner, profile) if profile is not None else None
     if runner is not None:
         rt.runner = runner
     eng = DecodeEngine(rt, None, SchedulerConfig(8192, batch), "bench", WorkerRole.COLOCATED, overlap=overlap)
@@ -98,7 +90,7 @@ def per_step(rt: Runtime, overlap: bool, batch: int, ctx: int, steps: int) -> tu
         eng.step()
     assert eng.idle and eng.kv.stats().used == 0
     if runner is not None:
-        rt.runner = runner.inner
+        rt.runner = inner
     return wall / steps, device / steps
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling.logprob import Logprob
@@ -58,3 +58,29 @@ class Runner(Protocol):
     def kept_requests(self) -> int:
         """Requests the runner keeps state for (0 once every request was released)."""
         ...
+
+
+class PassThroughRunner:
+    """A runner that hands every call to ``inner``: a wrapper that watches steps (a counter, a
+    benchmark's clock) overrides what it watches and inherits the rest."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner = inner
+        self.kv_cache: Any = getattr(inner, "kv_cache", None)
+
+    def execute(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        requests: Mapping[str, Request],
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        return self.inner.execute(chunks, requests, on_layer)
+
+    def launch(self, chunks: Sequence[ScheduledChunk], requests: Mapping[str, Request]) -> StepHandle:
+        return self.inner.launch(chunks, requests)
+
+    def release(self, request_id: str) -> None:
+        self.inner.release(request_id)
+
+    def kept_requests(self) -> int:
+        return self.inner.kept_requests()

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
+from pdserve.model_runtime.engine.runner import PassThroughRunner
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime
 from pdserve.model_runtime.kv_cache.manager import check_idle
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -40,24 +41,14 @@ def runtime(backend: str, device: str = "cpu", dtype: str | None = None) -> Runt
     )
 
 
-class CountingRunner:
+class CountingRunner(PassThroughRunner):
     """Counts the rows the engine ran ahead (pending inputs)."""
 
-    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
-        self.inner, self.kv_cache, self.pending_rows = inner, inner.kv_cache, 0
+    pending_rows = 0
 
     def launch(self, chunks, requests):  # type: ignore[no-untyped-def]
         self.pending_rows += sum(c.pending for c in chunks)
         return self.inner.launch(chunks, requests)
-
-    def execute(self, chunks, requests, on_layer=None):  # type: ignore[no-untyped-def]
-        return self.inner.execute(chunks, requests, on_layer)
-
-    def release(self, request_id: str) -> None:
-        self.inner.release(request_id)
-
-    def kept_requests(self) -> int:
-        return int(self.inner.kept_requests())
 
 
 def prompt(i: int) -> tuple[int, ...]:

@@ -7,6 +7,8 @@ from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 
+NO_REQUEST_STATE = {"kv_tables": 0, "kv_keys": 0, "kv_published": 0, "kv_views": 0, "kv_retired": 0}
+
 
 def req(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tuple(tokens), SamplingParams())
@@ -81,13 +83,7 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
 
     looked_at = req("r", [*first, *shared, 9])
     kv.get_computed_blocks(looked_at)  # then the request is aborted while still queued
-    assert kv.request_state() == {
-        "kv_tables": 0,
-        "kv_keys": 0,
-        "kv_published": 0,
-        "kv_views": 0,
-        "kv_retired": 0,
-    }
+    assert kv.request_state() == NO_REQUEST_STATE
 
     reused = req("r", [11, 12, 13, 14, *shared, 9])
     hits, _ = kv.get_computed_blocks(reused)
@@ -101,13 +97,7 @@ def test_reused_request_id_cannot_publish_stale_keys() -> None:
     hits, tokens = kv.get_computed_blocks(victim)
     assert tokens == 4, "the second block's KV was computed after [11, 12, 13, 14], not [1, 2, 3, 4]"
     kv.check_integrity()
-    assert kv.request_state() == {
-        "kv_tables": 0,
-        "kv_keys": 0,
-        "kv_published": 0,
-        "kv_views": 0,
-        "kv_retired": 0,
-    }
+    assert kv.request_state() == NO_REQUEST_STATE
 
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.booleans()), max_size=60))
