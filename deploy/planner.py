@@ -150,8 +150,10 @@ class PlannerConfig:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
         if not (self.shed == 0 or 1e-3 <= self.shed < 1 - self.quantile):
             raise ValueError(f"shed must be 0 or in [0.001, 1 - quantile), got {self.shed}")
-        if not 0 <= self.spend <= 1 or self.budget_intervals < 1:
-            raise ValueError(f"spend must be in [0, 1] and budget_intervals >= 1, got {self.spend}")
+        if not 0 <= self.spend <= 1 or self.budget_intervals < 2:
+            raise ValueError(f"spend must be in [0, 1] and budget_intervals >= 2, got {self.spend}")
+        if self.spend and self.quantile <= 0.5:
+            raise ValueError("spending the error budget needs an attainment target above 0.5")
 
     @functools.cached_property
     def shares(self) -> tuple[float, ...]:
@@ -271,7 +273,8 @@ class Planner:
         but only on a measured miss or a load the layout cannot keep up with at all; it learns
         nothing, counts no interval and never shrinks them."""
         d = self._decide(obs, up_only)
-        if self.quantile < self.config.quantile and d.reason is not Reason.SCALE_DOWN:
+        spent = self.quantile < self.config.quantile - 5e-4
+        if spent and d.reason not in (Reason.SCALE_DOWN, Reason.WARMING) and "bounds" not in d.detail:
             note = f"spending the error budget: sized for {self.quantile:.3f}"
             d = replace(d, detail=f"{d.detail}; {note}" if d.detail else note)
         return d
@@ -357,12 +360,17 @@ class Planner:
         ``budget_intervals`` windows) on its expected requests allows, at most the SLO's own
         allowance (``1 - quantile``) below it."""
         c = self.config
-        if obs.requests and math.isfinite(obs.attainment):
-            self._ledger.append((obs.requests, obs.requests * obs.attainment))
+        # a window where nothing ended banks nothing but still ages the bank
+        ended = obs.requests if math.isfinite(obs.attainment) else 0
+        self._ledger.append((ended, ended * obs.attainment if ended else 0.0))
         if not c.spend:
             return c.quantile
-        bank = sum(met - c.quantile * n for n, met in self._ledger)
-        expected = max(obs.requests, c.min_requests)
+        # the windows still inside the horizon when the next one ends (the oldest leaves it)
+        kept = list(self._ledger)[-(c.budget_intervals - 1) :]
+        bank = sum(met - c.quantile * n for n, met in kept)
+        # the next interval may carry as many requests as the busiest recent one (a quiet window
+        # must not let a small bank lower the target for a busy one)
+        expected = max(c.min_requests, *(n for n, _ in kept))
         return c.quantile - min(1 - c.quantile, max(0.0, c.spend * bank / expected))
 
     def _keeps_up(
@@ -427,6 +435,11 @@ class Planner:
         (the model sees neither short, so its split says nothing of which one is). Refusals
         are counted on only while the layout keeps up (the module's docstring)."""
         c = self.config
+        if not now_pred.feasible:
+            # A queue building: nothing to spend on (its misses have not all ended yet), and the
+            # backlog must drain; sized for the SLO's own target until the next decision.
+            self.quantile = c.quantile
+            now_pred = self.predict(obs, current)
         ranked = self._ranked(current)
         if predicted_ok:
             ranked = [l for l in ranked if l.workers > current.workers]

@@ -165,7 +165,10 @@ def planner_bounds(args: argparse.Namespace) -> Bounds:
 def planner_settings(args: argparse.Namespace, ttft_s: float, tpot_s: float, refuses: bool) -> PlannerConfig:
     """``--autoscale``'s planner for the targets; ``refuses``: the router refuses a request
     predicted to miss (admission ``reject``), the only way a request is shed."""
-    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=getattr(args, "autoscale_spend", 0.0))
+    spend = getattr(args, "autoscale_spend", 0.0)
+    if not 0 <= spend <= 1:
+        raise ValueError(f"--autoscale-spend must be a share in [0, 1], got {spend}")
+    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=spend)
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:
         return replace(config, shed=AUTO_SHED * (1 - config.quantile) if refuses else 0.0)

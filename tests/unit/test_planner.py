@@ -419,3 +419,30 @@ def test_spending_is_off_by_default_and_checked() -> None:
     for bad in ({"spend": -0.1}, {"spend": 1.5}, {"spend": math.nan}, {"budget_intervals": 0}):
         with pytest.raises(ValueError):
             replace(SLO, **bad)  # type: ignore[arg-type]
+
+
+def test_a_quiet_or_idle_stretch_does_not_inflate_the_budget() -> None:
+    plan = Planner(H100, replace(SLO, spend=0.5, budget_intervals=4))
+    layout = Layout(2, 2)
+    busy = {"requests": 1000, "attainment": 0.92, "ttft_s": 0.1, "tpot_s": 0.02}
+    plan.decide(obs(0, layout, 30.0, **busy))  # type: ignore[arg-type]
+    plan.decide(obs(30, layout, 1.0, requests=20, attainment=1.0, ttft_s=0.1, tpot_s=0.02))
+    # a bank of 22 spent over a busy window's 1000 requests, not the quiet one's 20
+    assert plan.quantile == pytest.approx(0.9 - 0.5 * 22 / 1000)
+    for i in range(4):  # idle windows: nothing banked, and the old surplus ages out
+        plan.decide(obs(60 + 30 * i, layout, 0.0, lens=(0.0, 0.0)))
+    assert plan.quantile == 0.9
+
+
+def test_a_queue_building_is_sized_for_the_slo_not_the_budget() -> None:
+    spend = Planner(H100, replace(SLO, spend=1.0))
+    strict = Planner(H100, SLO)
+    layout = Layout(2, 2)
+    for plan in (spend, strict):
+        for i in range(5):
+            plan.decide(obs(30 * i, layout, 5.0, requests=1000, attainment=0.99, ttft_s=0.1, tpot_s=0.02))
+    assert spend.quantile == pytest.approx(0.8)
+    step = obs(150, layout, 150.0, requests=1000, attainment=0.99, ttft_s=0.1, tpot_s=0.02)
+    grown, expected = spend.decide(step), strict.decide(step)
+    assert grown.reason is Reason.SCALE_UP and grown.layout == expected.layout
+    assert spend.quantile == 0.9 and "spending" not in grown.detail
