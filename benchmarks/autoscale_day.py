@@ -209,7 +209,8 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
     ]
     bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
     t0 = time.perf_counter()
-    auto = fluid([*base, "--prefill", "1", "--decode", "1", "--autoscale", *bounds], progress=True)
+    spend = ["--autoscale-spend", str(args.spend)]
+    auto = fluid([*base, "--prefill", "1", "--decode", "1", "--autoscale", *bounds, *spend], progress=True)
     auto_s = time.perf_counter() - t0
     a = auto["autoscale"]
     target = auto["slo_attainment"]
@@ -319,6 +320,7 @@ def main() -> int:
     ap.add_argument("--hours", type=float, default=24.0)
     ap.add_argument("--max-prefill", type=int, default=40)
     ap.add_argument("--max-decode", type=int, default=24)
+    ap.add_argument("--spend", type=float, default=0.0, help="--autoscale-spend of the autoscaled day")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument(
