@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     def handoff() -> None:
         out.update(_handoff("tcp" if dry else "cuda_ipc", "cpu" if dry else 0, counts))
         print(f"hand-off fixed cost {out['handoff_fixed_ms']:.3f} ms", flush=True)
+        if not out["handoff"].get("byte_exact"):
+            raise AssertionError("the hand-off's blocks arrived changed (hashes differ)")
 
     report.phase("handoff", handoff)
     rc = 0
