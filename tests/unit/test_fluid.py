@@ -261,6 +261,25 @@ def test_the_planner_grows_the_pools_through_a_step_and_shrinks_them_after() -> 
     assert a["worker_seconds"] < 0.9 * peak * m["duration"]  # type: ignore[operator]
 
 
+@needs_trace
+def test_spending_the_error_budget_holds_a_trough_on_fewer_workers() -> None:
+    """``--autoscale-spend`` end to end (flags, simulator, planner): the step workload of
+    ``benchmarks/autoscale.py``, whose trough after the peak the pools serve at 86-90 % a window
+    on 1P+1D — held there with the budget, grown without it — at no cost to the run's 90 %."""
+    flags = (
+        f"--trace {TRACE} --request-rate 20 --rate-curve 0:1,200:1,210:4,450:4,460:1 --duration 900 "
+        "--goodput ttft:250 tpot:100 --policy goodput --admission reject --no-local-prefill "
+        "--prefill 1 --decode 1 --autoscale --max-prefill 8 --max-decode 6"
+    )
+    strict, spent = fluid(flags), fluid(flags + " --autoscale-spend 0.5")
+    a, b = strict["autoscale"], spent["autoscale"]
+    assert isinstance(a, dict) and isinstance(b, dict)
+    assert b["worker_seconds"] < 0.95 * a["worker_seconds"]
+    assert spent["slo_attainment"] >= 0.9 and strict["slo_attainment"] >= 0.9  # type: ignore[operator]
+    grown = [r[0] for r in a["reasons"] if r[1] == "scale_up" and r[0] > 600]  # in the trough
+    assert grown and not [r for r in b["reasons"] if r[1] == "scale_up" and r[0] > 600]
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [("--colocated 2", "not with --colocated"), ("--autoscale --goodput ttft:250", "both targets")],
