@@ -45,12 +45,16 @@ def choose_backend(device_type: str, triton_available: bool, requested: str | No
 OVERLAP_SETTINGS = ("auto", "on", "off")
 
 
+def check_overlap(requested: str) -> None:
+    if requested not in OVERLAP_SETTINGS:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {requested!r}")
+
+
 def use_overlap(requested: str, device_type: str) -> bool:
     """Whether decode steps overlap (``EngineConfig.overlap``; ``auto``: on a GPU, whose steps run
     asynchronously to the host; a CPU computes a step while launching it, so there the overlap
     would only cost the extra row of each request that ends on a stop token)."""
-    if requested not in OVERLAP_SETTINGS:
-        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {requested!r}")
+    check_overlap(requested)
     return requested == "on" or (requested == "auto" and device_type == "cuda")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.model_runtime.backend import OVERLAP_SETTINGS
+from pdserve.model_runtime.backend import check_overlap
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -244,8 +244,7 @@ class EngineConfig:
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
         _ = self.profile  # an unknown profile fails here, before any worker starts
-        if self.overlap not in OVERLAP_SETTINGS:
-            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_SETTINGS)}, got {self.overlap!r}")
+        check_overlap(self.overlap)
 
     @property
     def profile(self) -> StepTimeModel | None:

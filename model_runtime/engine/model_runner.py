@@ -21,7 +21,7 @@ from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.engine.batch import build_batch
 from pdserve.model_runtime.engine.decode_graphs import DecodeGraphs
 from pdserve.model_runtime.engine.runner import DoneStep, StepHandle, StepResult
-from pdserve.model_runtime.engine.step_inputs import Stager, fill_pending, pack_step, source_of, unpack
+from pdserve.model_runtime.engine.step_inputs import Stager, fill_pending, pack_step, token_sources, unpack
 from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
 from pdserve.model_runtime.model.llama import LlamaModel
 from pdserve.model_runtime.request import Request
@@ -144,13 +144,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[str]]:
         """Logits of the sampled rows and their request ids, in row order. ``previous``: the
         last launched step's sampled rows and tokens, the inputs of ``pending`` chunks."""
-        if any(c.pending for c in chunks) and previous is None:
+        pending = any(c.pending for c in chunks)
+        if pending and previous is None:
             raise RuntimeError("a pending input with no step launched before it")
         if not self.paged:
             batch = build_batch(chunks, self.block_size, self.device, self.config.sliding_window)
-            if previous is not None and any(c.pending for c in chunks):
-                sources = [s for c in chunks for s in (source_of(c, previous[0]),) * c.num_tokens]
-                src = torch.tensor(sources, dtype=torch.long, device=self.device)
+            if pending and previous is not None:
+                src = torch.tensor(token_sources(chunks, previous[0]), dtype=torch.long, device=self.device)
                 fill_pending(batch.input_ids, src, previous[1])
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows, on_layer
@@ -163,7 +163,7 @@ class ModelRunner:
         inp = unpack(
             self.stager.stage(packed.values), packed.layout, packed.prefill_max_q, self.window, False
         )
-        if packed.pending and previous is not None:
+        if pending and previous is not None:
             fill_pending(inp.input_ids, inp.sources, previous[1])
         logits = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.sample_rows, on_layer

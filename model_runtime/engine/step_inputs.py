@@ -59,7 +59,6 @@ class PackedStep:
     layout: StepLayout
     sample_ids: list[str]  # request id of each sampled row, in row order
     prefill_max_q: int
-    pending: bool  # some input is a token of the previous step (see ``sources``)
 
 
 def source_of(chunk: ScheduledChunk, previous: Mapping[str, int]) -> int:
@@ -71,6 +70,12 @@ def source_of(chunk: ScheduledChunk, previous: Mapping[str, int]) -> int:
     if row is None:
         raise RuntimeError(f"{chunk.request_id}: its input is pending but the previous step sampled none")
     return row
+
+
+def token_sources(chunks: Sequence[ScheduledChunk], previous: Mapping[str, int]) -> list[int]:
+    """The input source of every token of ``chunks``, in their order (``source_of``; a pending
+    chunk is one token)."""
+    return [s for c in chunks for s in (source_of(c, previous),) * c.num_tokens]
 
 
 def pack_step(
@@ -85,16 +90,11 @@ def pack_step(
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    sources: list[int] = []
     sample_rows: list[int] = []
     sample_ids: list[str] = []
-    prev = previous or {}
+    sources = token_sources((*decodes, *prefills), previous or {})
     for c in (*decodes, *prefills):
         ids.extend(c.token_ids)
-        if c.pending:
-            sources.append(source_of(c, prev))
-        else:
-            sources.extend([-1] * c.num_tokens)
         for pos in range(c.start_pos, c.start_pos + c.num_tokens):
             positions.append(pos)
             slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
@@ -119,7 +119,7 @@ def pack_step(
     layout = StepLayout(len(ids), len(sample_rows), len(decodes), d_width, len(prefills), p_width)
     assert len(values) == layout.size
     max_q = max((c.num_tokens for c in prefills), default=0)
-    return PackedStep(values, layout, sample_ids, max_q, any(c.pending for c in chunks))
+    return PackedStep(values, layout, sample_ids, max_q)
 
 
 def unpack(

@@ -79,15 +79,15 @@ class DecodeScheduler:
         update)."""
         rid = req.request_id
         if self._ahead is not None and self._ahead.get(rid) is req:
-            handle = self.kv.retire(rid)
-            if handle is not None:
-                self._retired_ahead.append(handle)
+            held = self._retired_ahead
         elif self._scheduled.get(rid) is req:
-            handle = self.kv.retire(rid)
-            if handle is not None:
-                self._retired.append(handle)
+            held = self._retired
         else:
             self.kv.free(rid)
+            return
+        handle = self.kv.retire(rid)
+        if handle is not None:
+            held.append(handle)
 
     def will_continue(self, req: Request) -> bool:
         """The token the running step samples for ``req`` may not be its last (only a stop

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.kvtransfer.channel import Connection
 from pdserve.kvtransfer.states import FailureCause
+from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.kv_cache.block_pool import BlockPool
 from tests.kvtransfer.helpers import SHAPE, pick, raw_client, same_bytes, transport
 from tests.kvtransfer.test_faults import assert_empty, outcome, pair
@@ -40,20 +41,31 @@ def of(frames: list[tuple[str, dict[str, Any]]], tid: str) -> list[tuple[str, di
     return [(t, f) for t, f in frames if f.get("id") == tid]
 
 
+Pair = tuple[KVTransport, KVTransport, BlockPool, BlockPool]
+
+
+def hand_off(pair: Pair, tid: str, n: int, seed: int, layerwise: bool = False) -> tuple[list[int], list[int]]:
+    """``n`` blocks sent as transfer ``tid`` over ``pair`` and received byte for byte; returns
+    (src, dst), the caller's to free."""
+    sender, receiver, spool, rpool = pair
+    src, dst = pick(spool, n, random.Random(seed)), pick(rpool, n, random.Random(seed + 1))
+    receiver.expect(tid, dst)
+    sender.send(tid, receiver.address, src, dst, layerwise=layerwise)
+    if layerwise:
+        sender.layer_ready(tid, LAYERS - 1)  # every layer computed by the time it is accepted
+    assert outcome(receiver, tid) == "received"
+    assert same_bytes(sender.cache, src, receiver.cache, dst)
+    return src, dst
+
+
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_direct_write_hand_off_is_begin_ready_and_one_frame(
     frames: list[tuple[str, dict[str, Any]]], layerwise: bool
 ) -> None:
-    with pair("shm", 3) as (sender, receiver, spool, rpool):
-        addr = receiver.address
-        src, dst = pick(spool, 3, random.Random(1)), pick(rpool, 3, random.Random(2))
-        receiver.expect("w", dst)
-        sender.send("w", addr, src, dst, layerwise=layerwise)
-        if layerwise:
-            sender.layer_ready("w", LAYERS - 1)  # every layer computed by the time it is accepted
-        assert outcome(receiver, "w") == "received"
+    with pair("shm", 3) as p:
+        sender, _, spool, rpool = p
+        src, dst = hand_off(p, "w", 3, 1, layerwise)
         assert outcome(sender, "w") == "sent"
-        assert same_bytes(sender.cache, src, receiver.cache, dst)
         # every layer was ready at once (before or after the answer): one frame moves them all
         kinds = [(t, f.get("done", False)) for t, f in of(frames, "w")]
         assert kinds == [("begin", False), ("ready", False), ("layer", True)]
@@ -64,13 +76,9 @@ def test_direct_write_hand_off_is_begin_ready_and_one_frame(
 
 
 def test_a_tcp_hand_off_ends_with_its_last_data_frame(frames: list[tuple[str, dict[str, Any]]]) -> None:
-    with pair("tcp", 4) as (sender, receiver, spool, rpool):
-        addr = receiver.address
-        src, dst = pick(spool, 4, random.Random(3)), pick(rpool, 4, random.Random(4))
-        receiver.expect("t", dst)
-        sender.send("t", addr, src, dst)
-        assert outcome(receiver, "t") == "received"
-        assert same_bytes(sender.cache, src, receiver.cache, dst)
+    with pair("tcp", 4) as p:
+        _, _, spool, rpool = p
+        src, dst = hand_off(p, "t", 4, 3)
         sent = of(frames, "t")
         assert [t for t, _ in sent] == ["begin", "ready", *["data"] * LAYERS]  # no done frame
         assert [f.get("done", False) for _, f in sent[2:]] == [False] * (LAYERS - 1) + [True]
@@ -110,13 +118,9 @@ def test_a_receiver_that_offers_no_features_gets_the_first_protocol(
     """Either side may be upgraded first: against a receiver that does not offer ``END_FLAG``
     (an older one refuses fields it does not know) the sender ends with a ``done`` frame."""
     monkeypatch.setattr("pdserve.kvtransfer.receiver.FEATURES", ())
-    with pair(backend, 7) as (sender, receiver, spool, rpool):
-        addr = receiver.address
-        src, dst = pick(spool, 3, random.Random(13)), pick(rpool, 3, random.Random(14))
-        receiver.expect("old", dst)
-        sender.send("old", addr, src, dst)
-        assert outcome(receiver, "old") == "received"
-        assert same_bytes(sender.cache, src, receiver.cache, dst)
+    with pair(backend, 7) as p:
+        _, _, spool, rpool = p
+        src, dst = hand_off(p, "old", 3, 13)
         sent = of(frames, "old")
         body = ["data"] * LAYERS if backend == "tcp" else ["layer"]
         assert [t for t, _ in sent] == ["begin", "ready", *body, "done"]
