@@ -7,6 +7,8 @@ simulator on the workload of ``benchmarks/autoscale.py``, where both can run.
     .venv/bin/python -m benchmarks.autoscale_day --oracle-only  # hindsight layouts (about 20 s)
     .venv/bin/python -m benchmarks.autoscale_day --steady 200,400,700  # cycling at 64 GPUs (~30 s)
 
+(How far below the static layout any planner can go on this day: ``benchmarks/day_bound.py``.)
+
 Day workload: the Azure conversation trace's requests and arrival pattern, its mean rate along a
 diurnal curve — ``--rate`` req/s at 04:00, rising as a cosine to ``--swing`` × that at 16:00
 and back (hourly points, linear between them). SLO TTFT 250 ms / TPOT 100 ms at 90 %; routing

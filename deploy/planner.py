@@ -14,8 +14,9 @@ what was predicted for the layout that produced them. Then::
                                                        or a load it cannot keep up with at all
                                                        counts)
     fewer workers meet each of the last
-    ``down_after`` intervals' loads with margin,
-    serving every request, and keep up              -> the smallest such layout (SCALE_DOWN:
+    ``down_after`` intervals' loads (fewer after a
+    fall of the load) with margin, serving every
+    request, and keep up                             -> the smallest such layout (SCALE_DOWN:
                                                        workers stop, none switches)
     otherwise                                        -> HOLD
 
@@ -46,6 +47,12 @@ holding size the next interval for a lower attainment (down to the target less t
 allowance) whose extra misses spend up to ``spend`` of it: a quiet stretch pays for a trough
 held on fewer workers, and a step's misses empty the bank, so the next growth sizes for the
 target again. The way down never spends it (its margin is what keeps the pools from cycling).
+
+The memory of ``down_after`` intervals is what holds a layout through a trace's bursts; it is
+also what held a step's workers three intervals after the step ended. An interval whose every
+window carries less than ``forget_below`` of the busiest remembered one restarts it: at a steady
+load the quietest window of a bursty trace stays well above that share of the busiest, so only a
+fall of the load itself does, and the layout may step down once the cooldown has passed.
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -128,6 +135,10 @@ class PlannerConfig:
     margin: float = 0.75  # a smaller layout must predict at most this share of each target
     down_after: int = 3  # intervals whose loads (and checks) a smaller layout must meet
     cooldown: int = 2  # intervals after a change before the next scale-down
+    # an interval whose every window carries less than this share of the busiest one remembered
+    # (arrivals a second) starts the memory afresh: the load fell, and the windows before the
+    # fall are no reason to hold the workers it left idle (0: always remember ``down_after``)
+    forget_below: float = 0.5
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
     # the most of the arrivals the planner counts on the router refusing (admission ``reject``:
@@ -148,6 +159,8 @@ class PlannerConfig:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
+        if not 0 <= self.forget_below < 1:
+            raise ValueError(f"forget_below must be in [0, 1), got {self.forget_below}")
         if not (self.shed == 0 or 1e-3 <= self.shed < 1 - self.quantile):
             raise ValueError(f"shed must be 0 or in [0.001, 1 - quantile), got {self.shed}")
         if not 0 <= self.spend <= 1 or self.budget_intervals < 2:
@@ -203,6 +216,7 @@ class Planner:
         # busiest for decode)
         self._bursts: deque[list[Workload]] = deque(maxlen=config.down_after)
         self._burst: list[Workload] = []  # this interval's, so far
+        self._fallen = False  # the memory restarted at a fall of the load (``forget_below``)
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
         # (ended, met) of the last decisions' windows: the error budget's bank
@@ -288,7 +302,11 @@ class Planner:
         else:
             self._since_change += 1
             self._learn(obs)
-            self._bursts.append([*self._burst, obs.load])
+            interval = [*self._burst, obs.load]
+            if self._fell(interval):
+                self._bursts.clear()
+                self._fallen = True
+            self._bursts.append(interval)
             self._burst = []
             self.quantile = self._budgeted_quantile(obs)
         now_pred = self.predict(obs, current)
@@ -325,7 +343,7 @@ class Planner:
         # last ``down_after`` intervals' loads with margin (priced now, with what has been learned
         # since) serving every request, and keeps up with their checks' windows; never within
         # the cooldown; no refusals counted on (the module's docstring).
-        if self._since_change <= c.cooldown or len(self._bursts) < c.down_after:
+        if self._since_change <= c.cooldown or (len(self._bursts) < c.down_after and not self._fallen):
             return Decision(obs.t, Reason.HOLD, current, now_pred)
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
@@ -349,10 +367,20 @@ class Planner:
             None,
         )
         if best is not None:
-            return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0),
-                                f"{best.prefill}P+{best.decode}D meets the last {c.down_after} intervals' "
-                                f"loads with margin {c.margin}")  # fmt: skip
+            n = len(recent)
+            since = f"the last {n} intervals" if n >= c.down_after else "the interval since the load fell"
+            if 1 < n < c.down_after:
+                since = f"the {n} intervals since the load fell"
+            why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
+            return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _fell(self, interval: list[Workload]) -> bool:
+        """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest
+        remembered one: at a steady load the quietest 10 s window of a bursty trace stays well
+        above half its busiest, so only a fall of the load itself restarts the memory."""
+        busiest = max((w.rate for ws in self._bursts for w in ws), default=0.0)
+        return busiest > 0 and all(w.rate < self.config.forget_below * busiest for w in interval)
 
     def _budgeted_quantile(self, obs: Observation) -> float:
         """The quantile growing and holding size the next interval for: the SLO's, less what

@@ -446,3 +446,55 @@ def test_a_queue_building_is_sized_for_the_slo_not_the_budget() -> None:
     grown, expected = spend.decide(step), strict.decide(step)
     assert grown.reason is Reason.SCALE_UP and grown.layout == expected.layout
     assert spend.quantile == 0.9 and "spending" not in grown.detail
+
+
+def _step_then_fall(config: PlannerConfig, low: float = 5.0) -> tuple[list[Reason], list[str]]:
+    """A step to 100 req/s held for six intervals (every check window there a third busier
+    once in three), then the load falls to ``low``; the reasons of the decisions after the fall."""
+    plan = Planner(H100, config)
+    layout = Layout(1, 1)
+    reasons, details = [], []
+    for i in range(16):
+        rate = 100.0 if 1 <= i <= 6 else (5.0 if i == 0 else low)
+        for k in (1, 2):
+            d = plan.decide(obs(30 * i + 10 * k, layout, rate * (1.3 if k == 1 else 1.0)), up_only=True)
+            layout = d.layout
+        d = plan.decide(obs(30 * i + 30, layout, rate))
+        layout = d.layout
+        if i > 6:
+            reasons.append(d.reason)
+            details.append(d.detail)
+    return reasons, details
+
+
+def test_a_fall_of_the_load_restarts_the_memory_and_the_pools_step_down_at_once() -> None:
+    fast, details = _step_then_fall(SLO)
+    slow, _ = _step_then_fall(replace(SLO, forget_below=0.0))
+    assert fast[0] is Reason.SCALE_DOWN  # the first decision after the fall
+    assert "since the load fell" in details[0]
+    assert slow.index(Reason.SCALE_DOWN) == SLO.down_after - 1  # the step's windows held it
+    # a fall to just over half the busiest window remembered is not one: held as before
+    partial, _ = _step_then_fall(SLO, low=70.0)
+    assert Reason.SCALE_DOWN not in partial[: SLO.down_after - 1]
+
+
+def test_a_bursty_steady_load_never_restarts_the_memory() -> None:
+    """A steady load whose quietest 10 s windows carry 0.4 of its busiest (a bursty trace has
+    such lulls) keeps the memory: only a whole interval under the share is a fall, and the
+    pools come down from the top by the ordinary rule only."""
+    plan = Planner(H100, SLO)
+    layout, details = Layout(8, 8), []
+    for i in range(20):
+        for k, share in ((1, 0.4), (2, 1.0)):
+            layout = plan.decide(obs(30 * i + 10 * k, layout, 100.0 * share), up_only=True).layout
+        d = plan.decide(obs(30 * i + 30, layout, 80.0))
+        details.append(d.detail)
+        layout = d.layout
+    assert layout.workers < 16  # it did come down
+    assert not [x for x in details if "fell" in x], details
+
+
+def test_forget_below_is_a_share() -> None:
+    for bad in (-0.1, 1.0, math.nan):
+        with pytest.raises(ValueError, match="forget_below"):
+            PlannerConfig(0.25, 0.1, forget_below=bad)
