@@ -1,22 +1,24 @@
-"""How far below a static layout any planner can go on ``benchmarks/autoscale_day.py``'s day:
-the hindsight bound on GPU-hours at the static layout's own attainment.
+"""How far below a static layout a planner that holds the static layout's attainment in every
+hour can go on ``benchmarks/autoscale_day.py``'s day: the hindsight bound on GPU-hours.
 
     .venv/bin/python -m benchmarks.day_bound --static 28P+19D     # about 15 minutes on 2 cores
 
 First the static layout runs the whole day (``pdserve simulate --fluid``, the day's workload and
 routing): its attainment ``A`` and GPU-hours are the ceiling compared with. Then, at each hourly
 point of the diurnal curve, the fewest workers whose layout meets ``A`` at that point's rate held
-steady (``--steady-s`` of the trace, static, every split searched: the fewest decode workers
+steady (``--steady-s`` of the trace, static; three splits searched: the fewest decode workers
 that meet with prefill at its bound, then the fewest prefill workers for that decode pool and
-the next two) — what a planner moving with hindsight, between perfectly steady hours, would hold
-to meet ``A`` in every hour.
+for one and two decode workers more; a split with still more decode workers is not tried):
+what a planner moving with hindsight, between perfectly steady hours, would hold to meet ``A``
+in every hour.
 
 The rate moves linearly between the hourly points, so the hour from one point to the next
 needs, at most, the larger of the two points' layouts and, at least, the smaller: the day's
 GPU-hours lie between the sum of the smaller ones (``bound_lower``) and of the larger ones
 (``bound_upper``), the sum of the points (``bound_points``) between them. A planner meeting
-``A`` every hour cannot go below ``bound_lower``; its ratio to the static layout's GPU-hours is
-the least ``gpu_hours_ratio`` any planner holding the attainment hour by hour can report.
+``A`` every hour with the layouts found here cannot go below ``bound_lower``. The day's
+attainment is what the target is judged on, and hours can be traded against each other, so
+this bounds planners that hold ``A`` hour by hour, not every planner.
 
 Final JSON line: the static layout's attainment and GPU-hours, the hourly layouts, and the three
 sums with their ratios to the static layout's GPU-hours.

@@ -51,8 +51,10 @@ target again. The way down never spends it (its margin is what keeps the pools f
 The memory of ``down_after`` intervals is what holds a layout through a trace's bursts; it is
 also what held a step's workers three intervals after the step ended. An interval whose every
 window carries less than ``forget_below`` of the busiest remembered one restarts it: at a steady
-load the quietest window of a bursty trace stays well above that share of the busiest, so only a
-fall of the load itself does, and the layout may step down once the cooldown has passed.
+load the quietest 10 s window of a bursty trace stays well above that share of the busiest, so
+a fall of the load does — or a whole interval's lull that deep, after which the pools grow again
+on the next check (the price of stepping down at once; at a few requests a window, Poisson
+noise alone makes such lulls) — and the layout may step down once the cooldown has passed.
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -377,9 +379,11 @@ class Planner:
 
     def _fell(self, interval: list[Workload]) -> bool:
         """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest
-        remembered one: at a steady load the quietest 10 s window of a bursty trace stays well
-        above half its busiest, so only a fall of the load itself restarts the memory."""
-        busiest = max((w.rate for ws in self._bursts for w in ws), default=0.0)
+        remembered one that stays remembered (the module's docstring: a fall, or as deep a lull)."""
+        # against what stays remembered: the oldest interval leaves with this one's arrival, and
+        # a gradual decline measured against it would wipe intervals not half as busy again
+        kept = list(self._bursts)[1:] if len(self._bursts) == self._bursts.maxlen else self._bursts
+        busiest = max((w.rate for ws in kept for w in ws), default=0.0)
         return busiest > 0 and all(w.rate < self.config.forget_below * busiest for w in interval)
 
     def _budgeted_quantile(self, obs: Observation) -> float:

@@ -498,3 +498,16 @@ def test_forget_below_is_a_share() -> None:
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError, match="forget_below"):
             PlannerConfig(0.25, 0.1, forget_below=bad)
+
+
+def test_a_gradual_decline_is_measured_against_what_stays_remembered() -> None:
+    """100 -> 70 -> 55 -> 45 req/s: at 45 the 100 interval leaves the memory anyway, and 45 is
+    not under half of the 70 that stays, so nothing is forgotten (the floor keeps 70's windows)."""
+    plan = Planner(H100, SLO)
+    layout, details = Layout(8, 8), []
+    for i, rate in enumerate((100.0, 100.0, 100.0, 70.0, 55.0, 45.0)):
+        d = plan.decide(obs(30 * i + 30, layout, rate))
+        details.append(d.detail)
+        layout = d.layout
+    assert not [x for x in details if "fell" in x], details
+    assert len(plan._bursts) == SLO.down_after
