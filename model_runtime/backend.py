@@ -97,6 +97,18 @@ def default_step_tokens(on_gpu: bool) -> int:
     return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
 
 
+# Requests a step holds at most. A GPU's decode batch is bandwidth-bound: it grows nearly free
+# until the KV pool is full (an H100's holds some 300 conversation requests of an 8B model), so
+# the cap is the common serving default rather than a cost; a CPU step's time grows with every
+# row, and 64 keeps its decode steps short.
+CPU_MAX_SEQS = 64
+GPU_MAX_SEQS = 256
+
+
+def default_max_seqs(on_gpu: bool) -> int:
+    return GPU_MAX_SEQS if on_gpu else CPU_MAX_SEQS
+
+
 # What CUDA graphs of every bucket, the allocator's slack and the sampler's buffers take beyond a
 # step's activations (a round figure: capture on an 8B model uses a few hundred MiB).
 GRAPH_RESERVE_BYTES = 768 << 20

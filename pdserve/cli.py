@@ -25,13 +25,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"
     )
     add_block_size(p, 16)
-    add_scheduler(p, max_num_seqs=64)
+    add_scheduler(p)
 
 
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
-    from pdserve.model_runtime.backend import default_step_tokens
+    from pdserve.model_runtime.backend import default_max_seqs, default_step_tokens
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
     from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -45,7 +45,7 @@ def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             cache=CacheConfig(block_size=args.block_size),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(on_gpu),
-                max_num_seqs=args.max_num_seqs,
+                max_num_seqs=args.max_num_seqs or default_max_seqs(on_gpu),
             ),
         )
     )

@@ -53,10 +53,12 @@ def add_policy(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_scheduler(
-    p: argparse.ArgumentParser, max_num_seqs: int, max_num_batched_tokens: int | None = None
+    p: argparse.ArgumentParser, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
 ) -> None:
-    """``max_num_batched_tokens=None``: the default follows the device (``backend.default_step_tokens``)."""
+    """A default of ``None`` follows the device (``backend.default_step_tokens`` and
+    ``default_max_seqs``; an emulated GPU is a GPU)."""
     default = "512 on a CPU, 8192 on a GPU" if max_num_batched_tokens is None else str(max_num_batched_tokens)
+    seqs = "64 on a CPU, 256 on a GPU" if max_num_seqs is None else str(max_num_seqs)
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -67,7 +69,7 @@ def add_scheduler(
         "--max-num-seqs",
         type=int,
         default=max_num_seqs,
-        help=f"requests a step holds at most (default {max_num_seqs})",
+        help=f"requests a step holds at most (default {seqs})",
     )
 
 

@@ -17,7 +17,7 @@ from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
-from pdserve.model_runtime.backend import OVERLAP_SETTINGS, default_step_tokens
+from pdserve.model_runtime.backend import OVERLAP_SETTINGS, default_max_seqs, default_step_tokens
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -155,14 +155,17 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         import torch
 
         gpus = 1 if args.device != "cpu" and torch.cuda.is_available() else 0
+    # an emulated GPU's steps take a GPU's time, so it batches as a GPU does (the simulator's
+    # defaults): a CPU's budget would cap its decode batch far below what its KV pool holds
+    on_gpu = gpus > 0 or bool(_emulated(args.compute))
     engine = EngineConfig(
         model=args.model,
         device="cuda" if gpus else args.device,
         dtype=args.dtype,
         cache=CacheConfig(block_size=args.block_size, memory_budget_bytes=args.kv_cache_mib << 20),
         scheduler=SchedulerConfig(  # priority order: best-effort admissions run last
-            max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(gpus > 0),
-            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(on_gpu),
+            max_num_seqs=args.max_num_seqs or default_max_seqs(on_gpu),
             policy=QueuePolicy.PRIORITY,
             colocated=ColocatedSchedule(args.colocated_schedule),
         ),

@@ -78,12 +78,21 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
 
 def test_gpu_workers_get_gpu_sized_defaults_and_cpu_workers_keep_theirs() -> None:
     cpu = _spec()
-    assert cpu.engine.scheduler.max_num_batched_tokens == 512
+    assert cpu.engine.scheduler.max_num_batched_tokens == 512 and cpu.engine.scheduler.max_num_seqs == 64
     assert cpu.engine.cache.memory_budget_bytes == 0  # 256 MiB, resolved by the worker
     gpu = build(build_parser().parse_args(["serve", "--model", "tiny", "--gpus-per-worker", "1"]))[0]
     assert gpu.gpus_per_worker == 1 and gpu.engine.device == "cuda"
-    assert gpu.engine.scheduler.max_num_batched_tokens == 8192
+    assert gpu.engine.scheduler.max_num_batched_tokens == 8192 and gpu.engine.scheduler.max_num_seqs == 256
     assert gpu.engine.cache.memory_budget_bytes == 0  # what the weights leave free on the device
     pinned = _spec("--max-num-batched-tokens", "1024", "--kv-cache-mib", "64")
     assert pinned.engine.scheduler.max_num_batched_tokens == 1024
     assert pinned.engine.cache.memory_budget_bytes == 64 << 20
+
+
+def test_emulated_gpu_workers_batch_as_gpus_do() -> None:
+    """Their steps take a GPU's time and their KV pool is a GPU's: a CPU's 64-request cap held a
+    decode worker far below what its pool holds, and requests queued a minute for a slot."""
+    emu = _spec("--compute", "emulated:h100-llama3-8b")
+    assert emu.engine.scheduler.max_num_batched_tokens == 8192 and emu.engine.scheduler.max_num_seqs == 256
+    pinned = _spec("--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "32")
+    assert pinned.engine.scheduler.max_num_seqs == 32
