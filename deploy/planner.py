@@ -55,6 +55,11 @@ load the quietest 10 s window of a bursty trace stays well above that share of t
 a fall of the load does — or a whole interval's lull that deep, after which the pools grow again
 on the next check (the price of stepping down at once; at a few requests a window, Poisson
 noise alone makes such lulls) — and the layout may step down once the cooldown has passed.
+The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
+busiest remembered window, so what ended in it is mostly the backlog of the busier load. Its
+measured misses grow nothing and its tails teach the corrections nothing (workers started
+for a backlog arrive after it is gone, and a correction learned from it prices the quieter
+load as the busier one); the model's own prediction for what arrives still grows the pools.
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -299,11 +304,17 @@ class Planner:
         c = self.config
         current = c.bounds.clamp(obs.layout)
         self._floor = {}
+        # What ended in a window that arrivals fell off from are mostly requests the busier
+        # load queued: their tails measure that backlog draining, not this layout at this load
+        # (growing on them adds workers that start after the backlog is gone).
+        busiest = self._busiest()
+        draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
         if up_only:
             self._burst.append(obs.load)
         else:
             self._since_change += 1
-            self._learn(obs)
+            if not draining:
+                self._learn(obs)
             interval = [*self._burst, obs.load]
             if self._fell(interval):
                 self._bursts.clear()
@@ -320,6 +331,13 @@ class Planner:
                 return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
         measured_miss = obs.requests >= c.min_requests and obs.attainment < self.quantile  # False for NaN
+        backlog = ""
+        if measured_miss and draining:
+            measured_miss = False
+            backlog = (
+                f"attainment {obs.attainment:.2f} < {self.quantile:.3g} measured on a backlog: "
+                f"arrivals at {obs.load.rate / busiest:.2f} of the busiest recent window"
+            )
         if current != obs.layout and not (up_only and current.workers < obs.layout.workers):
             # outside the bounds (they changed, or a worker was lost)
             up = current.workers > obs.layout.workers
@@ -331,7 +349,7 @@ class Planner:
             # only what is certain grows the pools (a measured miss, or a load the layout cannot
             # keep up with at all); a tail merely predicted over the target waits for the
             # decision's full window.
-            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
+            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog or "between decisions")
         ranked = self._ranked(current)
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
         # (learned under load, queueing included) would price an idle worker as a busy one.
@@ -340,13 +358,13 @@ class Planner:
         if measured_miss or not predicted_ok:
             return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
         if up_only:
-            return Decision(obs.t, Reason.HOLD, current, now_pred, "between decisions")
+            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog or "between decisions")
         # Down: only by stopping workers, to the smallest layout that would have met each of the
         # last ``down_after`` intervals' loads with margin (priced now, with what has been learned
         # since) serving every request, and keeps up with their checks' windows; never within
         # the cooldown; no refusals counted on (the module's docstring).
         if self._since_change <= c.cooldown or (len(self._bursts) < c.down_after and not self._fallen):
-            return Decision(obs.t, Reason.HOLD, current, now_pred)
+            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog)
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
@@ -375,7 +393,12 @@ class Planner:
                 since = f"the {n} intervals since the load fell"
             why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
-        return Decision(obs.t, Reason.HOLD, current, now_pred)
+        return Decision(obs.t, Reason.HOLD, current, now_pred, backlog)
+
+    def _busiest(self) -> float:
+        """The most arrivals a second of any window remembered (the recent intervals' and this
+        one's checks)."""
+        return max((w.rate for ws in (*self._bursts, self._burst) for w in ws), default=0.0)
 
     def _fell(self, interval: list[Workload]) -> bool:
         """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest

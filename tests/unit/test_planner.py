@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy.capacity import erlang_c, predict
-from pdserve.deploy.planner import Bounds, Layout, Observation, Planner, PlannerConfig, Reason
+from pdserve.deploy.planner import Bounds, Decision, Layout, Observation, Planner, PlannerConfig, Reason
 from pdserve.router.workload_window import Workload, WorkloadWindow, kept, light_means, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
@@ -511,3 +511,36 @@ def test_a_gradual_decline_is_measured_against_what_stays_remembered() -> None:
         layout = d.layout
     assert not [x for x in details if "fell" in x], details
     assert len(plan._bursts) == SLO.down_after
+
+
+def test_misses_measured_on_a_draining_backlog_grow_nothing_and_teach_nothing() -> None:
+    """A step's queue ends after the load fell: its misses are of requests the busier load
+    queued. Growing on them starts workers for a backlog already draining; learning from them
+    prices the quieter load as the busier one. The model's own prediction still grows."""
+
+    def after_step(
+        low: float, config: PlannerConfig = SLO, layout: Layout | None = None, high: float = 60.0
+    ) -> tuple[Planner, Decision, Decision]:
+        layout = layout or Layout(4, 4)
+        plan = Planner(H100, config)
+        for t in (10, 20):
+            plan.decide(obs(t, layout, high), up_only=True)
+        plan.decide(obs(30, layout, high))
+        miss = {"requests": 400, "attainment": 0.7, "ttft_s": 0.6, "tpot_s": 0.05}
+        check = plan.decide(obs(40, layout, low, **miss), up_only=True)  # type: ignore[arg-type]
+        return plan, check, plan.decide(obs(60, layout, low, **miss))  # type: ignore[arg-type]
+
+    plan, check, d = after_step(10.0)
+    assert check.reason is Reason.HOLD and "backlog" in check.detail, check
+    assert d.reason is not Reason.SCALE_UP and plan.correction == (1.0, 1.0), d
+    # the same windows without the rule (0: never draining) grow at the check, and learn
+    plan, check, d = after_step(10.0, replace(SLO, forget_below=0.0))
+    assert check.reason is Reason.SCALE_UP and plan.correction[0] > 1.0
+    # a load that fell to just over half is not draining: its misses are this layout's
+    _, check, _ = after_step(40.0)
+    assert check.reason is Reason.SCALE_UP
+    # a fallen load the layout is predicted unable to serve still grows it
+    one = Layout(1, 1)
+    assert not Planner(H100, SLO).predict(obs(0, one, 45.0), one).feasible
+    _, check, _ = after_step(45.0, layout=one, high=100.0)
+    assert check.reason is Reason.SCALE_UP and "predicted" in check.detail, check
