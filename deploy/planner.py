@@ -56,10 +56,12 @@ a fall of the load does — or a whole interval's lull that deep, after which th
 on the next check (the price of stepping down at once; at a few requests a window, Poisson
 noise alone makes such lulls) — and the layout may step down once the cooldown has passed.
 The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
-busiest remembered window, so what ended in it is mostly the backlog of the busier load. Its
-measured misses grow nothing and its tails teach the corrections nothing (workers started
-for a backlog arrive after it is gone, and a correction learned from it prices the quieter
-load as the busier one); the model's own prediction for what arrives still grows the pools.
+busiest remembered window as long as it (a decision's against the intervals' that stay
+remembered, a check's against the checks'), so what ended in it is mostly the backlog of the
+busier load. Its measured misses grow nothing and its tails teach the corrections nothing
+(workers started for a backlog arrive after it is gone, and a correction learned from it
+prices the quieter load as the busier one), and it steps nothing down either (a miss is a
+miss); the model's own prediction for what arrives still grows the pools.
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -307,7 +309,7 @@ class Planner:
         # What ended in a window that arrivals fell off from are mostly requests the busier
         # load queued: their tails measure that backlog draining, not this layout at this load
         # (growing on them adds workers that start after the backlog is gone).
-        busiest = self._busiest()
+        busiest = self._busiest(up_only)
         draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
         if up_only:
             self._burst.append(obs.load)
@@ -359,12 +361,16 @@ class Planner:
             return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
         if up_only:
             return Decision(obs.t, Reason.HOLD, current, now_pred, backlog or "between decisions")
+        if backlog:
+            # not a reason to grow, nor a window to step down in: the workers being drained
+            # would hand their share of the backlog to fewer
+            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog)
         # Down: only by stopping workers, to the smallest layout that would have met each of the
         # last ``down_after`` intervals' loads with margin (priced now, with what has been learned
         # since) serving every request, and keeps up with their checks' windows; never within
         # the cooldown; no refusals counted on (the module's docstring).
         if self._since_change <= c.cooldown or (len(self._bursts) < c.down_after and not self._fallen):
-            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog)
+            return Decision(obs.t, Reason.HOLD, current, now_pred)
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
@@ -393,12 +399,19 @@ class Planner:
                 since = f"the {n} intervals since the load fell"
             why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
-        return Decision(obs.t, Reason.HOLD, current, now_pred, backlog)
+        return Decision(obs.t, Reason.HOLD, current, now_pred)
 
-    def _busiest(self) -> float:
-        """The most arrivals a second of any window remembered (the recent intervals' and this
-        one's checks)."""
-        return max((w.rate for ws in (*self._bursts, self._burst) for w in ws), default=0.0)
+    def _busiest(self, check: bool) -> float:
+        """The most arrivals a second of the remembered windows as long as the one being
+        decided on: for a check, the checks' windows (this interval's so far among them); for a
+        decision, the intervals' own windows that stay remembered (``_fell``'s reference). Like
+        with like: a steady load with one burst window an interval is not a fall at every
+        decision."""
+        if check:
+            checks = [w for ws in self._bursts for w in ws[:-1]] + self._burst
+            return max((w.rate for w in checks), default=0.0)
+        kept = list(self._bursts)[1:] if len(self._bursts) == self._bursts.maxlen else self._bursts
+        return max((ws[-1].rate for ws in kept), default=0.0)
 
     def _fell(self, interval: list[Workload]) -> bool:
         """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest

@@ -532,7 +532,11 @@ def test_misses_measured_on_a_draining_backlog_grow_nothing_and_teach_nothing() 
 
     plan, check, d = after_step(10.0)
     assert check.reason is Reason.HOLD and "backlog" in check.detail, check
-    assert d.reason is not Reason.SCALE_UP and plan.correction == (1.0, 1.0), d
+    # nor a decision to step down in (the memory restarted at this fall: it would, measuring 1.0)
+    assert d.reason is Reason.HOLD and "backlog" in d.detail and plan.correction == (1.0, 1.0), d
+    layout = Layout(4, 4)
+    d = plan.decide(obs(90, layout, 10.0, requests=400, attainment=0.7, ttft_s=0.6, tpot_s=0.05))
+    assert d.reason is Reason.SCALE_UP, d  # the fall is an interval old: misses are this load's again
     # the same windows without the rule (0: never draining) grow at the check, and learn
     plan, check, d = after_step(10.0, replace(SLO, forget_below=0.0))
     assert check.reason is Reason.SCALE_UP and plan.correction[0] > 1.0
@@ -544,3 +548,19 @@ def test_misses_measured_on_a_draining_backlog_grow_nothing_and_teach_nothing() 
     assert not Planner(H100, SLO).predict(obs(0, one, 45.0), one).feasible
     _, check, _ = after_step(45.0, layout=one, high=100.0)
     assert check.reason is Reason.SCALE_UP and "predicted" in check.detail, check
+
+
+def test_a_steady_load_with_one_burst_window_an_interval_is_never_draining() -> None:
+    """Two quiet 10 s windows and a busy one every interval: the decisions' 30 s means are
+    steady (measured against the intervals' own windows, not the burst), so their misses grow
+    the pools and teach the corrections."""
+    plan = Planner(H100, SLO)
+    layout = Layout(2, 2)
+    grew = []
+    for i in range(4):
+        for k, rate in ((1, 8.0), (2, 30.0)):
+            plan.decide(obs(30 * i + 10 * k, layout, rate), up_only=True)
+        d = plan.decide(obs(30 * i + 30, layout, 11.7, requests=300, attainment=0.7, ttft_s=0.6, tpot_s=0.05))
+        assert "backlog" not in d.detail, d
+        grew.append(d.reason is Reason.SCALE_UP)
+    assert all(grew) and plan.correction[0] > 1.0
