@@ -122,13 +122,23 @@ def step_reserve_bytes(
     qkv_width: int,
     vocab: int,
     dtype_bytes: int,
+    decode_scratch: int = 0,
 ) -> int:
     """Device memory the largest step needs besides weights and KV: the residual stream, the
     normed input, the qkv and gate/up outputs and the attention output of ``step_tokens`` tokens
     alive together; float32 logits of ``max_seqs`` rows several times over (sampling copies them);
-    ``GRAPH_RESERVE_BYTES``."""
+    ``decode_scratch`` (``decode_scratch_bytes``: split attention's partials, held by the decode
+    graphs' pool); ``GRAPH_RESERVE_BYTES``."""
     per_token = (3 * hidden + qkv_width + 3 * intermediate) * dtype_bytes
-    return step_tokens * per_token + 4 * max_seqs * vocab * 4 + GRAPH_RESERVE_BYTES
+    return step_tokens * per_token + 4 * max_seqs * vocab * 4 + decode_scratch + GRAPH_RESERVE_BYTES
+
+
+def decode_scratch_bytes(max_seqs: int, num_heads: int, head_dim: int, max_len: int) -> int:
+    """Split decode attention's float32 partial outputs and log-sum-exps for a full batch at
+    the longest context (``DECODE_SPLIT_TOKENS`` positions a split): at 256 rows and a 128k
+    context an 8B model's come to 2 GiB, which a fixed reserve would not cover."""
+    splits = max(1, -(-max_len // DECODE_SPLIT_TOKENS))
+    return max_seqs * num_heads * splits * (head_dim + 1) * 4
 
 
 def kv_blocks_for_free_memory(

@@ -9,10 +9,13 @@ from hypothesis import strategies as st
 
 from pdserve.model_runtime.backend import (
     DECODE_SPLIT_TOKENS,
+    GPU_MAX_SEQS,
     GPU_STEP_TOKENS,
     Backend,
     bucket_for,
     choose_backend,
+    decode_scratch_bytes,
+    default_max_seqs,
     default_step_tokens,
     graph_buckets,
     kv_blocks_for_free_memory,
@@ -62,6 +65,10 @@ def test_kv_pool_from_free_memory() -> None:
         kv_blocks_for_free_memory(1 << 30, 0, 0)
     reserve = step_reserve_bytes(GPU_STEP_TOKENS, 256, 4096, 14336, 6144, 128256, 2)
     assert 1 << 30 < reserve < 4 << 30  # an 8B model: a few GiB, not tens
+    # split decode attention's partials grow with the batch and the context
+    long = decode_scratch_bytes(GPU_MAX_SEQS, 32, 128, 131072)
+    assert 2 << 30 <= long < 3 << 30 and decode_scratch_bytes(64, 32, 128, 131072) * 4 == long
+    assert decode_scratch_bytes(256, 32, 128, 1) == 256 * 32 * 129 * 4  # one split at least
 
 
 def test_cache_config_resolution_order() -> None:
@@ -78,3 +85,4 @@ def test_cache_config_resolution_order() -> None:
 def test_step_budget_follows_the_device() -> None:
     assert default_step_tokens(on_gpu=False) == 512
     assert default_step_tokens(on_gpu=True) == GPU_STEP_TOKENS >= 8192
+    assert default_max_seqs(on_gpu=False) == 64 and default_max_seqs(on_gpu=True) == GPU_MAX_SEQS == 256
