@@ -14,7 +14,9 @@ joins), ``step_to_target_s`` (from the step to the end of the first interval bac
 by the end time of requests, as the planner sees them), ``changes_per_5_intervals`` at the steady
 peak, and ``sim_agreement``: the share of interval boundaries at which the live layout is within
 one worker (|dP| + |dD| <= 1) of the simulated autoscaler's on the same workload;
-``fluid_agreement``: the same against the request-level model (``pdserve simulate --fluid``).
+``fluid_agreement``: the same against the request-level model (``pdserve simulate --fluid``);
+``live_*_host_cpu_pct``: the host's CPU busy share (median, 90th percentile) while each run's
+workload played — the emulated GPUs are what is measured only while the host has room.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks.autoscale import TRACE, best_static, run, step_to_target
 from benchmarks.autoscale_day import fluid as fluid_run
@@ -65,9 +68,10 @@ def slo_flags(args: argparse.Namespace) -> list[str]:
 @contextmanager
 def serving(
     args: argparse.Namespace, layout: list[str], log: Path
-) -> Iterator[tuple[str, list[tuple[float, int, int]]]]:
+) -> Iterator[tuple[str, list[tuple[float, int, int, float]]]]:
     """``pdserve serve`` with ``layout`` flags; yields its gRPC address and a timeline of
-    (monotonic time, prefill, decode) sampled once a second while it runs."""
+    (monotonic time, prefill, decode, host CPU busy %) sampled once a second while it runs
+    (prefill and decode -1 for a second the status did not answer)."""
     http, grpc_port = free_port(), free_port()
     cmd = [str(BIN / "pdserve"), "serve", "--model", "tiny", "--compute", f"emulated:{args.profile}",
            "--policy", "least_loaded", "--no-local-prefill",
@@ -76,17 +80,22 @@ def serving(
            *layout]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    timeline: list[tuple[float, int, int]] = []
+    timeline: list[tuple[float, int, int, float]] = []
     stop = threading.Event()
 
     def sample() -> None:
+        psutil.cpu_percent()  # the next call (this thread's) measures from here
         while not stop.wait(1.0):
+            # the whole host's, each second whether or not the status answers (when the host is
+            # saturated it may not, and those seconds must count)
+            busy = psutil.cpu_percent()
             try:
                 roles = [w["role"] for w in httpx.get(f"http://127.0.0.1:{http}/cluster/status", timeout=5)
                          .json()["workers"]]  # fmt: skip
             except (httpx.HTTPError, ValueError, KeyError):
+                timeline.append((time.monotonic(), -1, -1, busy))  # workers unknown this second
                 continue
-            timeline.append((time.monotonic(), roles.count("prefill"), roles.count("decode")))
+            timeline.append((time.monotonic(), roles.count("prefill"), roles.count("decode"), busy))
 
     try:
         wait_ready(f"http://127.0.0.1:{http}/health", proc, timeout_s=300)
@@ -126,7 +135,8 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
         inside = [m for m, e in zip(met, ends, strict=True) if lo <= e < hi]
         if inside:
             windows.append((hi, sum(inside) / len(inside), len(inside)))
-    rel = [(t - t0, p, d) for t, p, d in timeline if t0 <= t <= t_end]
+    rel = [(t - t0, p, d) for t, p, d, _ in timeline if t0 <= t <= t_end and p >= 0]
+    busy = sorted(b for t, _, _, b in timeline if t0 <= t <= t_end)
     seconds = sum((b[0] - a[0]) * (a[1] + a[2]) for a, b in itertools.pairwise(rel))
     return {
         "attainment": sum(met) / len(met),
@@ -136,6 +146,10 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
         "worker_seconds": seconds,
         "windows": windows,
         "timeline": rel,
+        # the host's CPU while the workload ran: near 100 % the host, not the emulated GPUs,
+        # sets the latencies (a dilated profile, ``@xN``, gives it room)
+        "host_cpu_median_pct": busy[len(busy) // 2] if busy else math.nan,
+        "host_cpu_p90_pct": busy[int(0.9 * (len(busy) - 1))] if busy else math.nan,
     }
 
 
@@ -214,6 +228,7 @@ def main() -> int:
         "live_autoscaled_failed": auto["failed"],
         "live_autoscaled_errors": auto["errors"],
         "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
+        "live_autoscaled_host_cpu_pct": [auto["host_cpu_median_pct"], auto["host_cpu_p90_pct"]],
         "step_to_target_s": step_to_target([(t, att) for t, att, _ in windows], args.step_at),
         "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
         "sim_agreement": round(sum(agree) / len(agree), 3) if agree else None,
@@ -231,6 +246,7 @@ def main() -> int:
             "live_static_failed": static["failed"],
             "live_static_errors": static["errors"],
             "live_static_worker_seconds": round(static["worker_seconds"], 1),
+            "live_static_host_cpu_pct": [static["host_cpu_median_pct"], static["host_cpu_p90_pct"]],
             "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
             "worker_seconds_ratio": round(auto["worker_seconds"] / static["worker_seconds"], 3),
         })  # fmt: skip
