@@ -410,16 +410,20 @@ class Planner:
         if check:
             checks = [w for ws in self._bursts for w in ws[:-1]] + self._burst
             return max((w.rate for w in checks), default=0.0)
-        kept = list(self._bursts)[1:] if len(self._bursts) == self._bursts.maxlen else self._bursts
-        return max((ws[-1].rate for ws in kept), default=0.0)
+        return max((ws[-1].rate for ws in self._kept()), default=0.0)
+
+    def _kept(self) -> list[list[Workload]]:
+        """The remembered intervals that stay once a decision's interval joins: the oldest
+        leaves with it when the memory is full."""
+        full = len(self._bursts) == self._bursts.maxlen
+        return list(self._bursts)[1:] if full else list(self._bursts)
 
     def _fell(self, interval: list[Workload]) -> bool:
         """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest
         remembered one that stays remembered (the module's docstring: a fall, or as deep a lull)."""
         # against what stays remembered: the oldest interval leaves with this one's arrival, and
         # a gradual decline measured against it would wipe intervals not half as busy again
-        kept = list(self._bursts)[1:] if len(self._bursts) == self._bursts.maxlen else self._bursts
-        busiest = max((w.rate for ws in kept for w in ws), default=0.0)
+        busiest = max((w.rate for ws in self._kept() for w in ws), default=0.0)
         return busiest > 0 and all(w.rate < self.config.forget_below * busiest for w in interval)
 
     def _budgeted_quantile(self, obs: Observation) -> float:
