@@ -39,6 +39,7 @@ from benchmarks.autoscale import SLO, TRACE
 from benchmarks.autoscale import run as run_event
 from benchmarks.common import emit
 from pdserve.deploy.capacity import predict
+from pdserve.model_runtime.backend import GPU_MAX_SEQS
 from pdserve.router.workload_window import Workload
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.fluid_run import simulate_fluid
@@ -188,7 +189,7 @@ def split(total: int, peak: Workload, args: argparse.Namespace) -> tuple[int, in
     model = load_sim_profile("h100-llama3-8b")
 
     def worst(p: int) -> float:
-        pr = predict(model, peak, p, total - p)
+        pr = predict(model, peak, p, total - p, max_seqs=GPU_MAX_SEQS)  # the simulator's default
         return max(pr.ttft_s / 0.25, pr.tpot_s / 0.1)
 
     lo, hi = max(1, total - args.max_decode), min(args.max_prefill, total - 1)

@@ -65,11 +65,14 @@ def predict(
     quantile: float = 0.9,
     factors: tuple[float, float] = (1.0, 1.0),
     admitted: float = 1.0,
+    max_seqs: int | None = None,
 ) -> Prediction:
     if prefill < 1 or decode < 1:
         raise ValueError("a disaggregated layout needs at least one worker of each role")
     if not 0 < quantile < admitted <= 1:
         raise ValueError(f"need 0 < quantile < admitted <= 1, got {quantile} and {admitted}")
+    if max_seqs is not None and max_seqs < 1:
+        raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
     whole = load
     if admitted < 1 and load.rate > 0:
         kept = load.light_prompt_tokens(admitted)
@@ -94,7 +97,7 @@ def predict(
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf
         ttft = own + wait + model.transfer_time(round(tail))
-    tpot, batch = _decode(model, whole, decode, df)
+    tpot, batch = _decode(model, whole, decode, df, max_seqs)
     return Prediction(ttft, tpot, rho, batch, admitted)
 
 
@@ -109,7 +112,9 @@ def erlang_c(servers: int, offered: float) -> float:
     return servers * b / (servers - offered * (1 - b))
 
 
-def _decode(model: StepTimeModel, load: Workload, decode: int, factor: float) -> tuple[float, float]:
+def _decode(
+    model: StepTimeModel, load: Workload, decode: int, factor: float, max_seqs: int | None
+) -> tuple[float, float]:
     """(TPOT, batch) at the fixed point of Little's law on one decode worker."""
     ctx = load.prompt_tokens + load.output_tokens / 2
     a = load.rate / decode * max(1.0, load.output_tokens)  # tokens a second the worker must emit
@@ -121,7 +126,9 @@ def _decode(model: StepTimeModel, load: Workload, decode: int, factor: float) ->
     if a == 0:
         return tpot(1), 0.0
     cap = max(1.0, model.kv_capacity_tokens / max(1.0, load.prompt_tokens + load.output_tokens))
-    if a * tpot(cap) > cap:  # even a full pool's batch emits too slowly
+    if max_seqs is not None:
+        cap = min(cap, float(max_seqs))
+    if a * tpot(cap) > cap:  # even the largest batch (a full pool's, or the step's cap) emits too slowly
         return math.inf, cap
     lo, hi = 0.0, cap  # f(b) = a·tpot(b) − b: > 0 at 0, <= 0 at cap
     for _ in range(60):

@@ -160,6 +160,8 @@ class PlannerConfig:
     # below ``quantile`` less the SLO's own allowance); 0 sizes every interval for ``quantile``
     spend: float = 0.0
     budget_intervals: int = 20
+    # a decode step's most requests (the engine's ``max_num_seqs``); None: what the KV pool holds
+    max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
@@ -176,6 +178,8 @@ class PlannerConfig:
             raise ValueError(f"spend must be in [0, 1] and budget_intervals >= 2, got {self.spend}")
         if self.spend and self.quantile <= 0.5:
             raise ValueError("spending the error budget needs an attainment target above 0.5")
+        if self.max_seqs is not None and self.max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
 
     @functools.cached_property
     def shares(self) -> tuple[float, ...]:
@@ -250,7 +254,8 @@ class Planner:
         quantile: float | None = None,
     ) -> Prediction:
         q = self.quantile if quantile is None else quantile
-        p = predict(self.model, obs.load, layout.prefill, layout.decode, q, obs.factors, admitted)
+        cap = self.config.max_seqs
+        p = predict(self.model, obs.load, layout.prefill, layout.decode, q, obs.factors, admitted, cap)
         if not corrected:
             return p
         return replace(p, ttft_s=p.ttft_s * self.correction[0], tpot_s=p.tpot_s * self.correction[1])

@@ -109,6 +109,11 @@ def default_max_seqs(on_gpu: bool) -> int:
     return GPU_MAX_SEQS if on_gpu else CPU_MAX_SEQS
 
 
+def step_sizes(on_gpu: bool, step_tokens: int | None, max_seqs: int | None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs): each the flag's when given, else the device's."""
+    return step_tokens or default_step_tokens(on_gpu), max_seqs or default_max_seqs(on_gpu)
+
+
 # What CUDA graphs of every bucket, the allocator's slack and the sampler's buffers take beyond a
 # step's activations (a round figure: capture on an 8B model uses a few hundred MiB).
 GRAPH_RESERVE_BYTES = 768 << 20

@@ -31,22 +31,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
-    from pdserve.model_runtime.backend import default_max_seqs, default_step_tokens
+    from pdserve.model_runtime.backend import step_sizes
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
     from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    tokens, seqs = step_sizes(on_gpu, args.max_num_batched_tokens, args.max_num_seqs)
     return LLMEngine(
         EngineConfig(
             model=args.model,
             device=args.device,
             dtype=args.dtype,
             cache=CacheConfig(block_size=args.block_size),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(on_gpu),
-                max_num_seqs=args.max_num_seqs or default_max_seqs(on_gpu),
-            ),
+            scheduler=SchedulerConfig(max_num_batched_tokens=tokens, max_num_seqs=seqs),
         )
     )
 

@@ -164,13 +164,16 @@ def planner_bounds(args: argparse.Namespace) -> Bounds:
     return Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode)
 
 
-def planner_settings(args: argparse.Namespace, ttft_s: float, tpot_s: float, refuses: bool) -> PlannerConfig:
+def planner_settings(
+    args: argparse.Namespace, ttft_s: float, tpot_s: float, refuses: bool, max_seqs: int
+) -> PlannerConfig:
     """``--autoscale``'s planner for the targets; ``refuses``: the router refuses a request
-    predicted to miss (admission ``reject``), the only way a request is shed."""
+    predicted to miss (admission ``reject``), the only way a request is shed; ``max_seqs``: the
+    decode workers' ``max_num_seqs`` as their engines resolved it (a decode worker's batch cap)."""
     spend = getattr(args, "autoscale_spend", 0.0)
     if not 0 <= spend <= 1:
         raise ValueError(f"--autoscale-spend must be a share in [0, 1], got {spend}")
-    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=spend)
+    config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=spend, max_seqs=max_seqs)
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:
         return replace(config, shed=AUTO_SHED * (1 - config.quantile) if refuses else 0.0)

@@ -17,7 +17,7 @@ from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
-from pdserve.model_runtime.backend import OVERLAP_SETTINGS, default_max_seqs, default_step_tokens
+from pdserve.model_runtime.backend import OVERLAP_SETTINGS, step_sizes
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -158,14 +158,15 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     # an emulated GPU's steps take a GPU's time, so it batches as a GPU does (the simulator's
     # defaults): a CPU's budget would cap its decode batch far below what its KV pool holds
     on_gpu = gpus > 0 or bool(_emulated(args.compute))
+    tokens, seqs = step_sizes(on_gpu, args.max_num_batched_tokens, args.max_num_seqs)
     engine = EngineConfig(
         model=args.model,
         device="cuda" if gpus else args.device,
         dtype=args.dtype,
         cache=CacheConfig(block_size=args.block_size, memory_budget_bytes=args.kv_cache_mib << 20),
         scheduler=SchedulerConfig(  # priority order: best-effort admissions run last
-            max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(on_gpu),
-            max_num_seqs=args.max_num_seqs or default_max_seqs(on_gpu),
+            max_num_batched_tokens=tokens,
+            max_num_seqs=seqs,
             policy=QueuePolicy.PRIORITY,
             colocated=ColocatedSchedule(args.colocated_schedule),
         ),
@@ -218,8 +219,9 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     return spec, config
 
 
-def planner_config(args: argparse.Namespace, config: RouterConfig) -> PlannerConfig | None:
-    """``--autoscale``'s planner settings: the bounds, and the default SLO class's targets."""
+def planner_config(args: argparse.Namespace, spec: PoolSpec, config: RouterConfig) -> PlannerConfig | None:
+    """``--autoscale``'s planner settings: the bounds, the default SLO class's targets and the
+    workers' decode batch cap."""
     if not args.autoscale:
         return None
     if colocated_count(args):
@@ -234,7 +236,8 @@ def planner_config(args: argparse.Namespace, config: RouterConfig) -> PlannerCon
             "(--slo NAME:ttft=MS,tpot=MS)"
         )
     refuses = target.admission is Admission.REJECT
-    return planner_settings(args, target.ttft_ms / 1000, target.tpot_ms / 1000, refuses)
+    seqs = spec.engine.scheduler.max_num_seqs
+    return planner_settings(args, target.ttft_ms / 1000, target.tpot_ms / 1000, refuses, seqs)
 
 
 def _emulated(compute: str) -> str:
@@ -338,7 +341,7 @@ def serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         spec, config = build(args)
-        plan = planner_config(args, config)
+        plan = planner_config(args, spec, config)
         if plan is not None:  # the private Ray instance must have room for the largest layout
             spec = dataclasses.replace(spec, max_workers=plan.bounds.max_prefill + plan.bounds.max_decode)
     except ValueError as e:

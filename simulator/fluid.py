@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.model_runtime.backend import GPU_MAX_SEQS, GPU_STEP_TOKENS
 from pdserve.steptime.model import StepTimeModel
 
 
@@ -56,8 +57,8 @@ class FluidConfig:
     ttft_s: float = 0.0  # targets (0: none); a good request meets both
     tpot_s: float = 0.0
     reject: bool = False  # refuse a request predicted to miss (admission ``reject``)
-    step_tokens: int = 8192  # a prefill step's prompt tokens
-    max_seqs: int = 256  # a decode worker's batch
+    step_tokens: int = GPU_STEP_TOKENS  # a prefill step's prompt tokens
+    max_seqs: int = GPU_MAX_SEQS  # a decode worker's batch
     reserve_timeout_s: float = 30.0
     tick_s: float = 0.5
 

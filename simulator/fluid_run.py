@@ -222,7 +222,7 @@ def simulate_fluid(
     if args.autoscale:
         if not (ttft and tpot):
             raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
-        planner = Planner(profile, planner_settings(args, ttft, tpot, config.reject))
+        planner = Planner(profile, planner_settings(args, ttft, tpot, config.reject, config.max_seqs))
         scaler = FluidAutoscaler(cluster, planner, auto)
     look = auto.interval_s / auto.checks
     if scaler is not None and config.tick_s > look + 1e-9:

@@ -26,6 +26,7 @@ from pdserve.flags import (
     planner_settings,
     save_result,
 )
+from pdserve.model_runtime.backend import GPU_MAX_SEQS, GPU_STEP_TOKENS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatchers import make_dispatcher
@@ -59,7 +60,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="goodput policy: never prefill on a decode worker (static disaggregation)",
     )
     add_workload_args(p)
-    add_scheduler(p, max_num_batched_tokens=8192, max_num_seqs=256)
+    add_scheduler(p, max_num_batched_tokens=GPU_STEP_TOKENS, max_num_seqs=GPU_MAX_SEQS)  # an H100's
     p.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
@@ -236,7 +237,9 @@ def autoscaler(
     if not (slo.ttft_ms and slo.tpot_ms):
         raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
     refuses = getattr(args, "admission", "none") == Admission.REJECT.value
-    planner = Planner(profile, planner_settings(args, slo.ttft_ms / 1000, slo.tpot_ms / 1000, refuses))
+    planner = Planner(
+        profile, planner_settings(args, slo.ttft_ms / 1000, slo.tpot_ms / 1000, refuses, args.max_num_seqs)
+    )
     config = AutoscaleConfig(args.autoscale_interval, args.worker_start_s)
     return SimAutoscaler(cluster, planner, config, tracked)
 

@@ -47,10 +47,13 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
 
     def plan(*flags: str):  # type: ignore[no-untyped-def]
         args = build_parser().parse_args([*base, *flags])
-        return planner_config(args, build(args)[1])
+        return planner_config(args, *build(args))
 
     p = plan("--min-prefill", "2", "--max-prefill", "4")
     assert p is not None and p.bounds == Bounds(2, 4, 1, 8) and (p.ttft_s, p.tpot_s) == (0.25, 0.05)
+    assert p.max_seqs == 64  # the CPU engines' cap, as they resolve it
+    assert plan("--max-num-seqs", "16").max_seqs == 16  # type: ignore[union-attr]
+    assert plan("--compute", "emulated:h100-llama3-8b").max_seqs == 256  # type: ignore[union-attr]
     assert p.shed == 0.0  # the class admits every request: nothing is refused to count on
     base[-1] = "chat:ttft=250,tpot=50,admission=reject"
     p = plan()
@@ -73,7 +76,7 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
             plan(*flags)
     args = build_parser().parse_args(["serve", "--model", "tiny", "--device", "cpu", "--autoscale"])
     with pytest.raises(ValueError, match="both targets"):
-        planner_config(args, build(args)[1])
+        planner_config(args, *build(args))
 
 
 def test_gpu_workers_get_gpu_sized_defaults_and_cpu_workers_keep_theirs() -> None:

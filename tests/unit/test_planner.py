@@ -41,6 +41,27 @@ def test_capacity_grows_with_workers_and_fails_past_saturation() -> None:
         predict(H100, load, 0, 1)
 
 
+def test_a_decode_batch_cap_below_the_kv_pool_bounds_what_a_worker_keeps_up_with() -> None:
+    """A decode worker whose step holds at most ``max_seqs`` requests cannot grow its batch to
+    what its KV pool holds: the requests past the cap wait for a slot, their gaps unbounded."""
+    load = Workload(40.0, *CONV)
+    free = predict(H100, load, 4, 1)
+    assert free.feasible and free.decode_batch > 64  # the KV pool holds ~300 such requests
+    capped = predict(H100, load, 4, 1, max_seqs=64)
+    assert capped.tpot_s == math.inf and capped.decode_batch == 64
+    # a cap above the fixed point changes nothing
+    assert predict(H100, load, 4, 1, max_seqs=1024) == free
+    with pytest.raises(ValueError, match="max_seqs"):
+        predict(H100, load, 4, 1, max_seqs=0)
+    # the planner prices its layouts with the engines' cap: more decode workers for the same load
+    seen = obs(0.0, Layout(4, 1), 40.0, requests=400, attainment=0.95)
+    free_plan, capped_plan = Planner(H100, SLO), Planner(H100, replace(SLO, max_seqs=64))
+    assert capped_plan.predict(seen, Layout(4, 1)).tpot_s == math.inf
+    assert free_plan.decide(seen).layout.decode < capped_plan.decide(seen).layout.decode
+    with pytest.raises(ValueError, match="max_seqs"):
+        replace(SLO, max_seqs=0)
+
+
 def test_the_prefill_pool_queues_as_one() -> None:
     """The router sends a prompt to the worker done first: one M/D/P queue, whose wait is far
     shorter than P separate M/D/1 queues' at the same utilization (one worker: M/D/1)."""
