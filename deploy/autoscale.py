@@ -76,6 +76,8 @@ class PoolAutoscaler:
         q = self.planner.config.quantile
         span = self.interval_s if span_s is None else span_s
         requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
+        load = acc.window.workload(now, span, q, self.planner.config.shares)
+        longer = self.planner.decode_span(span, self.interval_s, load.output_tokens)
         model = getattr(acc.dispatcher, "model", None)
         factors = (1.0, 1.0)
         if model is not None:  # the router's corrections of the same profile, over all workers
@@ -89,7 +91,8 @@ class PoolAutoscaler:
         return Observation(
             t=now,
             layout=self.layout(),
-            load=acc.window.workload(now, span, q, self.planner.config.shares),
+            load=load,
+            decode_load=acc.window.workload(now, longer, q) if longer > span else None,
             requests=requests,
             attainment=attainment,
             ttft_s=ttft,

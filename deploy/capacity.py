@@ -20,7 +20,10 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   requests, and ``TPOT(B)`` is the step time of a batch of ``B`` at the mean context
   (``prompt + output / 2``); the fixed point is found by bisection, and there is none when the
   batch would outgrow the worker (``a · TPOT(B) > B`` for every ``B`` up to what its KV pool
-  holds).
+  holds, or up to ``max_seqs``, the engine's ``max_num_seqs``, when that is fewer: the requests
+  past it wait for a slot, and their gaps grow without bound). ``decode_load``, when given, is
+  what decode is priced for instead of ``load``: the arrivals over a longer window
+  (``Planner.decode_span``), since a decode pool rides out a short burst in its batch and queue.
 
 ``admitted`` < 1 prices the layout as the router's admission would run it under overload:
 it refuses what is predicted to miss, the longest prompts first, so the prefill pool carries
@@ -66,6 +69,7 @@ def predict(
     factors: tuple[float, float] = (1.0, 1.0),
     admitted: float = 1.0,
     max_seqs: int | None = None,
+    decode_load: Workload | None = None,
 ) -> Prediction:
     if prefill < 1 or decode < 1:
         raise ValueError("a disaggregated layout needs at least one worker of each role")
@@ -79,7 +83,7 @@ def predict(
         load = replace(load, rate=load.rate * admitted, prompt_tokens=kept, light=())
         quantile /= admitted
     pf, df = factors
-    if load.rate == 0:  # nothing arrives: an unloaded worker's times
+    if load.rate == 0 and (decode_load is None or decode_load.rate == 0):  # nothing arrives: idle workers
         s = model.prefill_time(max(1, round(load.prompt_tokens or 1))) * pf
         ctx = max(1, round(load.prompt_tokens + load.output_tokens / 2))
         return Prediction(s, model.decode_time(1, ctx) * df, 0.0, 0.0)
@@ -97,7 +101,7 @@ def predict(
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf
         ttft = own + wait + model.transfer_time(round(tail))
-    tpot, batch = _decode(model, whole, decode, df, max_seqs)
+    tpot, batch = _decode(model, whole if decode_load is None else decode_load, decode, df, max_seqs)
     return Prediction(ttft, tpot, rho, batch, admitted)
 
 

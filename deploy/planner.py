@@ -39,7 +39,10 @@ mix a few refusals free a large share of the prefill pool. Where it counts on th
 "Keeps up": each pool at least the fewest workers predicted to keep up with every window the
 checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
 carries a fifth more than its interval's mean, and a layout sized for one window would be
-moved again by the next (the busiest for prefill is not the busiest for decode).
+moved again by the next (the busiest for prefill is not the busiest for decode). Decode reads
+each look's longer window (``decode_span``: as long as a request decodes at the TPOT target):
+a prefill queue costs TTFT at once, while a decode pool rides out a burst shorter than that in
+its batch and queue, and sized for every 10 s burst it held workers the SLO never needed.
 
 With ``spend`` > 0 the planner spends the SLO's error budget: the requests that met beyond
 the attainment target over the last ``budget_intervals`` windows are a bank, and growing and
@@ -203,6 +206,18 @@ class Observation:
     tpot_s: float = math.nan  # measured median
     factors: tuple[float, float] = (1.0, 1.0)  # the router's prefill and decode corrections
     warming: bool = False  # a worker joined recently: its first steps are not the steady state
+    # the arrivals over ``Planner.decode_span`` when that is longer than ``load``'s window: what
+    # the decode pool is sized for (``capacity.predict``'s ``decode_load``); None: ``load``
+    decode_load: Workload | None = None
+
+    @property
+    def decode(self) -> Workload:
+        """The load the decode pool is priced for."""
+        return self.load if self.decode_load is None else self.decode_load
+
+    def now(self, obs: Observation) -> Observation:
+        """This window's loads as seen at ``obs`` (its layout, corrections and warm-up)."""
+        return replace(obs, load=self.load, decode_load=self.decode_load)
 
 
 @dataclass(frozen=True)
@@ -227,14 +242,24 @@ class Planner:
         # must keep up with each, or the next check moves it again (at scale a 10 s window
         # carries a fifth more than its interval's mean, and the busiest for prefill is not the
         # busiest for decode)
-        self._bursts: deque[list[Workload]] = deque(maxlen=config.down_after)
-        self._burst: list[Workload] = []  # this interval's, so far
+        self._bursts: deque[list[Observation]] = deque(maxlen=config.down_after)
+        self._burst: list[Observation] = []  # this interval's, so far
         self._fallen = False  # the memory restarted at a fall of the load (``forget_below``)
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
         # (ended, met) of the last decisions' windows: the error budget's bank
         self._ledger: deque[tuple[int, float]] = deque(maxlen=config.budget_intervals)
         self.quantile = config.quantile  # the one growing and holding size for (``spend``)
+
+    def decode_span(self, span_s: float, interval_s: float, output_tokens: float) -> float:
+        """How long a window the decode pool is sized on, where ``span_s`` is the window looked
+        at (``Observation.decode_load``): as long as a request of ``output_tokens`` decodes at
+        the TPOT target, at most the ``down_after`` intervals the planner remembers. A decode
+        worker absorbs a burst past its rate in its batch and its queue: a request that waits
+        ``w`` for a slot adds ``w / output`` to its TPOT, so a mean request tolerates waits of
+        its output times the gap between the target and the step time (tens of seconds), and a
+        pool sized for each 10 s burst holds workers the SLO never needed."""
+        return min(self.config.down_after * interval_s, max(span_s, output_tokens * self.config.tpot_s))
 
     def predict(self, obs: Observation, layout: Layout, shed: float | None = None) -> Prediction:
         """``layout``'s corrected prediction for ``obs``'s workload: serving every arrival, or
@@ -254,8 +279,17 @@ class Planner:
         quantile: float | None = None,
     ) -> Prediction:
         q = self.quantile if quantile is None else quantile
-        cap = self.config.max_seqs
-        p = predict(self.model, obs.load, layout.prefill, layout.decode, q, obs.factors, admitted, cap)
+        p = predict(
+            self.model,
+            obs.load,
+            layout.prefill,
+            layout.decode,
+            q,
+            obs.factors,
+            admitted,
+            max_seqs=self.config.max_seqs,
+            decode_load=obs.decode_load,
+        )
         if not corrected:
             return p
         return replace(p, ttft_s=p.ttft_s * self.correction[0], tpot_s=p.tpot_s * self.correction[1])
@@ -317,12 +351,12 @@ class Planner:
         busiest = self._busiest(up_only)
         draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
         if up_only:
-            self._burst.append(obs.load)
+            self._burst.append(obs)
         else:
             self._since_change += 1
             if not draining:
                 self._learn(obs)
-            interval = [*self._burst, obs.load]
+            interval = [*self._burst, obs]
             if self._fell(interval):
                 self._bursts.clear()
                 self._fallen = True
@@ -380,8 +414,8 @@ class Planner:
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
             return all(
-                (w.rate == 0 if i else idle)
-                or self._meets(self._price(replace(obs, load=w), l, 1.0, quantile=c.quantile), c.margin)
+                (w.load.rate == 0 if i else idle)
+                or self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
                 for i, w in enumerate(recent)
             )
 
@@ -414,22 +448,22 @@ class Planner:
         decision."""
         if check:
             checks = [w for ws in self._bursts for w in ws[:-1]] + self._burst
-            return max((w.rate for w in checks), default=0.0)
-        return max((ws[-1].rate for ws in self._kept()), default=0.0)
+            return max((w.load.rate for w in checks), default=0.0)
+        return max((ws[-1].load.rate for ws in self._kept()), default=0.0)
 
-    def _kept(self) -> list[list[Workload]]:
+    def _kept(self) -> list[list[Observation]]:
         """The remembered intervals that stay once a decision's interval joins: the oldest
         leaves with it when the memory is full."""
         full = len(self._bursts) == self._bursts.maxlen
         return list(self._bursts)[1:] if full else list(self._bursts)
 
-    def _fell(self, interval: list[Workload]) -> bool:
+    def _fell(self, interval: list[Observation]) -> bool:
         """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest
         remembered one that stays remembered (the module's docstring: a fall, or as deep a lull)."""
         # against what stays remembered: the oldest interval leaves with this one's arrival, and
         # a gradual decline measured against it would wipe intervals not half as busy again
-        busiest = max((w.rate for ws in self._kept() for w in ws), default=0.0)
-        return busiest > 0 and all(w.rate < self.config.forget_below * busiest for w in interval)
+        busiest = max((w.load.rate for ws in self._kept() for w in ws), default=0.0)
+        return busiest > 0 and all(w.load.rate < self.config.forget_below * busiest for w in interval)
 
     def _budgeted_quantile(self, obs: Observation) -> float:
         """The quantile growing and holding size the next interval for: the SLO's, less what
@@ -473,8 +507,8 @@ class Planner:
         and decode are predicted apart: each pool's feasibility is the other's at its largest,
         and grows with the pool)."""
         b = self.config.bounds
-        loads = [w for ws in (*self._bursts, self._burst) for w in ws] + [obs.load]
-        loads = [replace(w, rate=w.rate * (1 + self.config.headroom)) for w in loads if w.rate > 0]
+        more = 1 + self.config.headroom
+        seen = [w for ws in (*self._bursts, self._burst) for w in ws] + [obs]
 
         def fewest(lo: int, hi: int, keeps_up: Callable[[int], bool]) -> int:
             if not keeps_up(hi):
@@ -485,8 +519,11 @@ class Planner:
             return lo
 
         p = d = 0
-        for w in loads:
-            o = replace(obs, load=w)
+        for w in seen:
+            if w.load.rate == 0 and w.decode.rate == 0:
+                continue
+            o = replace(obs, load=replace(w.load, rate=w.load.rate * more))
+            o = replace(o, decode_load=replace(w.decode, rate=w.decode.rate * more))
 
             def prefill_ok(n: int, o: Observation = o) -> bool:
                 return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)

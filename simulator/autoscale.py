@@ -16,7 +16,7 @@ import abc
 import bisect
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
@@ -121,12 +121,14 @@ class PlannerLoop(abc.ABC, Generic[R]):
         cfg = self.config
         self._looks += 1
         full = self._looks % cfg.checks == 0
+        span = cfg.interval_s if full else cfg.interval_s / cfg.checks  # a check: shorter, up only
+        obs = self.observe(now, span)
+        longer = self.planner.decode_span(span, cfg.interval_s, obs.load.output_tokens)
+        if longer > span:
+            obs = replace(obs, decode_load=self.observe(now, longer).load)
         if full:
-            obs = self.observe(now, cfg.interval_s)
             self.timeline.windows.append((now, obs.attainment, obs.requests))
-            d = self.planner.decide(obs)
-        else:  # between decisions: a shorter window, up only
-            d = self.planner.decide(self.observe(now, cfg.interval_s / cfg.checks), up_only=True)
+        d = self.planner.decide(obs, up_only=not full)
         if full or d.changes:
             self.timeline.decisions.append(d)
         if d.changes:

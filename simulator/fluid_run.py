@@ -130,7 +130,8 @@ class FluidAutoscaler(PlannerLoop[Role]):
 
     def record(self, ended: list[Ended]) -> None:
         self.ends.extend(ended)
-        horizon = self.cluster.now - self.config.interval_s - 1.0
+        # the longest window looked at: the decode pool's (``Planner.decode_span``)
+        horizon = self.cluster.now - self.config.interval_s * self.planner.config.down_after - 1.0
         while self.ends and (not len(self.ends[0].end) or self.ends[0].end.max() < horizon):
             self.ends.popleft()
         log = self.cluster.arrival_log

@@ -169,7 +169,9 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
         obs.load.light, light_means(sorted(window), planner.config.shares), strict=True
     ):
         assert got == pytest.approx(want, rel=0.02) and got < obs.load.prompt_tokens
-    assert c.arrival_log[0][0] >= 30.0 - 10.0 - 1.0 - c.config.tick_s  # older ticks trimmed
+    # older ticks trimmed: the longest window read is the decode pool's, the intervals remembered
+    longest = planner.decode_span(10.0, 10.0, 1e9)
+    assert longest == 30.0 and c.arrival_log[0][0] >= 30.0 - longest - 1.0 - c.config.tick_s
 
 
 def test_a_full_kv_pool_fails_reservations_at_the_routers_deadline() -> None:

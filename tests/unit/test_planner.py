@@ -62,6 +62,27 @@ def test_a_decode_batch_cap_below_the_kv_pool_bounds_what_a_worker_keeps_up_with
         replace(SLO, max_seqs=0)
 
 
+def test_decode_is_sized_on_a_window_as_long_as_a_request_decodes() -> None:
+    """A burst past what the decode pool emits, shorter than a request's decode at the TPOT
+    target, waits in its batch and queue at a small cost to TPOT: a check grows decode only
+    on the longer window's load (``Observation.decode_load``), prefill on its own."""
+    p = Planner(H100, SLO)
+    assert p.decode_span(10.0, 30.0, 209.0) == pytest.approx(20.9)  # 209 tokens at 100 ms
+    assert p.decode_span(30.0, 30.0, 209.0) == 30.0  # never shorter than the window looked at
+    assert p.decode_span(10.0, 30.0, 5000.0) == 90.0  # at most the intervals remembered
+    assert p.decode_span(10.0, 30.0, 0.0) == 10.0  # nothing arrived
+    # one decode worker keeps up with about 52 conversation requests a second
+    burst = dict(requests=400, attainment=0.95)
+    held = p.decide(obs(10.0, Layout(4, 1), 60.0, decode_load=Workload(40.0, *CONV), **burst), up_only=True)
+    assert held.reason is Reason.HOLD and held.predicted.feasible
+    sustained = obs(10.0, Layout(4, 1), 60.0, decode_load=Workload(60.0, *CONV), **burst)
+    grown = Planner(H100, SLO).decide(sustained, up_only=True)
+    assert grown.changes and grown.layout.decode == 2  # a prefill worker switched over
+    # the keep-up floor reads the same loads: a decision after the burst keeps one decode worker
+    after = p.decide(obs(30.0, Layout(4, 1), 40.0, **burst))
+    assert after.layout.decode == 1
+
+
 def test_the_prefill_pool_queues_as_one() -> None:
     """The router sends a prompt to the worker done first: one M/D/P queue, whose wait is far
     shorter than P separate M/D/1 queues' at the same utilization (one worker: M/D/1)."""
