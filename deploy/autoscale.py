@@ -56,6 +56,7 @@ class PoolAutoscaler:
         self.interval_s = interval_s
         self.warmup_s = warmup_s
         self.clock = clock
+        self.started = clock()  # the decode pool's window reaches no further back
         self.joined: dict[str, float] = {}  # worker id -> when it joined (or switched role)
         self._task: asyncio.Task[None] | None = None
 
@@ -77,7 +78,9 @@ class PoolAutoscaler:
         span = self.interval_s if span_s is None else span_s
         requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
         load = acc.window.workload(now, span, q, self.planner.config.shares)
-        longer = self.planner.decode_span(span, self.interval_s, load.output_tokens)
+        decode = self.planner.decode_window(
+            span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q)
+        )
         model = getattr(acc.dispatcher, "model", None)
         factors = (1.0, 1.0)
         if model is not None:  # the router's corrections of the same profile, over all workers
@@ -92,7 +95,7 @@ class PoolAutoscaler:
             t=now,
             layout=self.layout(),
             load=load,
-            decode_load=acc.window.workload(now, longer, q) if longer > span else None,
+            decode_load=decode,
             requests=requests,
             attainment=attainment,
             ttft_s=ttft,

@@ -261,6 +261,23 @@ class Planner:
         pool sized for each 10 s burst holds workers the SLO never needed."""
         return min(self.config.down_after * interval_s, max(span_s, output_tokens * self.config.tpot_s))
 
+    def decode_window(
+        self, span_s: float, interval_s: float, elapsed_s: float, load_over: Callable[[float], Workload]
+    ) -> Workload | None:
+        """``Observation.decode_load`` for a look at ``span_s``: ``load_over(s)`` measures the
+        last ``s`` seconds; None when the decode window is no longer than the look's. Never
+        longer than ``elapsed_s`` (the time measured so far: a window reaching before it would
+        count its empty start as a lull), and the output length that sets it is read on the
+        longest window (a short window's few requests, or none, would set it by chance)."""
+        longest = min(self.config.down_after * interval_s, elapsed_s)
+        if longest <= span_s:
+            return None
+        widest = load_over(longest)
+        longer = min(longest, self.decode_span(span_s, interval_s, widest.output_tokens))
+        if longer <= span_s:
+            return None
+        return widest if longer >= longest else load_over(longer)
+
     def predict(self, obs: Observation, layout: Layout, shed: float | None = None) -> Prediction:
         """``layout``'s corrected prediction for ``obs``'s workload: serving every arrival, or
         refusing the heaviest of them up to ``shed`` (the config's by default), whichever is
@@ -368,7 +385,7 @@ class Planner:
             # A warm-up skews what the workers measure (their first steps, the backlog they were
             # started for), not what arrives: a load that even the layout with its new workers
             # cannot keep up with grows it further, on the prediction alone.
-            if obs.load.rate > 0 and current == obs.layout and not now_pred.feasible:
+            if (obs.load.rate > 0 or obs.decode.rate > 0) and current == obs.layout and not now_pred.feasible:
                 return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
         measured_miss = obs.requests >= c.min_requests and obs.attainment < self.quantile  # False for NaN
@@ -394,7 +411,7 @@ class Planner:
         ranked = self._ranked(current)
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
         # (learned under load, queueing included) would price an idle worker as a busy one.
-        idle = obs.load.rate == 0 and obs.requests == 0
+        idle = obs.load.rate == 0 and obs.decode.rate == 0 and obs.requests == 0
         predicted_ok = idle or self._meets(now_pred, 1.0)
         if measured_miss or not predicted_ok:
             return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
@@ -414,7 +431,7 @@ class Planner:
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
             return all(
-                (w.load.rate == 0 if i else idle)
+                (w.load.rate == 0 and w.decode.rate == 0 if i else idle)
                 or self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
                 for i, w in enumerate(recent)
             )

@@ -82,9 +82,9 @@ class WorkloadWindow:
     def workload(
         self, now: float, span_s: float, quantile: float = 0.9, shares: Sequence[float] = ()
     ) -> Workload:
-        """Arrival rate and mean lengths over ``(now - span_s, now]``, the prompt length at
-        ``quantile`` and the mean prompt of the lightest of each of ``shares``; zeros (never
-        NaN) when nothing arrived."""
+        """Arrival rate and mean lengths over ``(now - span_s, now]`` (as much of it as is kept),
+        the prompt length at ``quantile`` and the mean prompt of the lightest of each of
+        ``shares``; zeros (never NaN) when nothing arrived."""
         if span_s <= 0:
             raise ValueError("the window must be > 0 s")
         arrivals = _since(list(self._arrivals), now - span_s, now)
@@ -97,7 +97,12 @@ class WorkloadWindow:
         tokens = sum(e[1] for e in ends)
         cached = sum(e[2] for e in ends) / tokens if tokens else 0.0
         tail, light = prompt_shape([a[1] for a in arrivals], quantile, shares)
-        return Workload(len(arrivals) / span_s, prompt, output, min(1.0, cached), tail, light)
+        # a window past what is kept (the horizon, or the entry cap under a heavy load) is a rate
+        # over what is kept, not a lull
+        covered = min(span_s, self.horizon_s)
+        if len(self._arrivals) == self._arrivals.maxlen and self._arrivals[0][0] > now - covered:
+            covered = max(now - self._arrivals[0][0], 1e-9)
+        return Workload(len(arrivals) / covered, prompt, output, min(1.0, cached), tail, light)
 
 
 def rank(n: int, quantile: float) -> int:

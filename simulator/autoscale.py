@@ -123,9 +123,8 @@ class PlannerLoop(abc.ABC, Generic[R]):
         full = self._looks % cfg.checks == 0
         span = cfg.interval_s if full else cfg.interval_s / cfg.checks  # a check: shorter, up only
         obs = self.observe(now, span)
-        longer = self.planner.decode_span(span, cfg.interval_s, obs.load.output_tokens)
-        if longer > span:
-            obs = replace(obs, decode_load=self.observe(now, longer).load)
+        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.observe(now, s).load)
+        obs = replace(obs, decode_load=decode)
         if full:
             self.timeline.windows.append((now, obs.attainment, obs.requests))
         d = self.planner.decide(obs, up_only=not full)

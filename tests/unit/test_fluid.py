@@ -151,15 +151,15 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
     c = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
     planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
     scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
-    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(600)]  # 20 a second for 30 s
+    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(1400)]  # 20 a second for 70 s
     for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
-        if t1 > 30.0:
+        if t1 > 70.0:
             break
         c.tick(t1, batch)
         c.settle(1.0)
         scaler.record(c.take_ended())
-    obs = scaler.observe(30.0, 10.0)
-    window = [p for t, p, _ in rows if 20.0 < t < 30.0 - 1e-9]
+    obs = scaler.observe(70.0, 10.0)
+    window = [p for t, p, _ in rows if 60.0 < t < 70.0 - 1e-9]
     assert obs.load.rate == pytest.approx(20.0, rel=0.05)
     assert obs.load.prompt_tokens == pytest.approx(np.mean(window), rel=0.02)
     assert obs.load.prompt_tail_tokens == prompt_quantile(window, 0.9) == 1900.0  # not the longest
@@ -169,9 +169,11 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
         obs.load.light, light_means(sorted(window), planner.config.shares), strict=True
     ):
         assert got == pytest.approx(want, rel=0.02) and got < obs.load.prompt_tokens
-    # older ticks trimmed: the longest window read is the decode pool's, the intervals remembered
+    # older ticks trimmed, and the longest window read (the decode pool's: the intervals
+    # remembered) still whole
     longest = planner.decode_span(10.0, 10.0, 1e9)
-    assert longest == 30.0 and c.arrival_log[0][0] >= 30.0 - longest - 1.0 - c.config.tick_s
+    assert longest == 30.0 and 70.0 - longest - 1.0 - c.config.tick_s <= c.arrival_log[0][0] <= 70.0 - longest
+    assert scaler.observe(70.0, longest).load.rate == pytest.approx(20.0, rel=0.05)
 
 
 def test_a_full_kv_pool_fails_reservations_at_the_routers_deadline() -> None:

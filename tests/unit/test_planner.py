@@ -78,9 +78,39 @@ def test_decode_is_sized_on_a_window_as_long_as_a_request_decodes() -> None:
     sustained = obs(10.0, Layout(4, 1), 60.0, decode_load=Workload(60.0, *CONV), **burst)
     grown = Planner(H100, SLO).decide(sustained, up_only=True)
     assert grown.changes and grown.layout.decode == 2  # a prefill worker switched over
-    # the keep-up floor reads the same loads: a decision after the burst keeps one decode worker
-    after = p.decide(obs(30.0, Layout(4, 1), 40.0, **burst))
-    assert after.layout.decode == 1
+    # the keep-up floor reads the same loads: a prefill pool too short for the burst grows, and
+    # decode stays as it is
+    short = obs(20.0, Layout(1, 1), 60.0, decode_load=Workload(40.0, *CONV), **burst)
+    grown = Planner(H100, SLO).decide(short, up_only=True)
+    assert grown.changes and grown.layout.prefill > 1 and grown.layout.decode == 1
+
+
+def test_the_decode_window_is_read_on_the_longest_window_and_never_before_the_start() -> None:
+    p = Planner(H100, SLO)
+    asked: list[float] = []
+
+    def over(lens: dict[float, Workload]):  # type: ignore[no-untyped-def]
+        def load(s: float) -> Workload:
+            asked.append(s)
+            return lens.get(s, Workload(30.0, *CONV))
+
+        return load
+
+    # a conversation mix decodes for 20.9 s at 100 ms: read on the 90 s window first
+    got = p.decode_window(10.0, 30.0, 1000.0, over({}))
+    assert asked == [90.0, pytest.approx(20.9)] and got == Workload(30.0, *CONV)
+    asked.clear()
+    # long outputs: the longest window itself, read once
+    long_out = Workload(5.0, 1000.0, 2000.0)
+    assert p.decode_window(10.0, 30.0, 1000.0, over({90.0: long_out})) == long_out and asked == [90.0]
+    asked.clear()
+    # not before the start: 15 s in, the 10 s check's decode window is 15 s at most
+    p.decode_window(10.0, 30.0, 15.0, over({}))
+    assert asked == [15.0]
+    asked.clear()
+    # nothing longer than the look: no second load, decode priced on the look's own
+    assert p.decode_window(30.0, 30.0, 25.0, over({})) is None and asked == []
+    assert p.decode_window(10.0, 30.0, 1000.0, over({90.0: Workload(0.0, 0.0, 0.0)})) is None
 
 
 def test_the_prefill_pool_queues_as_one() -> None:
@@ -121,6 +151,13 @@ def test_the_window_measures_rate_means_and_the_prompt_tail() -> None:
     assert w.workload(9.95, 10.0, 0.5).prompt_tail_tokens == 600.0
     assert w.workload(500.0, 10.0) == Workload(0.0, 0.0, 0.0)  # nothing in it: zeros, no NaN
     assert prompt_quantile([], 0.9) == 0.0
+    # a window longer than what is kept is a rate over what is kept, not a lull: past the
+    # horizon, and past the entry cap under a heavy load
+    assert w.workload(9.95, 600.0).rate == pytest.approx(100 / 60.0)
+    capped = WorkloadWindow(horizon_s=600.0, max_entries=50)
+    for i in range(100):
+        capped.arrived(i * 0.1, 100, 50)
+    assert capped.workload(9.95, 60.0).rate == pytest.approx(10.0, rel=0.03)
     for bad in (0.0, 1.0, math.nan):
         with pytest.raises(ValueError):
             prompt_quantile([1], bad)
