@@ -100,6 +100,11 @@ class PlannerLoop(abc.ABC, Generic[R]):
         """The window ``(now - span, now]`` as the router would measure it."""
 
     @abc.abstractmethod
+    def arrivals(self, now: float, span: float) -> Workload:
+        """The arrivals of ``(now - span, now]``: their rate and mean lengths only (what the
+        decode pool's longer window reads, ``Planner.decode_window``)."""
+
+    @abc.abstractmethod
     def serving(self, role: R) -> int:
         """Workers of ``role``'s pool taking requests now."""
 
@@ -123,7 +128,7 @@ class PlannerLoop(abc.ABC, Generic[R]):
         full = self._looks % cfg.checks == 0
         span = cfg.interval_s if full else cfg.interval_s / cfg.checks  # a check: shorter, up only
         obs = self.observe(now, span)
-        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.observe(now, s).load)
+        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.arrivals(now, s))
         obs = replace(obs, decode_load=decode)
         if full:
             self.timeline.windows.append((now, obs.attainment, obs.requests))
@@ -167,8 +172,8 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         super().__init__(planner, config)
         self.cluster = cluster
         self.submitted = sorted(submitted, key=lambda sr: sr.arrival)
-        self.arrivals = [sr.arrival for sr in self.submitted]
-        self.last_arrival = self.arrivals[-1] if submitted else 0.0
+        self.arrival_times = [sr.arrival for sr in self.submitted]
+        self.last_arrival = self.arrival_times[-1] if submitted else 0.0
         self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
         self.last_join = -math.inf  # the window after a join still holds the backlog it was for
         cluster.clock.at(config.interval_s / config.checks, self.tick)
@@ -181,16 +186,24 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             len(c.prefillers) + extra[WorkerRole.PREFILL], len(c.decoders) + extra[WorkerRole.DECODE]
         )
 
-    def observe(self, now: float, span: float) -> Observation:
-        c, cfg = self.cluster, self.planner.config
-        # both lists are in time order: each window is a slice (a look is not a pass over the run)
+    def _arrived(self, now: float, span: float) -> tuple[list[SimRequest], Workload]:
+        """The window's arrivals, and their rate and mean lengths."""
         # every arrival, refused ones too, as the router counts them (``Router.admit``): the
         # load to size for is what is offered, not what the current layout could take
-        arrived = self.submitted[
-            bisect.bisect_right(self.arrivals, now - span) : bisect.bisect_right(self.arrivals, now)
-        ]
-        prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived) if arrived else 0.0
-        output = statistics.fmean(sr.work.params.max_tokens for sr in arrived) if arrived else 0.0
+        times = self.arrival_times  # in time order: a window is a slice, not a pass over the run
+        arrived = self.submitted[bisect.bisect_right(times, now - span) : bisect.bisect_right(times, now)]
+        if not arrived:
+            return arrived, Workload(0.0, 0.0, 0.0)
+        prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived)
+        output = statistics.fmean(sr.work.params.max_tokens for sr in arrived)
+        return arrived, Workload(len(arrived) / span, prompt, output)
+
+    def arrivals(self, now: float, span: float) -> Workload:
+        return self._arrived(now, span)[1]
+
+    def observe(self, now: float, span: float) -> Observation:
+        c, cfg = self.cluster, self.planner.config
+        arrived, base = self._arrived(now, span)
         firsts = [sr for sr in arrived if sr.token_times]
         tokens = sum(sr.num_prompt_tokens for sr in firsts)
         cached = sum(sr.cached for sr in firsts) / tokens if tokens else 0.0
@@ -211,7 +224,7 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(len(arrived) / span, prompt, output, min(1.0, cached), tail, light),
+            load=replace(base, cached_share=min(1.0, cached), prompt_tail_tokens=tail, light=light),
             requests=len(ended),
             attainment=good / len(ended) if ended else math.nan,
             ttft_s=sorted(ttfts)[rank(len(ttfts), q)] if ttfts else math.nan,

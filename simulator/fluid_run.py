@@ -130,22 +130,37 @@ class FluidAutoscaler(PlannerLoop[Role]):
 
     def record(self, ended: list[Ended]) -> None:
         self.ends.extend(ended)
-        # the longest window looked at: the decode pool's (``Planner.decode_span``)
-        horizon = self.cluster.now - self.config.interval_s * self.planner.config.down_after - 1.0
+        now = self.cluster.now
+        horizon = now - self.config.interval_s - 1.0  # the longest window whose ends are read
         while self.ends and (not len(self.ends[0].end) or self.ends[0].end.max() < horizon):
             self.ends.popleft()
+        # arrivals: the decode pool's window reaches further (``Planner.decode_window``)
+        horizon = now - self.config.interval_s * self.planner.config.down_after - 1.0
         log = self.cluster.arrival_log
         while log and log[0][0] < horizon:
             log.popleft()
 
-    def observe(self, now: float, span: float) -> Observation:
-        c, cfg = self.cluster, self.planner.config
+    def _logged(self, now: float, span: float) -> tuple[float, list[np.ndarray], float]:
+        """The window's arrivals as the ticks logged them: (output tokens, prompt lengths by
+        tick, the ticks' span: the rate is over the ticks the window holds)."""
         output, prompts = 0.0, []
-        for t, o, p in reversed(c.arrival_log):
+        for t, o, p in reversed(self.cluster.arrival_log):
             if t <= now - span + 1e-9:
                 break
             output += o
             prompts.append(p)
+        tick = self.cluster.config.tick_s
+        return output, prompts, math.ceil(span / tick - 1e-9) * tick
+
+    def arrivals(self, now: float, span: float) -> Workload:
+        output, prompts, covered = self._logged(now, span)
+        n = sum(len(p) for p in prompts)
+        prompt = sum(int(p.sum()) for p in prompts)
+        return Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0)
+
+    def observe(self, now: float, span: float) -> Observation:
+        c, cfg = self.cluster, self.planner.config
+        output, prompts, covered = self._logged(now, span)
         lens = np.concatenate(prompts) if prompts else np.zeros(0, dtype=np.int64)
         n, prompt = len(lens), float(lens.sum())
         # ``prompt_shape`` without a Python list of a window at scale
@@ -153,9 +168,6 @@ class FluidAutoscaler(PlannerLoop[Role]):
         tail = float(lens[rank(n, cfg.quantile)]) if n else 0.0
         sums = np.cumsum(lens)
         light = tuple((a, float(sums[k - 1]) / k if k else 0.0) for a in cfg.shares for k in [kept(n, a)])
-        # arrivals are logged by the tick: the rate is over the ticks the window holds
-        tick = c.config.tick_s
-        covered = math.ceil(span / tick - 1e-9) * tick
         end = np.concatenate([e.end for e in self.ends]) if self.ends else np.zeros(0)
         inside = (end > now - span) & (end <= now)
         ttft = np.concatenate([e.ttft for e in self.ends])[inside] if self.ends else end
