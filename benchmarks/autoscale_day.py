@@ -185,15 +185,28 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def split(total: int, peak: Workload, args: argparse.Namespace) -> tuple[int, int]:
-    """The split of ``total`` workers the capacity model says serves the peak best."""
+    """The split of ``total`` workers the capacity model says serves the peak best. A total
+    that serves the peak at no split takes the proportions of the smallest total that does
+    (every split's prediction is infinite there, and the tie would go to the fewest prefill
+    workers the decode bound allows: not a split anyone would run)."""
     model = load_sim_profile("h100-llama3-8b")
 
-    def worst(p: int) -> float:
-        pr = predict(model, peak, p, total - p, max_seqs=GPU_MAX_SEQS)  # the simulator's default
-        return max(pr.ttft_s / 0.25, pr.tpot_s / 0.1)
+    def best(n: int) -> tuple[float, int]:
+        def worst(p: int) -> float:
+            pr = predict(model, peak, p, n - p, max_seqs=GPU_MAX_SEQS)  # the simulator's default
+            return max(pr.ttft_s / 0.25, pr.tpot_s / 0.1)
 
-    lo, hi = max(1, total - args.max_decode), min(args.max_prefill, total - 1)
-    return min(((p, total - p) for p in range(lo, hi + 1)), key=lambda l: (worst(l[0]), l))
+        lo, hi = max(1, n - args.max_decode), min(args.max_prefill, n - 1)
+        return min((worst(p), p) for p in range(lo, hi + 1))
+
+    w, p = best(total)
+    for n in range(total + 1, args.max_prefill + args.max_decode + 1):
+        if math.isfinite(w):
+            break
+        w, q = best(n)
+        if math.isfinite(w):
+            p = min(args.max_prefill, total - 1, max(1, total - args.max_decode, round(total * q / n)))
+    return p, total - p
 
 
 def day(args: argparse.Namespace) -> dict[str, Any]:
