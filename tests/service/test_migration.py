@@ -119,18 +119,23 @@ def test_without_migration_the_lost_workers_streams_fail_with_the_reason() -> No
     try:
         s = stub(ep)
         calls = start_streams(s, prompts(4, seed=53))
+        ended: dict[int, float] = {}
+        for i, (call, _) in enumerate(calls):
+            call.add_done_callback(lambda _c, i=i: ended.setdefault(i, time.monotonic()))
         t0 = time.monotonic()
         kill(st, "decode-0")
-        failed = 0
-        for call, _ in calls:
+        failed = []
+        for i, (call, _) in enumerate(calls):
             try:
                 list(call)
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE
                 assert "migration" in str(e.details()), e.details()
-                failed += 1
-        assert failed >= 1
-        assert time.monotonic() - t0 < 1.0  # they end at once, not at a timeout
+                failed.append(i)
+        assert failed
+        # the lost worker's streams end at once, not at a timeout (the survivors' own generation,
+        # slower on a busy host, is not timed)
+        assert max(ended[i] for i in failed) - t0 < 1.0, [ended[i] - t0 for i in failed]
     finally:
         st.stop()
 
