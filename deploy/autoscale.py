@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.deploy.planner import Decision, Layout, Observation, Planner
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import Decision, Layout, Observation
 from pdserve.router.predictor import Phase
 from pdserve.worker.messages import WorkerRole
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.planner import Bounds, PlannerConfig
+from pdserve.deploy.planner_data import Bounds, PlannerConfig
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
 

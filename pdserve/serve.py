@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from pdserve.deploy.autoscale import PoolAutoscaler
-from pdserve.deploy.planner import Planner, PlannerConfig
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings

@@ -19,7 +19,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from pdserve.deploy.planner import Decision, Layout, Observation, Planner, moves
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import Decision, Layout, Observation, moves
 from pdserve.router.workload_window import Workload, prompt_shape, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole

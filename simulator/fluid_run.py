@@ -23,7 +23,8 @@ import numpy as np
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
-from pdserve.deploy.planner import Layout, Observation, Planner
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import Layout, Observation
 from pdserve.flags import planner_settings
 from pdserve.router.workload_window import Workload, kept, rank
 from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop

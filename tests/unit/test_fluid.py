@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from pdserve.bench.runner import build_workload
 from pdserve.bench.workload import RateCurve
-from pdserve.deploy.planner import Layout, Planner, PlannerConfig, moves
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import Layout, PlannerConfig, moves
 from pdserve.router.workload_window import light_means, prompt_quantile
 from pdserve.simulator.autoscale import AutoscaleConfig
 from pdserve.simulator.calibration import load_sim_profile

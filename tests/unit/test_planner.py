@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy.capacity import erlang_c, predict
-from pdserve.deploy.planner import Bounds, Decision, Layout, Observation, Planner, PlannerConfig, Reason
+from pdserve.deploy.planner import Planner
+from pdserve.deploy.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
 from pdserve.router.workload_window import Workload, WorkloadWindow, kept, light_means, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 

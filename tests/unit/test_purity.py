@@ -25,6 +25,7 @@ PURE = (
     "pdserve.flags",
     "pdserve.deploy.pools",
     "pdserve.deploy.planner",
+    "pdserve.deploy.planner_data",
     "pdserve.router.workload_window",
     "pdserve.simulator.autoscale",
     "pdserve.worker.spec",
