@@ -8,6 +8,7 @@ K-quants, which ``gguf`` only dequantizes).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,32 @@ gguf = __import__("pytest").importorskip("gguf")
 transformers = __import__("pytest").importorskip("transformers")
 
 Q = gguf.GGMLQuantizationType
+
+
+def smollm2_path() -> Path:
+    """The installed SmolLM2-135M GGUF (the test skips where its wheel is absent)."""
+    from pdserve.model_runtime.errors import ModelLoadError
+    from pdserve.model_runtime.presets import INSTALLED
+
+    try:
+        return INSTALLED["smollm2-135m"].path()
+    except ModelLoadError as e:
+        __import__("pytest").skip(str(e))
+
+
+@functools.cache
+def smollm2_reference() -> tuple[Any, Any]:
+    """transformers' model (float32, eval) and tokenizer of the installed SmolLM2 GGUF. Loaded
+    once per test process: transformers dequantizes every tensor on load (the slowest step of
+    these tests), and several modules compare against the same file. Callers must not modify them."""
+    path = smollm2_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # Byte offsets of the float16 scales in one block of each K-quant (ggml's block layouts).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

@@ -4,7 +4,6 @@ tokens against transformers on the same file; one-line errors for what we do not
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +16,16 @@ from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.model.gguf import QUANT_TYPES, GGUFWeights, open_gguf
 from pdserve.model_runtime.model.layers import rope_inv_freq
 from pdserve.model_runtime.sampling_params import SamplingParams
-from tests.engine.gguf_files import K_SCALE_OFFSETS, QUANTIZABLE, gguf, hf_model, transformers, write_gguf
+from tests.engine.gguf_files import (
+    K_SCALE_OFFSETS,
+    QUANTIZABLE,
+    gguf,
+    hf_model,
+    smollm2_path,
+    smollm2_reference,
+    transformers,
+    write_gguf,
+)
 from tests.engine.hf_models import hf_greedy
 
 TESTED = (*QUANTIZABLE, *K_SCALE_OFFSETS)
@@ -148,20 +156,11 @@ def test_rope_freq_factors_divide_the_frequencies(tmp_path: Path) -> None:
     assert torch.allclose(rope_inv_freq(config.head_dim, config.rope), plain / torch.from_numpy(factors))
 
 
-def _smollm2() -> Any:
-    from pdserve.model_runtime.presets import INSTALLED
-
-    try:
-        return INSTALLED["smollm2-135m"].path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.timeout(240)
 def test_smollm2_weights_equal_transformers() -> None:
     """The installed real model (Q4_1, Q8_0 and F32 tensors), tensor for tensor."""
-    path = _smollm2()
-    assert assert_same_tensors(path, hf_state(path)) == 30 * 9 + 2
+    model, _ = smollm2_reference()
+    assert assert_same_tensors(smollm2_path(), dict(model.state_dict())) == 30 * 9 + 2
 
 
 def test_mistral_named_files_use_llama_tensor_names(tmp_path: Path) -> None:

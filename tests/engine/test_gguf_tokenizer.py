@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 
 from pdserve.model_runtime.checkpoint import Checkpoint
-from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.gguf_tokenizer import sentencepiece_merges
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.chat import ChatMessage, ChatTemplate
-from tests.engine.gguf_files import gguf, hf_model, transformers, write_gguf
+from tests.engine.gguf_files import gguf, hf_model, smollm2_path, smollm2_reference, transformers, write_gguf
 
 TEXTS = [
     "Hello, world!",
@@ -45,16 +44,9 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[TextTokenizer, Any]:
-    from pdserve.model_runtime.presets import INSTALLED
-
-    try:
-        path = INSTALLED["smollm2-135m"].path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    ours = TextTokenizer.load(Checkpoint.at(path))
+    ours = TextTokenizer.load(Checkpoint.at(smollm2_path()))
     assert ours is not None
-    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, reference
+    return ours, smollm2_reference()[1]
 
 
 def test_smollm2_encodes_like_transformers(smollm2: tuple[TextTokenizer, Any]) -> None:

@@ -122,7 +122,7 @@ def test_a_model_that_cannot_load_ends_serve_with_its_own_message(fault: str, tm
     assert "Traceback" not in "".join(stderr).split("pdserve: error:")[-1]  # the message is the end of it
     ray_started = any("Started a local Ray instance" in line for line in stderr)
     assert ray_started == (fault == "corrupt_weights"), "only weights the router cannot see reach the workers"
-    assert took < 10, took
+    assert took < 30, took  # the alternative is the 300 s start-up deadline
 
 
 def _children(proc: subprocess.Popen[str]) -> list[Any]:
