@@ -145,36 +145,45 @@ class PoolAutoscaler:
                 self.joined[w.worker_id] = self.clock()
                 need[dst] -= 1
                 need[src] += 1
-        for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
-            if need[role]:
-                live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
-                resize = self.service.resize(role, len(live) + need[role])
-                if need[role] < 0:  # retiring: bounded by the drain timeout
-                    await resize
-                    continue
-                # Each pool its own wait: one that cannot be placed must not starve the other.
-                # A start that fails on its own ends the wait with its error (the caller logs
-                # it); only the wait running out cancels it.
-                growing = asyncio.ensure_future(resize)
-                try:
-                    done, _ = await asyncio.wait({growing}, timeout=self.grow_wait_s)
-                except asyncio.CancelledError:
-                    growing.cancel()
-                    raise
-                if done:
-                    growing.result()
-                else:
-                    growing.cancel()
-                    await asyncio.gather(growing, return_exceptions=True)  # its clean-up first
-                    joined = sum(w.role is role and w.alive for w in router.workers.values()) - len(live)
-                    log.warning(
-                        "planner: %d of %d new %s worker(s) not placed and ready within %g s; their "
-                        "start was cancelled, the next decision retries",
-                        need[role] - max(0, joined),
-                        need[role],
-                        role.value,
-                        self.grow_wait_s,
-                    )
+        # The pools change side by side: a pool's new workers are asked for at once, never after
+        # the other pool's start-up or drain. A failed change is raised once both have ended.
+        changes = [self._change(role, n) for role, n in need.items() if n]
+        failed = [r for r in await asyncio.gather(*changes, return_exceptions=True) if r is not None]
+        if failed:
+            raise failed[0]
+
+    async def _change(self, role: WorkerRole, need: int) -> None:
+        """Start ``need`` workers in pool ``role`` (< 0: retire as many) and wait for them."""
+        router = self.service.router
+        assert router is not None
+        live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
+        resize = self.service.resize(role, len(live) + need)
+        if need < 0:  # retiring: bounded by the drain timeout
+            await resize
+            return
+        # Each pool its own wait: one that cannot be placed must not starve the other. A start
+        # that fails on its own ends the wait with its error (the caller logs it); only the wait
+        # running out cancels it.
+        growing = asyncio.ensure_future(resize)
+        try:
+            done, _ = await asyncio.wait({growing}, timeout=self.grow_wait_s)
+        except asyncio.CancelledError:
+            growing.cancel()
+            raise
+        if done:
+            growing.result()
+            return
+        growing.cancel()
+        await asyncio.gather(growing, return_exceptions=True)  # its clean-up first
+        joined = sum(w.role is role and w.alive for w in router.workers.values()) - len(live)
+        log.warning(
+            "planner: %d of %d new %s worker(s) not placed and ready within %g s; their start was "
+            "cancelled, the next decision retries",
+            need - max(0, joined),
+            need,
+            role.value,
+            self.grow_wait_s,
+        )
 
     async def run(self) -> None:
         for n in itertools.count(1):

@@ -68,7 +68,9 @@ class Service:
         self._placement: Placement | None = None
         self._owns_ray = False
         self._stopping = threading.Event()
-        self._resizing = asyncio.Lock()
+        # One change per pool at a time (each counts the workers the last one left); the pools
+        # change side by side, so one pool's growth never waits out the other's start or drain.
+        self._resizing = {role: asyncio.Lock() for role in WorkerRole}
         self._outputs: OutputListener | None = None
 
     @property
@@ -183,7 +185,7 @@ class Service:
         for ``drain_timeout_s`` (default: the pool's drain timeout), what is left moved, then
         stopped, so no request fails. Raises ``ValueError`` for a size the deployment cannot
         run with (no decode worker, or a role it has no pool for)."""
-        async with self._resizing:  # one change at a time: each counts the workers the last left
+        async with self._resizing[role]:
             await self._resize(role, count, drain_timeout_s)
 
     async def _resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None) -> None:
@@ -222,7 +224,11 @@ class Service:
         weights and KV pool, so this takes a drain and well under a second, not a new process."""
         assert self.router is not None, "not started"
         timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        async with self._resizing:
+        worker = self.router.workers.get(worker_id)
+        pools = sorted({role} | ({worker.role} if worker is not None else set()), key=lambda r: r.value)
+        async with contextlib.AsyncExitStack() as held:  # both pools it changes, in one order
+            for pool in pools:
+                await held.enter_async_context(self._resizing[pool])
             return await self.router.switch_role(worker_id, role, timeout)
 
     @property
