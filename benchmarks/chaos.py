@@ -2,7 +2,8 @@
 checked token by token against HF transformers, one fault per scenario; what a client sees.
 
 Scenarios (each on a fresh deployment on a local Ray instance, lost workers replaced as the
-product does by default): ``none``; ``decode_kill`` SIGKILL of a decode worker mid-stream;
+product does by default; the test suite runs them on one deployment, whole again before each):
+``none``; ``decode_kill`` SIGKILL of a decode worker mid-stream;
 ``prefill_kill`` SIGKILL of a prefill worker with prompts queued (mid-prefill);
 ``prefill_push_kill`` SIGKILL of a prefill worker the moment the first stream has its first token
 (its KV pushes under way); ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term``
@@ -186,8 +187,18 @@ def percentiles(logs: list[StreamLog]) -> tuple[float | None, float | None]:
     return round(statistics.median(ttfts), 1), round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1)
 
 
-def kv_failures(st: Any) -> int:
-    return sum(n for h in st.service.handles if h.load.transfers for _, n in h.load.transfers.failures)
+def kv_failures(st: Any) -> dict[str, int]:
+    """KV transfers failed so far, by worker (each worker's count only grows)."""
+    handles = [h for h in st.service.handles if h.load.transfers]
+    return {h.worker_id: sum(n for _, n in h.load.transfers.failures) for h in handles}
+
+
+def whole(st: Any, prefill: int, decode: int) -> bool:
+    """Every pool at its size, each worker routable (lost ones replaced, drained ones back)."""
+    from pdserve.worker.messages import WorkerRole
+
+    live = [h.role for h in st.service.handles if h.routable]
+    return (live.count(WorkerRole.PREFILL), live.count(WorkerRole.DECODE)) == (prefill, decode)
 
 
 def reset_kv_connections(addresses: list[str], seconds: float) -> int:
@@ -205,14 +216,21 @@ def reset_kv_connections(addresses: list[str], seconds: float) -> int:
     return resets
 
 
-def scenario(name: str, work: Work) -> dict[str, Any]:
+def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """One fault on a fresh 2P+2D deployment, or on ``deployment`` (``start(2, 2)``'s, kept
+    running: the scenario first waits for it to be whole again, and counts only its own KV
+    failures)."""
     if name == "router_term":
         return router_term(work)
-    st, s = start(prefill=2, decode=2)
+    st, s = deployment if deployment is not None else start(prefill=2, decode=2)
+    resume: threading.Timer | None = None
     try:
-        handles = {h.worker_id: h for h in st.service.handles}
+        wait_for(lambda: whole(st, 2, 2), 120, "every pool whole (lost workers replaced)")
+        kv_before = kv_failures(st)
+        handles = {h.worker_id: h for h in st.service.handles if h.routable}
         logs, threads = launch(s, work.before)
-        victim = name.split("_")[0] + "-0" if name in SIGNALS else None
+        role = name.split("_")[0]
+        victim = min(w for w, h in handles.items() if h.role.value == role) if name in SIGNALS else None
         if name == "prefill_kill":
             time.sleep(0.05)  # prompts queued, prefill under way
         elif name == "prefill_push_kill":
@@ -229,7 +247,8 @@ def scenario(name: str, work: Work) -> dict[str, Any]:
             # Detected: the router routes nothing more to it (lost, or draining on SIGTERM).
             detected = wait_for(lambda: not handles[victim].routable, 30, f"{victim} seen lost")
             if name == "decode_stop":
-                threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid)).start()
+                resume = threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid))
+                resume.start()
         if name == "kv_drop":
             reset_kv_connections([h.info.address for h in handles.values() if h.info.address], 1.5)
         for t in threads + after_threads:
@@ -246,10 +265,14 @@ def scenario(name: str, work: Work) -> dict[str, Any]:
                 load = st.run(h.call("load", timeout_s=10))
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
                 state_left += sum(state.values())
+        kv_failed = sum(max(0, n - kv_before.get(w, 0)) for w, n in kv_failures(st).items())
         return row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
-                   kv_failures(st), percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
+                   kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
     finally:
-        st.stop()
+        if resume is not None:
+            resume.join()  # the stopped process resumed (or already gone) before the next fault
+        if deployment is None:
+            st.stop()
 
 
 def router_term(work: Work) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The chaos suite: each fault of ``benchmarks/chaos.py`` against a real 2 prefill + 2 decode
-deployment on a local Ray cluster (``router_term``: ``pdserve serve`` in a child process), with
-greedy streams of mixed lengths checked token by token against HF transformers.
+deployment on a local Ray cluster, one for every scenario and whole again before each
+(``router_term``, first: ``pdserve serve`` in a child process), with greedy streams of mixed
+lengths checked token by token against HF transformers.
 
 Every scenario must end with no failed stream, no token lost or repeated, no KV block in use
 and no per-request state left on any live worker; a killed process is seen within 0.5 s and a
@@ -50,23 +51,37 @@ def can_reset_connections() -> bool:
 
 @pytest.fixture(scope="module")
 def work() -> Any:
+    return chaos.make_work(seed=3, streams=8, after=4)
+
+
+@pytest.fixture(scope="module")
+def deployment(work: Any) -> Any:
+    """One 2P+2D deployment for every scenario (each waits for it to be whole again: a worker
+    lost or drained by the one before is replaced, as the product does)."""
     from pdserve.deploy.ray_pools import start_ray
 
-    w = chaos.make_work(seed=3, streams=8, after=4)
     start_ray(None, 16)
-    return w
+    st, s = chaos.start(prefill=2, decode=2)
+    yield st, s
+    st.stop()
 
 
-@pytest.mark.parametrize("name", chaos.SCENARIOS)
-def test_scenario(name: str, work: Any) -> None:
+def test_router_term(work: Any) -> None:
+    """First, before the shared deployment starts: ``pdserve serve`` in a child process of its
+    own, SIGTERMed once every stream has tokens."""
+    r = chaos.scenario("router_term", work)
+    assert (r["failed"], r["tokens_lost"], r["tokens_duplicated"]) == (0, 0, 0), r
+    assert r["succeeded"] == 8, r
+    assert r["refused_after"] == r["after"] and r["clean_exit"], r
+
+
+@pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n != "router_term"])
+def test_scenario(name: str, work: Any, deployment: Any) -> None:
     if name == "kv_drop" and not can_reset_connections():
         pytest.skip("ss -K cannot reset TCP connections here")
-    r = chaos.scenario(name, work)
+    r = chaos.scenario(name, work, deployment)
     assert (r["failed"], r["tokens_lost"], r["tokens_duplicated"]) == (0, 0, 0), r
-    assert r["succeeded"] == 8 + (0 if name == "router_term" else 4), r
-    if name == "router_term":
-        assert r["refused_after"] == r["after"] and r["clean_exit"], r
-        return
+    assert r["succeeded"] == 8 + 4, r
     assert (r["blocks_leaked"], r["state_left"]) == (0, 0), r
     if name in DETECTION_S:
         assert r["detection_s"] <= DETECTION_S[name], r
