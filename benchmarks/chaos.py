@@ -229,14 +229,16 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         kv_before = kv_failures(st)
         handles = {h.worker_id: h for h in st.service.handles if h.routable}
         logs, threads = launch(s, work.before)
-        role = name.split("_")[0]
-        victim = min(w for w, h in handles.items() if h.role.value == role) if name in SIGNALS else None
         if name == "prefill_kill":
             time.sleep(0.05)  # prompts queued, prefill under way
         elif name == "prefill_push_kill":
             wait_for(lambda: any(lg.tokens or lg.error for lg in logs), 60, "a first token")
         elif name in ("decode_kill", "decode_stop", "decode_term"):  # mid-stream: every stream has tokens
             wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
+        # The victim: the worker of its pool holding the most requests (the lowest id of a tie),
+        # so that a fault mid-stream always has streams to move.
+        pool = sorted(w for w, h in handles.items() if h.role.value == name.split("_")[0])
+        victim = max(pool, key=lambda w: len(handles[w].inflight)) if name in SIGNALS else None
         t_fault = time.monotonic()
         detected = 0.0
         if victim is not None:
