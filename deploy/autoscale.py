@@ -44,8 +44,15 @@ class PoolAutoscaler:
         checks: int = 3,
         grow_wait_s: float | None = None,
     ) -> None:
-        if not interval_s > 0 or not warmup_s >= 0 or checks < 1:
-            raise ValueError("the autoscale interval must be > 0, the warm-up >= 0 and checks >= 1")
+        if (
+            not interval_s > 0
+            or not warmup_s >= 0
+            or checks < 1
+            or not (grow_wait_s is None or grow_wait_s > 0)
+        ):
+            raise ValueError(
+                "the autoscale interval and start wait must be > 0, the warm-up >= 0 and checks >= 1"
+            )
         # How long a change waits for new workers to be placed and ready. A worker Ray cannot
         # place (a cluster at its node limit) must not stop the planner deciding: past this the
         # start is cancelled, and the next decision tries again while Ray's autoscaler keeps the

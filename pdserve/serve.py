@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -64,6 +65,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     add_policy(p, "goodput")
     add_autoscale(p)
+    p.add_argument(
+        "--autoscale-start-wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --autoscale: how long a change waits for its new workers to be placed and ready "
+        "before it gives up on them and lets the next decision retry (default: twice the interval, "
+        "at least 30 s)",
+    )
     p.add_argument(
         "--slo",
         action="append",
@@ -229,6 +239,9 @@ def planner_config(args: argparse.Namespace, spec: PoolSpec, config: RouterConfi
         raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
     if not args.autoscale_interval > 0:  # NaN too: checked here, before any worker starts
         raise ValueError(f"--autoscale-interval must be > 0 seconds, not {args.autoscale_interval}")
+    wait = args.autoscale_start_wait
+    if wait is not None and not 0 < wait < math.inf:
+        raise ValueError(f"--autoscale-start-wait must be > 0 seconds, not {wait}")
     slos = SloBook.of(*config.slo_classes, default=config.default_slo_class or None)
     target = slos.resolve()
     if not (target.ttft_ms and target.tpot_ms):
@@ -254,7 +267,11 @@ def failure_reason(e: BaseException) -> str:
 
 
 async def _run(
-    service: Service, started: float, plan: PlannerConfig | None = None, interval_s: float = 30.0
+    service: Service,
+    started: float,
+    plan: PlannerConfig | None = None,
+    interval_s: float = 30.0,
+    start_wait_s: float | None = None,
 ) -> bool:
     spec = service.spec
     shape = (
@@ -266,14 +283,19 @@ async def _run(
     print(f"pdserve: starting {shape} workers on {where} with model {spec.engine.model!r}...", flush=True)
     signals = StopSignals()
     try:
-        return await _serve(service, started, plan, interval_s, signals)
+        return await _serve(service, started, plan, (interval_s, start_wait_s), signals)
     finally:
         signals.close()
 
 
 async def _serve(
-    service: Service, started: float, plan: PlannerConfig | None, interval_s: float, signals: StopSignals
+    service: Service,
+    started: float,
+    plan: PlannerConfig | None,
+    timing: tuple[float, float | None],
+    signals: StopSignals,
 ) -> bool:
+    interval_s, start_wait_s = timing
     try:
         up, ep = await first_of(service.start(progress=True), signals.drain)
     except Exception as e:  # a worker that did not start, a port taken, no room on the cluster
@@ -304,7 +326,9 @@ async def _serve(
     if plan is not None:
         profile = service.config.latency_profile
         assert profile is not None
-        scaler = PoolAutoscaler(service, Planner(profile, plan), interval_s, warmup_s=interval_s)
+        scaler = PoolAutoscaler(
+            service, Planner(profile, plan), interval_s, warmup_s=interval_s, grow_wait_s=start_wait_s
+        )
         scaler.start()
         b = plan.bounds
         print(
@@ -357,5 +381,5 @@ def serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    clean = asyncio.run(_run(service, started, plan, args.autoscale_interval))
+    clean = asyncio.run(_run(service, started, plan, args.autoscale_interval, args.autoscale_start_wait))
     return 0 if clean else 1

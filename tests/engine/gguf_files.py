@@ -8,9 +8,12 @@ K-quants, which ``gguf`` only dequantizes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -32,16 +35,30 @@ def smollm2_path() -> Path:
         __import__("pytest").skip(str(e))
 
 
+@contextlib.contextmanager
+def _parsed_once() -> Iterator[None]:
+    """transformers parses the GGUF's metadata (tens of thousands of vocabulary strings, in
+    Python) again for the config, the weights and the tokenizer, and rebuilds llama.cpp's
+    tensor-name map for every tensor: most of a minute. Each is a pure function of its
+    arguments, so the reference keeps its results and loses only the repetition."""
+    with (
+        mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+    ):
+        yield
+
+
 @functools.cache
 def smollm2_reference() -> tuple[Any, Any]:
     """transformers' model (float32, eval) and tokenizer of the installed SmolLM2 GGUF. Loaded
     once per test process: transformers dequantizes every tensor on load (the slowest step of
     these tests), and several modules compare against the same file. Callers must not modify them."""
     path = smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
 
 

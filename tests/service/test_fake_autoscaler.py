@@ -121,8 +121,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env = {**os.environ, "HOME": str(root / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
            "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
+    # the autoscaler looks every second (5 s by default): each of the test's four scaling events
+    # would otherwise wait up to that long before a node is asked for or removed
     head_env = {**env, "RAY_FAKE_CLUSTER": "1", "RAY_OVERRIDE_NODE_ID_FOR_TESTING": HEAD_ID,
-                "RAY_enable_autoscaler_v2": "0"}  # fmt: skip
+                "RAY_enable_autoscaler_v2": "0", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}  # fmt: skip
     current = CURRENT.read_text() if CURRENT.exists() else None
     head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
             "--num-cpus=0", f"--autoscaling-config={cfg}", "--disable-usage-stats",
@@ -137,8 +139,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cmd = [str(BIN / "pdserve"), "serve", f"--address=127.0.0.1:{port}", "--model", "tiny",
                "--compute", "emulated:h100-llama3-8b", "--no-local-prefill", "--slo", "chat:ttft=200,tpot=50",
                "--autoscale", "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1",
-               "--max-decode", "2", "--autoscale-interval", "3", "--http-port", str(http),
-               "--grpc-port", str(free_port())]  # fmt: skip
+               "--max-decode", "2", "--autoscale-interval", "3", "--autoscale-start-wait", "12",
+               "--http-port", str(http), "--grpc-port", str(free_port())]  # fmt: skip
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{http}"

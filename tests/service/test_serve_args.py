@@ -68,6 +68,9 @@ def test_autoscale_settings_are_checked_before_anything_starts() -> None:
     for flags, match in (
         (["--autoscale-interval", "0"], "autoscale-interval"),
         (["--autoscale-interval", "nan"], "autoscale-interval"),
+        (["--autoscale-start-wait", "0"], "autoscale-start-wait"),
+        (["--autoscale-start-wait", "inf"], "autoscale-start-wait"),
+        (["--autoscale-start-wait", "nan"], "autoscale-start-wait"),
         (["--min-decode", "0"], "pool bounds"),
         (["--min-prefill", "3", "--max-prefill", "2"], "pool bounds"),
         (["--colocated", "2"], "not with --colocated"),
