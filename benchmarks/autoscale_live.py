@@ -73,7 +73,9 @@ def serving(
     (monotonic time, prefill, decode, host CPU busy %) sampled once a second while it runs
     (prefill and decode -1 for a second the status did not answer)."""
     http, grpc_port = free_port(), free_port()
-    cmd = [str(BIN / "pdserve"), "serve", "--model", "tiny", "--compute", f"emulated:{args.profile}",
+    # INFO: the planner's every decision and the measurements behind it go to the run's log
+    cmd = [str(BIN / "pdserve"), "--log-level", "INFO", "serve", "--model", "tiny",
+           "--compute", f"emulated:{args.profile}",
            "--policy", "least_loaded", "--no-local-prefill",
            "--slo", f"default:ttft={args.ttft_ms:g},tpot={args.tpot_ms:g}",
            "--max-tokens-cap", "4096", "--http-port", str(http), "--grpc-port", str(grpc_port),

@@ -117,19 +117,48 @@ class PoolAutoscaler:
         """One look: the interval's decision, or (``up_only``) a check between decisions on a
         shorter window that may only grow the pools."""
         span = self.interval_s / self.checks if up_only else None
-        d = self.planner.decide(self.observe(span), up_only=up_only)
+        obs = self.observe(span)
+        d = self.planner.decide(obs, up_only=up_only)
+        c = self.planner.correction
+        # what the decision saw, and what it predicts where the pools go: a change's reason is
+        # read against these in the log
+        seen = (
+            f"[{'check' if up_only else 'decision'}: {obs.load.rate:.2f} req/s, attainment "
+            f"{obs.attainment:.2f} of {obs.requests}; there TTFT {d.predicted.ttft_s * 1e3:.0f} ms / "
+            f"TPOT {d.predicted.tpot_s * 1e3:.1f} ms predicted; step-time correction {c[0]:.2f} / {c[1]:.2f}]"
+        )
         if up_only and not d.changes:
+            log.debug(
+                "planner: %s at %dP+%dD %s %s",
+                d.reason.value,
+                d.layout.prefill,
+                d.layout.decode,
+                d.detail,
+                seen,
+            )
             return d
         router = self.service.router
         if router is not None:
             router.accounting.metrics.planned(d.reason.value, d.layout.prefill, d.layout.decode, d.detail)
         if d.changes:
             log.warning(
-                "planner: %s to %dP+%dD (%s)", d.reason.value, d.layout.prefill, d.layout.decode, d.detail
+                "planner: %s to %dP+%dD (%s) %s",
+                d.reason.value,
+                d.layout.prefill,
+                d.layout.decode,
+                d.detail,
+                seen,
             )
             await self.apply(d.layout)
         else:
-            log.info("planner: %s at %dP+%dD %s", d.reason.value, d.layout.prefill, d.layout.decode, d.detail)
+            log.info(
+                "planner: %s at %dP+%dD %s %s",
+                d.reason.value,
+                d.layout.prefill,
+                d.layout.decode,
+                d.detail,
+                seen,
+            )
         return d
 
     async def apply(self, target: Layout) -> None:

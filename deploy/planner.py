@@ -3,8 +3,9 @@
 ``Planner.decide(observation)`` returns where the pools should be and why. It predicts each
 candidate (P prefill, D decode) within the bounds with ``pdserve.deploy.capacity`` on the
 step-time model, corrected twice by what the router measured: the model's prefill and decode
-factors (the router's online corrections), and the ratio of the measured TTFT / TPOT tails to
-what was predicted for the layout that produced them. Then::
+factors (the router's online corrections), and the planner's own factors on the prefill and
+decode step times under which the layout that served a window predicts the TTFT / TPOT tails
+measured in it. Then::
 
     current layout misses (measured or predicted)   -> the smallest layout that meets and
                                                        keeps up, at once (SCALE_UP; a worker
@@ -94,7 +95,7 @@ class Planner:
     def __init__(self, model: StepTimeModel, config: PlannerConfig) -> None:
         self.model = model
         self.config = config
-        self.correction = (1.0, 1.0)  # measured / predicted tails (TTFT, TPOT), clamped
+        self.correction = (1.0, 1.0)  # factors on the prefill and decode step times (``_learn``)
         # the check windows of the last ``down_after`` intervals: a layout the planner moves to
         # must keep up with each, or the next check moves it again (at scale a 10 s window
         # carries a fifth more than its interval's mean, and the busiest for prefill is not the
@@ -151,22 +152,21 @@ class Planner:
         admitted: float,
         corrected: bool = True,
         quantile: float | None = None,
+        correction: tuple[float, float] | None = None,
     ) -> Prediction:
         q = self.quantile if quantile is None else quantile
-        p = predict(
+        c = (self.correction if corrected else (1.0, 1.0)) if correction is None else correction
+        return predict(
             self.model,
             obs.load,
             layout.prefill,
             layout.decode,
             q,
-            obs.factors,
+            (obs.factors[0] * c[0], obs.factors[1] * c[1]),
             admitted,
             max_seqs=self.config.max_seqs,
             decode_load=obs.decode_load,
         )
-        if not corrected:
-            return p
-        return replace(p, ttft_s=p.ttft_s * self.correction[0], tpot_s=p.tpot_s * self.correction[1])
 
     def _excess(self, p: Prediction) -> float:
         return max(p.ttft_s / self.config.ttft_s, p.tpot_s / self.config.tpot_s)
@@ -175,24 +175,31 @@ class Planner:
         return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
 
     def _learn(self, obs: Observation) -> None:
-        """Fold the window's measured tails into the correction (only with enough requests, and
-        only where the model has the layout keeping up: on a layout it sees unable to keep up
-        the tails measure a growing queue — how long the overload lasted, not how far off the
-        model is — and learning from them overshoots the next scale-up)."""
+        """Fold the window's measured tails into the correction: for each phase, the factor on
+        the model's step time under which the layout that served the window predicts the tail
+        measured, half the way from the old one (only with enough requests, and only where the
+        model has the layout keeping up: on a layout it sees unable to keep up the tails
+        measure a growing queue — how long the overload lasted, not how far off the model is —
+        and learning from them overshoots the next scale-up). A factor on the step time, not
+        on the predicted tail: a worker 30 % slower than its profile is 30 % slower at light
+        load and past saturation at 80 % of the profile's capacity, and a tail ratio learned in
+        a trough priced the peak as 30 % slower, not as a queue without end."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
-        # the measured tails are of served requests, at the SLO's quantile
-        raw = self._price(obs, obs.layout, 1.0, corrected=False, quantile=self.config.quantile)
-        if not raw.feasible:
+        q = self.config.quantile  # the measured tails are of served requests, at the SLO's quantile
+        if not self._price(obs, obs.layout, 1.0, corrected=False, quantile=q).feasible:
             return
-        new = []
-        for measured, predicted, old in ((obs.ttft_s, raw.ttft_s, self.correction[0]),
-                                         (obs.tpot_s, raw.tpot_s, self.correction[1])):  # fmt: skip
-            if not (math.isfinite(measured) and math.isfinite(predicted) and predicted > 0):
-                new.append(old)
+        new = list(self.correction)
+        for i, measured in enumerate((obs.ttft_s, obs.tpot_s)):
+            if not (math.isfinite(measured) and measured > 0):
                 continue
-            ratio = min(4.0, max(0.5, measured / predicted))
-            new.append(0.5 * old + 0.5 * ratio)  # half the way: one noisy window moves it half
+
+            def tail(f: float, i: int = i) -> float:
+                p = self._price(obs, obs.layout, 1.0, quantile=q, correction=(f, 1.0) if i == 0 else (1.0, f))
+                return p.ttft_s if i == 0 else p.tpot_s
+
+            new[i] = 0.5 * new[i] + 0.5 * _solve(tail, measured, 0.5, 4.0)  # half the way: one
+            # noisy window moves it half
         self.correction = (new[0], new[1])
 
     def candidates(self) -> list[Layout]:
@@ -467,3 +474,16 @@ class Planner:
     ) -> Decision:
         self._since_change = 0
         return Decision(obs.t, reason, to, pred, detail)
+
+
+def _solve(tail: Callable[[float], float], measured: float, lo: float, hi: float) -> float:
+    """The factor in [``lo``, ``hi``] at which ``tail`` (increasing in it, infinite past a
+    saturation) equals ``measured``: an end when none does; bisection on the log."""
+    if tail(lo) >= measured:
+        return lo
+    if tail(hi) <= measured:
+        return hi
+    for _ in range(24):  # a factor of 8 to within 1e-7 of its log
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if tail(mid) > measured else (mid, hi)
+    return lo

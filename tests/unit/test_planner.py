@@ -319,8 +319,10 @@ def test_the_way_down_keeps_up_with_the_bursts_the_checks_saw() -> None:
             if d.changes:
                 changes.append(i)
                 layout = d.layout
+        # the tails measured are about the model's (a step-time factor far off would be a slower
+        # cluster, whose smaller layouts do not keep up)
         d = plan.decide(
-            obs(30 * i + 30, layout, 650.0, requests=5000, attainment=0.98, ttft_s=0.1, tpot_s=0.02)
+            obs(30 * i + 30, layout, 650.0, requests=5000, attainment=0.98, ttft_s=0.035, tpot_s=0.013)
         )
         if d.changes:
             changes.append(i)
@@ -520,9 +522,9 @@ def test_a_queue_building_is_sized_for_the_slo_not_the_budget() -> None:
     layout = Layout(2, 2)
     for plan in (spend, strict):
         for i in range(5):
-            plan.decide(obs(30 * i, layout, 5.0, requests=1000, attainment=0.99, ttft_s=0.1, tpot_s=0.02))
+            plan.decide(obs(30 * i, layout, 5.0, requests=1000, attainment=0.99))
     assert spend.quantile == pytest.approx(0.8)
-    step = obs(150, layout, 150.0, requests=1000, attainment=0.99, ttft_s=0.1, tpot_s=0.02)
+    step = obs(150, layout, 150.0, requests=1000, attainment=0.99)
     grown, expected = spend.decide(step), strict.decide(step)
     assert grown.reason is Reason.SCALE_UP and grown.layout == expected.layout
     assert spend.quantile == 0.9 and "spending" not in grown.detail
@@ -644,3 +646,39 @@ def test_a_steady_load_with_one_burst_window_an_interval_is_never_draining() -> 
         assert "backlog" not in d.detail, d
         grew.append(d.reason is Reason.SCALE_UP)
     assert all(grew) and plan.correction[0] > 1.0
+
+
+def test_a_worker_slower_than_its_profile_is_priced_slower_at_the_peak_too() -> None:
+    """What the measured tails teach is a factor on the step time, not on the tail: workers 30 %
+    slower than the profile, measured in a trough, cannot keep up with a load that the profile
+    puts at 83 % of one prefill worker, and the first check that sees that load grows the pool
+    (priced as the profile's times a tail ratio it met its target, and only the next decision,
+    on a measured miss, would have grown it)."""
+    slow = (1.3, 1.0)
+    plan = Planner(H100, SLO)
+    layout = Layout(1, 2)
+    for i in range(8):
+        window = obs(30 * i, layout, 5.0)
+        truth = predict(H100, window.load, 1, 2, 0.9, slow)
+        plan.decide(replace(window, requests=150, attainment=1.0, ttft_s=truth.ttft_s, tpot_s=truth.tpot_s))
+    assert plan.correction[0] == pytest.approx(1.3, rel=0.02) and plan.correction[1] == pytest.approx(
+        1.0, rel=0.02
+    )
+    peak = obs(250, layout, 28.0)
+    assert plan._meets(predict(H100, peak.load, 1, 2), 1.0)  # the profile alone: one worker meets
+    assert not predict(H100, peak.load, 1, 2, 0.9, slow).feasible  # the workers measured: a queue
+    d = plan.decide(peak, up_only=True)
+    assert d.reason in (Reason.SCALE_UP, Reason.SWITCH) and d.layout.prefill >= 2, d
+    assert predict(H100, peak.load, d.layout.prefill, d.layout.decode, 0.9, slow).feasible
+
+
+def test_the_correction_is_bounded_and_ignores_what_it_cannot_learn_from() -> None:
+    plan = Planner(H100, SLO)
+    layout = Layout(1, 2)
+    plan.decide(obs(0, layout, 5.0, requests=150, attainment=1.0, ttft_s=1e9, tpot_s=1e-40))
+    assert 1.0 < plan.correction[0] <= 2.5 and 0.5 <= plan.correction[1] < 1.0  # half the way to 4 and 0.5
+    before = plan.correction
+    plan.decide(obs(30, layout, 5.0, requests=150, attainment=1.0, ttft_s=math.nan, tpot_s=math.inf))
+    plan.decide(obs(60, layout, 5.0, requests=5, attainment=1.0, ttft_s=9.0, tpot_s=9.0))  # too few
+    plan.decide(obs(90, layout, 500.0, requests=150, attainment=0.0, ttft_s=9.0, tpot_s=9.0))  # a queue
+    assert plan.correction == before
