@@ -183,7 +183,11 @@ class Planner:
         and learning from them overshoots the next scale-up). A factor on the step time, not
         on the predicted tail: a worker 30 % slower than its profile is 30 % slower at light
         load and past saturation at 80 % of the profile's capacity, and a tail ratio learned in
-        a trough priced the peak as 30 % slower, not as a queue without end."""
+        a trough priced the peak as 30 % slower, not as a queue without end. Never below 1:
+        tails under the model's (its quantile of a sum is the sum of the quantiles, and at light
+        load it overstates the tail) would read as workers faster than their profile, and price
+        a step's load as one the pool keeps up with; the router's own factors (goodput routing)
+        correct the step time both ways, request by request."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
         q = self.config.quantile  # the measured tails are of served requests, at the SLO's quantile
@@ -198,8 +202,8 @@ class Planner:
                 p = self._price(obs, obs.layout, 1.0, quantile=q, correction=(f, 1.0) if i == 0 else (1.0, f))
                 return p.ttft_s if i == 0 else p.tpot_s
 
-            new[i] = 0.5 * new[i] + 0.5 * _solve(tail, measured, 0.5, 4.0)  # half the way: one
-            # noisy window moves it half
+            # half the way: one noisy window moves it half
+            new[i] = 0.5 * new[i] + 0.5 * _solve(tail, measured, 1.0, 4.0)
         self.correction = (new[0], new[1])
 
     def candidates(self) -> list[Layout]:
