@@ -271,7 +271,7 @@ def test_fast_plan_recommends_what_the_exhaustive_search_does(
 
     p = argparse.ArgumentParser()
     add_plan_args(p)
-    base = ["--gpus", "6", "--num-prompts", "80", "--random-input-len", "700", "--random-output-len", "40",
+    base = ["--gpus", "6", "--num-prompts", "50", "--random-input-len", "700", "--random-output-len", "40",
             "--goodput", "ttft:250", "tpot:100", "--sweep-steps", "2", "--colocated-budgets", "2048",
             "--priority-budgets", "2048", "--prefill-budgets", "4096", "--max-splits", "5",
             "--jobs", jobs]  # fmt: skip
