@@ -11,9 +11,11 @@ measured in it. Then::
                                                        keeps up, at once (SCALE_UP; a worker
                                                        moved between the pools instead when
                                                        that is enough: SWITCH; between decisions
-                                                       and during a warm-up only a measured miss
-                                                       or a load it cannot keep up with at all
-                                                       counts)
+                                                       only a measured miss, a load it cannot
+                                                       keep up with at all, or a step — a window
+                                                       ``step_above`` times the busiest one
+                                                       remembered — counts, and during a warm-up
+                                                       only the second)
     fewer workers meet each of the last
     ``down_after`` intervals' loads (fewer after a
     fall of the load) with margin, serving every
@@ -270,11 +272,11 @@ class Planner:
             return self._change(
                 obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
             )
-        if up_only and not measured_miss and now_pred.feasible:
+        if up_only and not measured_miss and now_pred.feasible and not self._stepped(obs):
             # A check's short window sees the trace's bursts as well as steps: between decisions
-            # only what is certain grows the pools (a measured miss, or a load the layout cannot
-            # keep up with at all); a tail merely predicted over the target waits for the
-            # decision's full window.
+            # only what is certain grows the pools (a measured miss, a load the layout cannot
+            # keep up with at all, or a step: arrivals far past every window remembered); a
+            # tail merely predicted over the target on a burst waits for the decision's window.
             return Decision(obs.t, Reason.HOLD, current, now_pred, backlog or "between decisions")
         ranked = self._ranked(current)
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
@@ -324,6 +326,14 @@ class Planner:
             why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _stepped(self, obs: Observation) -> bool:
+        """Whether ``obs``'s window carries at least ``step_above`` times the arrivals a second
+        of the busiest window of the intervals remembered before this one: a step in the load,
+        not a burst of the trace (at a steady load a check window carries some tens of percent
+        over its interval's mean, and the busiest of the nine remembered more)."""
+        before = [w.load.rate for ws in self._bursts for w in ws]
+        return bool(before) and obs.load.rate >= self.config.step_above * max(before) > 0
 
     def _busiest(self, check: bool) -> float:
         """The most arrivals a second of the remembered windows as long as the one being

@@ -73,6 +73,10 @@ class PlannerConfig:
     # (arrivals a second) starts the memory afresh: the load fell, and the windows before the
     # fall are no reason to hold the workers it left idle (0: always remember ``down_after``)
     forget_below: float = 0.5
+    # a check window carrying this many times the busiest window of the intervals remembered is
+    # a step in the load: a tail predicted over its target grows the pools at once, without
+    # waiting for a measured miss or the decision (``Planner._stepped``; inf: never)
+    step_above: float = 1.5
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
     # the most of the arrivals the planner counts on the router refusing (admission ``reject``:
@@ -95,6 +99,8 @@ class PlannerConfig:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
+        if not self.step_above > 1:
+            raise ValueError(f"step_above must be > 1, got {self.step_above}")
         if not 0 <= self.forget_below < 1:
             raise ValueError(f"forget_below must be in [0, 1), got {self.forget_below}")
         if not (self.shed == 0 or 1e-3 <= self.shed < 1 - self.quantile):

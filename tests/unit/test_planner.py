@@ -300,6 +300,38 @@ def test_a_check_between_decisions_grows_only_on_what_is_certain() -> None:
     assert Planner(H100, SLO).decide(obs(30, layout, tight)).reason is Reason.SCALE_UP  # the decision acts
 
 
+def test_a_check_on_a_step_grows_on_a_predicted_miss() -> None:
+    """A check window far busier than every window remembered is a step, not a burst: a tail
+    predicted over the target grows the pools then, without waiting for the misses to be
+    measured or for the decision; a burst over a steady load that is just as tight waits."""
+    layout = Layout(3, 2)
+    probe = Planner(H100, SLO)
+    tight = next(
+        r
+        for r in (x / 2 for x in range(2, 400))
+        if not probe._meets(probe.predict(obs(0, layout, r), layout), 1.0)
+    )
+    assert probe.predict(obs(0, layout, tight), layout).feasible
+
+    def after(rate: float) -> Planner:
+        plan = Planner(H100, SLO)
+        for i in range(2):  # two intervals remembered (a third would step the idle pools down)
+            for k in (1, 2):
+                assert not plan.decide(obs(30 * i + 10 * k, layout, rate), up_only=True).changes
+            assert not plan.decide(obs(30 * i + 30, layout, rate)).changes
+        return plan
+
+    d = after(tight / 4).decide(obs(100, layout, tight), up_only=True)
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > layout.workers, d
+    assert "predicted TTFT" in d.detail
+    # the same window over a load a fifth lighter: a burst, for the decision to judge
+    assert after(tight / 1.2).decide(obs(100, layout, tight), up_only=True).reason is Reason.HOLD
+    # and never on the planner's first interval, with nothing remembered to compare
+    assert Planner(H100, SLO).decide(obs(10, layout, tight), up_only=True).reason is Reason.HOLD
+    with pytest.raises(ValueError, match="step_above"):
+        PlannerConfig(0.25, 0.1, step_above=1.0)
+
+
 def test_a_check_between_decisions_restores_the_bounds() -> None:
     """A lost worker (or a raised minimum) is replaced at the next look, not the next decision."""
     plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(2, 6, 1, 6)))
