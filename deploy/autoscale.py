@@ -127,38 +127,19 @@ class PoolAutoscaler:
             f"{obs.attainment:.2f} of {obs.requests}; there TTFT {d.predicted.ttft_s * 1e3:.0f} ms / "
             f"TPOT {d.predicted.tpot_s * 1e3:.1f} ms predicted; step-time correction {c[0]:.2f} / {c[1]:.2f}]"
         )
+        # a check that changes nothing is noise at INFO; a change is what an operator looks for
+        level = logging.WARNING if d.changes else logging.DEBUG if up_only else logging.INFO
+        where = "to" if d.changes else "at"
+        why = f" ({d.detail})" if d.detail else ""
+        log.log(level, "planner: %s %s %dP+%dD%s %s", d.reason.value, where, d.layout.prefill,
+                d.layout.decode, why, seen)  # fmt: skip
         if up_only and not d.changes:
-            log.debug(
-                "planner: %s at %dP+%dD %s %s",
-                d.reason.value,
-                d.layout.prefill,
-                d.layout.decode,
-                d.detail,
-                seen,
-            )
             return d
         router = self.service.router
         if router is not None:
             router.accounting.metrics.planned(d.reason.value, d.layout.prefill, d.layout.decode, d.detail)
         if d.changes:
-            log.warning(
-                "planner: %s to %dP+%dD (%s) %s",
-                d.reason.value,
-                d.layout.prefill,
-                d.layout.decode,
-                d.detail,
-                seen,
-            )
             await self.apply(d.layout)
-        else:
-            log.info(
-                "planner: %s at %dP+%dD %s %s",
-                d.reason.value,
-                d.layout.prefill,
-                d.layout.decode,
-                d.detail,
-                seen,
-            )
         return d
 
     async def apply(self, target: Layout) -> None:
