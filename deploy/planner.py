@@ -152,12 +152,13 @@ class Planner:
         obs: Observation,
         layout: Layout,
         admitted: float,
-        corrected: bool = True,
         quantile: float | None = None,
         correction: tuple[float, float] | None = None,
     ) -> Prediction:
+        """``layout``'s prediction with the step times scaled by ``correction`` (the learned one
+        by default) on top of the router's factors."""
         q = self.quantile if quantile is None else quantile
-        c = (self.correction if corrected else (1.0, 1.0)) if correction is None else correction
+        c = self.correction if correction is None else correction
         return predict(
             self.model,
             obs.load,
@@ -193,7 +194,7 @@ class Planner:
         if obs.requests < self.config.min_requests or obs.warming:
             return
         q = self.config.quantile  # the measured tails are of served requests, at the SLO's quantile
-        if not self._price(obs, obs.layout, 1.0, corrected=False, quantile=q).feasible:
+        if not self._price(obs, obs.layout, 1.0, quantile=q, correction=(1.0, 1.0)).feasible:
             return
         new = list(self.correction)
         for i, measured in enumerate((obs.ttft_s, obs.tpot_s)):
