@@ -125,7 +125,7 @@ class PoolAutoscaler:
         seen = (
             f"[{'check' if up_only else 'decision'}: {obs.load.rate:.2f} req/s, attainment "
             f"{obs.attainment:.2f} of {obs.requests}; there TTFT {d.predicted.ttft_s * 1e3:.0f} ms / "
-            f"TPOT {d.predicted.tpot_s * 1e3:.1f} ms predicted; step-time correction {c[0]:.2f} / {c[1]:.2f}]"
+            f"TPOT {d.predicted.tpot_s * 1e3:.1f} ms predicted; step-time correction {c}]"
         )
         # a check that changes nothing is noise at INFO; a change is what an operator looks for
         level = logging.WARNING if d.changes else logging.DEBUG if up_only else logging.INFO

@@ -35,7 +35,8 @@ prefill. Decode is priced for every arrival (its refusals are not the long promp
 
 ``factors`` scale the model's prefill and decode times by what the router measured (its
 corrected predictor's factors), so a profile that is off for this hardware is corrected before
-the planner trusts it.
+the planner trusts it; ``decode_fixed_s`` adds a cost to every decode step on top (the part of a
+step that does not grow with the batch: launches, scheduling, sampling, streaming).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def predict(
     admitted: float = 1.0,
     max_seqs: int | None = None,
     decode_load: Workload | None = None,
+    decode_fixed_s: float = 0.0,
 ) -> Prediction:
     if prefill < 1 or decode < 1:
         raise ValueError("a disaggregated layout needs at least one worker of each role")
@@ -86,7 +88,7 @@ def predict(
     if load.rate == 0 and (decode_load is None or decode_load.rate == 0):  # nothing arrives: idle workers
         s = model.prefill_time(max(1, round(load.prompt_tokens or 1))) * pf
         ctx = max(1, round(load.prompt_tokens + load.output_tokens / 2))
-        return Prediction(s, model.decode_time(1, ctx) * df, 0.0, 0.0)
+        return Prediction(s, model.decode_time(1, ctx) * df + decode_fixed_s, 0.0, 0.0)
     new = max(1, round(load.prompt_tokens * (1 - load.cached_share)))
     s = model.prefill_time(new) * pf
     offered = load.rate * s
@@ -101,7 +103,8 @@ def predict(
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf
         ttft = own + wait + model.transfer_time(round(tail))
-    tpot, batch = _decode(model, whole if decode_load is None else decode_load, decode, df, max_seqs)
+    dl = whole if decode_load is None else decode_load
+    tpot, batch = _decode(model, dl, decode, df, max_seqs, decode_fixed_s)
     return Prediction(ttft, tpot, rho, batch, admitted)
 
 
@@ -116,22 +119,60 @@ def erlang_c(servers: int, offered: float) -> float:
     return servers * b / (servers - offered * (1 - b))
 
 
+def _context(load: Workload) -> float:
+    """The mean context a decode step attends over: the prompt and half the output."""
+    return load.prompt_tokens + load.output_tokens / 2
+
+
+def _emitted(load: Workload, decode: int) -> float:
+    """Tokens a second each of ``decode`` workers must emit."""
+    return load.rate / decode * max(1.0, load.output_tokens)
+
+
+def _batch_cap(model: StepTimeModel, load: Workload, max_seqs: int | None) -> float:
+    """The most requests a decode worker holds: what its KV pool fits, or its slots."""
+    cap = max(1.0, model.kv_capacity_tokens / max(1.0, load.prompt_tokens + load.output_tokens))
+    return cap if max_seqs is None else min(cap, float(max_seqs))
+
+
+def _step(model: StepTimeModel, batch: float, ctx: float) -> float:
+    n = max(1, math.ceil(batch))
+    return model.decode_time(n, max(n, round(n * ctx)))
+
+
+def decode_step_at(
+    model: StepTimeModel, load: Workload, decode: int, tpot_s: float, max_seqs: int | None = None
+) -> float | None:
+    """The model's decode step time (uncorrected) at the batch Little's law puts on each of
+    ``decode`` workers that served ``load`` at a measured TPOT of ``tpot_s``: what the measured
+    step time is to be compared with. None when that batch is past what a worker holds (its
+    requests then wait for a slot, and their TPOT measures the wait, not the step)."""
+    if decode < 1 or not (math.isfinite(tpot_s) and tpot_s > 0) or load.rate <= 0:
+        return None
+    batch = _emitted(load, decode) * tpot_s
+    if batch > _batch_cap(model, load, max_seqs):
+        return None
+    return _step(model, batch, _context(load))
+
+
 def _decode(
-    model: StepTimeModel, load: Workload, decode: int, factor: float, max_seqs: int | None
+    model: StepTimeModel,
+    load: Workload,
+    decode: int,
+    factor: float,
+    max_seqs: int | None,
+    fixed_s: float = 0.0,
 ) -> tuple[float, float]:
     """(TPOT, batch) at the fixed point of Little's law on one decode worker."""
-    ctx = load.prompt_tokens + load.output_tokens / 2
-    a = load.rate / decode * max(1.0, load.output_tokens)  # tokens a second the worker must emit
+    ctx = _context(load)
+    a = _emitted(load, decode)
 
     def tpot(b: float) -> float:
-        n = max(1, math.ceil(b))
-        return model.decode_time(n, max(n, round(n * ctx))) * factor
+        return _step(model, b, ctx) * factor + fixed_s
 
     if a == 0:
         return tpot(1), 0.0
-    cap = max(1.0, model.kv_capacity_tokens / max(1.0, load.prompt_tokens + load.output_tokens))
-    if max_seqs is not None:
-        cap = min(cap, float(max_seqs))
+    cap = _batch_cap(model, load, max_seqs)
     if a * tpot(cap) > cap:  # even the largest batch (a full pool's, or the step's cap) emits too slowly
         return math.inf, cap
     lo, hi = 0.0, cap  # f(b) = a·tpot(b) − b: > 0 at 0, <= 0 at cap

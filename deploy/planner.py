@@ -3,9 +3,9 @@
 ``Planner.decide(observation)`` returns where the pools should be and why. It predicts each
 candidate (P prefill, D decode) within the bounds with ``pdserve.deploy.capacity`` on the
 step-time model, corrected twice by what the router measured: the model's prefill and decode
-factors (the router's online corrections), and the planner's own factors on the prefill and
-decode step times under which the layout that served a window predicts the TTFT / TPOT tails
-measured in it. Then::
+factors (the router's online corrections), and the planner's own correction of the step times
+under which the layouts that served the recent windows predict the TTFT / TPOT measured in them
+(``step_correction``: a factor on prefill, a factor and a fixed cost a step on decode). Then::
 
     current layout misses (measured or predicted)   -> the smallest layout that meets and
                                                        keeps up, at once (SCALE_UP; a worker
@@ -87,8 +87,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from pdserve.deploy.capacity import Prediction, predict
+from pdserve.deploy.capacity import Prediction, decode_step_at, predict
 from pdserve.deploy.planner_data import Decision, Layout, Observation, PlannerConfig, Reason
+from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
 from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
 
@@ -97,7 +98,8 @@ class Planner:
     def __init__(self, model: StepTimeModel, config: PlannerConfig) -> None:
         self.model = model
         self.config = config
-        self.correction = (1.0, 1.0)  # factors on the prefill and decode step times (``_learn``)
+        self.correction = NONE  # of the model's step times (``_learn``)
+        self._decode_points: deque[DecodePoint] = deque(maxlen=config.fit_windows)  # what it is fitted to
         # the check windows of the last ``down_after`` intervals: a layout the planner moves to
         # must keep up with each, or the next check moves it again (at scale a 10 s window
         # carries a fifth more than its interval's mean, and the busiest for prefill is not the
@@ -153,10 +155,10 @@ class Planner:
         layout: Layout,
         admitted: float,
         quantile: float | None = None,
-        correction: tuple[float, float] | None = None,
+        correction: StepCorrection | None = None,
     ) -> Prediction:
-        """``layout``'s prediction with the step times scaled by ``correction`` (the learned one
-        by default) on top of the router's factors."""
+        """``layout``'s prediction with the step times corrected by ``correction`` (the learned
+        one by default) on top of the router's factors."""
         q = self.quantile if quantile is None else quantile
         c = self.correction if correction is None else correction
         return predict(
@@ -165,10 +167,11 @@ class Planner:
             layout.prefill,
             layout.decode,
             q,
-            (obs.factors[0] * c[0], obs.factors[1] * c[1]),
+            (obs.factors[0] * c.prefill, obs.factors[1] * c.decode),
             admitted,
             max_seqs=self.config.max_seqs,
             decode_load=obs.decode_load,
+            decode_fixed_s=c.decode_fixed_s,
         )
 
     def _excess(self, p: Prediction) -> float:
@@ -178,36 +181,35 @@ class Planner:
         return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
 
     def _learn(self, obs: Observation) -> None:
-        """Fold the window's measured tails into the correction: for each phase, the factor on
-        the model's step time under which the layout that served the window predicts the tail
-        measured, half the way from the old one (only with enough requests, and only where the
-        model has the layout keeping up: on a layout it sees unable to keep up the tails
-        measure a growing queue — how long the overload lasted, not how far off the model is —
-        and learning from them overshoots the next scale-up). A factor on the step time, not
-        on the predicted tail: a worker 30 % slower than its profile is 30 % slower at light
-        load and past saturation at 80 % of the profile's capacity, and a tail ratio learned in
-        a trough priced the peak as 30 % slower, not as a queue without end. Never below 1:
-        tails under the model's (its quantile of a sum is the sum of the quantiles, and at light
-        load it overstates the tail) would read as workers faster than their profile, and price
-        a step's load as one the pool keeps up with; the router's own factors (goodput routing)
-        correct the step time both ways, request by request."""
+        """Fold the window's measured TTFT tail and TPOT into the correction
+        (``step_correction``): only with enough requests, and only where the model has the
+        layout keeping up — on a layout it sees unable to keep up the tails measure a growing
+        queue (how long the overload lasted, not how far off the model is), and learning from
+        them overshoots the next scale-up. A correction of the step time, not of the tail: a
+        worker 30 % slower than its profile is 30 % slower at light load and past saturation at
+        80 % of the profile's capacity, and a tail ratio learned in a trough priced the peak as
+        30 % slower, not as a queue without end."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
         q = self.config.quantile  # the measured tails are of served requests, at the SLO's quantile
-        if not self._price(obs, obs.layout, 1.0, quantile=q, correction=(1.0, 1.0)).feasible:
+        if not self._price(obs, obs.layout, 1.0, quantile=q, correction=NONE).feasible:
             return
-        new = list(self.correction)
-        for i, measured in enumerate((obs.ttft_s, obs.tpot_s)):
-            if not (math.isfinite(measured) and measured > 0):
-                continue
+        c = self.correction
+        if math.isfinite(obs.ttft_s) and obs.ttft_s > 0:
 
-            def tail(f: float, i: int = i) -> float:
-                p = self._price(obs, obs.layout, 1.0, quantile=q, correction=(f, 1.0) if i == 0 else (1.0, f))
-                return p.ttft_s if i == 0 else p.tpot_s
+            def tail(f: float) -> float:
+                by = StepCorrection(prefill=f)
+                return self._price(obs, obs.layout, 1.0, quantile=q, correction=by).ttft_s
 
             # half the way: one noisy window moves it half
-            new[i] = 0.5 * new[i] + 0.5 * _solve(tail, measured, 1.0, 4.0)
-        self.correction = (new[0], new[1])
+            c = replace(c, prefill=0.5 * c.prefill + 0.5 * solve(tail, obs.ttft_s))
+        load = obs.load if obs.decode_load is None else obs.decode_load
+        step = decode_step_at(self.model, load, obs.layout.decode, obs.tpot_s, self.config.max_seqs)
+        if step is not None:
+            self._decode_points.append(DecodePoint(step * obs.factors[1], obs.tpot_s))
+            factor, fixed = fit_decode(self._decode_points)
+            c = replace(c, decode=factor, decode_fixed_s=fixed)
+        self.correction = c
 
     def candidates(self) -> list[Layout]:
         b = self.config.bounds
@@ -489,16 +491,3 @@ class Planner:
     ) -> Decision:
         self._since_change = 0
         return Decision(obs.t, reason, to, pred, detail)
-
-
-def _solve(tail: Callable[[float], float], measured: float, lo: float, hi: float) -> float:
-    """The factor in [``lo``, ``hi``] at which ``tail`` (increasing in it, infinite past a
-    saturation) equals ``measured``: an end when none does; bisection on the log."""
-    if tail(lo) >= measured:
-        return lo
-    if tail(hi) <= measured:
-        return hi
-    for _ in range(24):  # a factor of 8 to within 1e-7 of its log
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if tail(mid) > measured else (mid, hi)
-    return lo

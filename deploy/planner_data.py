@@ -91,6 +91,10 @@ class PlannerConfig:
     budget_intervals: int = 20
     # a decode step's most requests (the engine's ``max_num_seqs``); None: what the KV pool holds
     max_seqs: int | None = None
+    # the decision windows whose measured decode the step-time correction is fitted to
+    # (``step_correction.fit_decode``: windows at other loads tell a fixed cost a step apart
+    # from a factor on it)
+    fit_windows: int = 10
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
@@ -111,6 +115,8 @@ class PlannerConfig:
             raise ValueError("spending the error budget needs an attainment target above 0.5")
         if self.max_seqs is not None and self.max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
+        if self.fit_windows < 1:
+            raise ValueError(f"fit_windows must be >= 1, got {self.fit_windows}")
 
     @functools.cached_property
     def shares(self) -> tuple[float, ...]:

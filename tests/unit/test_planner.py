@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pdserve.deploy.capacity import erlang_c, predict
 from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
+from pdserve.deploy.step_correction import NONE, StepCorrection
 from pdserve.router.workload_window import Workload, WorkloadWindow, kept, light_means, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
@@ -204,7 +205,8 @@ def test_steady_load_does_not_flap() -> None:
 
 def test_zero_traffic_goes_to_the_minimum_without_nans() -> None:
     plan = Planner(H100, PlannerConfig(0.25, 0.1, Bounds(2, 6, 1, 6)))
-    plan.correction = (50.0, 50.0)  # learned under an overload: an idle worker would look busy
+    # learned under an overload: an idle worker would look busy
+    plan.correction = StepCorrection(50.0, 50.0, 1.0)
     layout = Layout(6, 6)
     for i in range(80):
         d = plan.decide(obs(30 * i, layout, 0.0, lens=(0.0, 0.0)))
@@ -227,7 +229,7 @@ def test_measured_misses_grow_the_pools_even_when_the_model_is_optimistic() -> N
     layout = Layout(4, 4)
     d = plan.decide(obs(0, layout, 20.0, requests=500, attainment=0.6, ttft_s=0.9, tpot_s=0.05))
     assert d.reason is Reason.SCALE_UP and d.layout.workers > 8 - 0
-    assert plan.correction[0] > 1.0  # it learned the model was optimistic about TTFT
+    assert plan.correction.prefill > 1.0  # it learned the model was optimistic about TTFT
 
 
 def test_a_window_where_every_request_missed_is_a_miss() -> None:
@@ -239,10 +241,10 @@ def test_a_window_where_every_request_missed_is_a_miss() -> None:
 def test_warming_workers_hold_the_layout_and_teach_nothing() -> None:
     plan = Planner(H100, SLO)
     d = plan.decide(obs(0, Layout(2, 2), 30.0, requests=500, attainment=0.2, ttft_s=5.0, warming=True))
-    assert d.reason is Reason.WARMING and d.layout == Layout(2, 2) and plan.correction == (1.0, 1.0)
+    assert d.reason is Reason.WARMING and d.layout == Layout(2, 2) and plan.correction == NONE
     # the load kept rising while they started: what arrives still grows the pools, at once
     d = plan.decide(obs(10, Layout(2, 2), 100.0, requests=500, attainment=0.0, ttft_s=9.0, warming=True))
-    assert d.reason is Reason.SCALE_UP and d.layout.workers > 4 and plan.correction == (1.0, 1.0)
+    assert d.reason is Reason.SCALE_UP and d.layout.workers > 4 and plan.correction == NONE
     assert d.predicted.ttft_s <= 0.25 and "predicted" in d.detail
 
 
@@ -255,7 +257,7 @@ def test_an_overloaded_layouts_queue_teaches_the_model_nothing() -> None:
     assert math.isfinite(raw.ttft_s) and not raw.feasible
     plan = Planner(H100, SLO)
     d = plan.decide(obs(0, layout, 55.0, requests=500, attainment=0.0, ttft_s=30.0, tpot_s=2.0))
-    assert d.reason in (Reason.SCALE_UP, Reason.SWITCH) and plan.correction == (1.0, 1.0)
+    assert d.reason in (Reason.SCALE_UP, Reason.SWITCH) and plan.correction == NONE
     assert d.layout == Planner(H100, SLO).decide(obs(0, layout, 55.0)).layout
 
 
@@ -647,13 +649,13 @@ def test_misses_measured_on_a_draining_backlog_grow_nothing_and_teach_nothing() 
     plan, check, d = after_step(10.0)
     assert check.reason is Reason.HOLD and "backlog" in check.detail, check
     # nor a decision to step down in (the memory restarted at this fall: it would, measuring 1.0)
-    assert d.reason is Reason.HOLD and "backlog" in d.detail and plan.correction == (1.0, 1.0), d
+    assert d.reason is Reason.HOLD and "backlog" in d.detail and plan.correction == NONE, d
     layout = Layout(4, 4)
     d = plan.decide(obs(90, layout, 10.0, requests=400, attainment=0.7, ttft_s=0.6, tpot_s=0.05))
     assert d.reason is Reason.SCALE_UP, d  # the fall is an interval old: misses are this load's again
     # the same windows without the rule (0: never draining) grow at the check, and learn
     plan, check, d = after_step(10.0, replace(SLO, forget_below=0.0))
-    assert check.reason is Reason.SCALE_UP and plan.correction[0] > 1.0
+    assert check.reason is Reason.SCALE_UP and plan.correction.prefill > 1.0
     # a load that fell to just over half is not draining: its misses are this layout's
     _, check, _ = after_step(40.0)
     assert check.reason is Reason.SCALE_UP
@@ -677,7 +679,7 @@ def test_a_steady_load_with_one_burst_window_an_interval_is_never_draining() -> 
         d = plan.decide(obs(30 * i + 30, layout, 11.7, requests=300, attainment=0.7, ttft_s=0.6, tpot_s=0.05))
         assert "backlog" not in d.detail, d
         grew.append(d.reason is Reason.SCALE_UP)
-    assert all(grew) and plan.correction[0] > 1.0
+    assert all(grew) and plan.correction.prefill > 1.0
 
 
 def test_a_worker_slower_than_its_profile_is_priced_slower_at_the_peak_too() -> None:
@@ -693,9 +695,8 @@ def test_a_worker_slower_than_its_profile_is_priced_slower_at_the_peak_too() -> 
         window = obs(30 * i, layout, 5.0)
         truth = predict(H100, window.load, 1, 2, 0.9, slow)
         plan.decide(replace(window, requests=150, attainment=1.0, ttft_s=truth.ttft_s, tpot_s=truth.tpot_s))
-    assert plan.correction[0] == pytest.approx(1.3, rel=0.02) and plan.correction[1] == pytest.approx(
-        1.0, rel=0.02
-    )
+    assert plan.correction.prefill == pytest.approx(1.3, rel=0.02)
+    assert plan.correction.decode == pytest.approx(1.0, rel=0.02) and plan.correction.decode_fixed_s < 1e-4
     peak = obs(250, layout, 28.0)
     assert plan._meets(predict(H100, peak.load, 1, 2), 1.0)  # the profile alone: one worker meets
     assert not predict(H100, peak.load, 1, 2, 0.9, slow).feasible  # the workers measured: a queue
@@ -708,7 +709,8 @@ def test_the_correction_is_bounded_and_ignores_what_it_cannot_learn_from() -> No
     plan = Planner(H100, SLO)
     layout = Layout(1, 2)
     plan.decide(obs(0, layout, 5.0, requests=150, attainment=1.0, ttft_s=1e9, tpot_s=1e-40))
-    assert 1.0 < plan.correction[0] <= 2.5 and plan.correction[1] == 1.0  # half the way to 4; never below 1
+    assert 1.0 < plan.correction.prefill <= 2.5  # half the way to 4
+    assert plan.correction.decode == 1.0 and plan.correction.decode_fixed_s == 0.0  # never below the model
     before = plan.correction
     plan.decide(obs(30, layout, 5.0, requests=150, attainment=1.0, ttft_s=math.nan, tpot_s=math.inf))
     plan.decide(obs(60, layout, 5.0, requests=5, attainment=1.0, ttft_s=9.0, tpot_s=9.0))  # too few
