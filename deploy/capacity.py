@@ -87,8 +87,7 @@ def predict(
     pf, df = factors
     if load.rate == 0 and (decode_load is None or decode_load.rate == 0):  # nothing arrives: idle workers
         s = model.prefill_time(max(1, round(load.prompt_tokens or 1))) * pf
-        ctx = max(1, round(load.prompt_tokens + load.output_tokens / 2))
-        return Prediction(s, model.decode_time(1, ctx) * df + decode_fixed_s, 0.0, 0.0)
+        return Prediction(s, _step(model, 1, _context(load)) * df + decode_fixed_s, 0.0, 0.0)
     new = max(1, round(load.prompt_tokens * (1 - load.cached_share)))
     s = model.prefill_time(new) * pf
     offered = load.rate * s
@@ -161,7 +160,7 @@ def _decode(
     decode: int,
     factor: float,
     max_seqs: int | None,
-    fixed_s: float = 0.0,
+    fixed_s: float,
 ) -> tuple[float, float]:
     """(TPOT, batch) at the fixed point of Little's law on one decode worker."""
     ctx = _context(load)

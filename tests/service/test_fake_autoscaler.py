@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.client import free_port, wait_ready
@@ -77,39 +78,40 @@ worker_start_ray_commands: []
 """
 
 
-def _kill_token_holders(token: str) -> None:
-    """Every process of this test's cluster (they all carry its auth token), and nothing else."""
-    import psutil
+def _token_holders(token: str) -> Iterator[tuple[psutil.Process, dict[str, str]]]:
+    """Every process of this test's cluster (they all carry its auth token), and nothing else,
+    with its environment."""
+    for p in psutil.process_iter(["name"]):
+        try:
+            env = p.environ()
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        if env.get("RAY_AUTH_TOKEN") == token:
+            yield p, env
 
+
+def _kill_token_holders(token: str) -> None:
     victims = []
-    for p in psutil.process_iter():
+    for p, _ in _token_holders(token):
         with contextlib.suppress(psutil.Error):
-            if p.environ().get("RAY_AUTH_TOKEN") == token:
-                p.kill()
-                victims.append(p)
+            p.kill()
+            victims.append(p)
     psutil.wait_procs(victims, timeout=15)
 
 
 class Cluster:
-    def __init__(self, url: str, env: dict[str, str], port: int, log: Path) -> None:
-        self.url, self.env, self.port, self.log = url, env, port, log
+    def __init__(self, url: str, env: dict[str, str], log: Path) -> None:
+        self.url, self.env, self.log = url, env, log
 
     def worker_nodes(self) -> int:
         """Worker nodes running: the fake provider's nodes are raylets on this machine, started
         (and killed) by the autoscaler with this cluster's token, each with a node id of its own.
         Counted from the process table: ``ray status`` would cost two seconds of CPU a look, and
         looked at every second it takes a core from the cluster under test."""
-        import psutil
-
-        count = 0
-        for p in psutil.process_iter(["name"]):
-            with contextlib.suppress(psutil.Error):
-                if p.info["name"] != "raylet":
-                    continue
-                env = p.environ()
-                if env.get("RAY_AUTH_TOKEN") == self.env["RAY_AUTH_TOKEN"]:
-                    count += env.get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") != HEAD_ID
-        return count
+        return sum(
+            p.info["name"] == "raylet" and env.get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") != HEAD_ID
+            for p, env in _token_holders(self.env["RAY_AUTH_TOKEN"])
+        )
 
     def status(self) -> dict[str, Any]:
         result: dict[str, Any] = httpx.get(f"{self.url}/cluster/status", timeout=10).json()
@@ -157,7 +159,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             wait_ready(f"{url}/health", proc, timeout_s=180)
         except (RuntimeError, TimeoutError) as e:
             raise AssertionError(f"{e}: {log.read_text()[-4000:]}") from None
-        yield Cluster(url, env, port, log)
+        yield Cluster(url, env, log)
     finally:
         if proc is not None:
             stop_process(proc)
