@@ -247,9 +247,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         after_logs, after_threads = launch(s, work.after)
         if victim is not None:
             # Detected: the router routes nothing more to it (lost, or draining on SIGTERM).
-            wait_for(lambda: not handles[victim].routable, 30, f"{victim} seen lost")
-            # from the fault, not from this wait: the second wave's launch lies between them
-            detected = time.monotonic() - t_fault
+            detected = wait_for(lambda: not handles[victim].routable, 30, f"{victim} seen lost")
             if name == "decode_stop":
                 resume = threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid))
                 resume.start()
