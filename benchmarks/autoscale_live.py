@@ -180,6 +180,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=30.0)
     ap.add_argument("--max-prefill", type=int, default=6)
     ap.add_argument("--max-decode", type=int, default=4)
+    ap.add_argument("--spend", type=float, default=0.0, help="--autoscale-spend of the autoscaled runs")
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
     args = ap.parse_args()
@@ -192,7 +193,8 @@ def main() -> int:
     p, d = (int(x) for x in re.fullmatch(r"(\d+)P\+(\d+)D", args.static).groups())  # type: ignore[union-attr]
     bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
     auto_flags = ["--prefill", "1", "--decode", "1", "--autoscale", *bounds,
-                  "--autoscale-interval", str(args.interval)]  # fmt: skip
+                  "--autoscale-interval", str(args.interval),
+                  "--autoscale-spend", str(args.spend)]  # fmt: skip
     started = time.perf_counter()
     auto = live_run(args, auto_flags, args.logs / "autoscale-live-auto.log")
     print(
@@ -226,6 +228,7 @@ def main() -> int:
         "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
         "slo": f"ttft:{args.ttft_ms:g} tpot:{args.tpot_ms:g} at 90 %",
         "profile": args.profile,
+        "spend": args.spend,
         "live_autoscaled_attainment": round(auto["attainment"], 4),
         "live_autoscaled_failed": auto["failed"],
         "live_autoscaled_errors": auto["errors"],

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Decision, Layout, Observation
+from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation
 from pdserve.router.predictor import Phase
 from pdserve.worker.messages import WorkerRole
 
@@ -41,7 +41,7 @@ class PoolAutoscaler:
         interval_s: float = 30.0,
         warmup_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        checks: int = 3,
+        checks: int = CHECKS,
         grow_wait_s: float | None = None,
     ) -> None:
         if (

@@ -46,6 +46,9 @@ moved again by the next (the busiest for prefill is not the busiest for decode).
 each look's longer window (``decode_span``: as long as a request decodes at the TPOT target):
 a prefill queue costs TTFT at once, while a decode pool rides out a burst shorter than that in
 its batch and queue, and sized for every 10 s burst it held workers the SLO never needed.
+The headroom shrinks with the square root of a window's length past ``headroom_span_s``: the
+busiest of the 90 s decode windows plus a tenth put a decode worker past its batch cap where
+the static layout served the same peak on one.
 
 With ``spend`` > 0 the planner spends the SLO's error budget: the requests that met beyond
 the attainment target over the last ``budget_intervals`` windows are a bank, and growing and
@@ -405,7 +408,6 @@ class Planner:
         and decode are predicted apart: each pool's feasibility is the other's at its largest,
         and grows with the pool)."""
         b = self.config.bounds
-        more = 1 + self.config.headroom
         seen = [w for ws in (*self._bursts, self._burst) for w in ws] + [obs]
 
         def fewest(lo: int, hi: int, keeps_up: Callable[[int], bool]) -> int:
@@ -420,8 +422,8 @@ class Planner:
         for w in seen:
             if w.load.rate == 0 and w.decode.rate == 0:
                 continue
-            o = replace(obs, load=replace(w.load, rate=w.load.rate * more))
-            o = replace(o, decode_load=replace(w.decode, rate=w.decode.rate * more))
+            o = replace(obs, load=replace(w.load, rate=w.load.rate * self._more(w.load)))
+            o = replace(o, decode_load=replace(w.decode, rate=w.decode.rate * self._more(w.decode)))
 
             def prefill_ok(n: int, o: Observation = o) -> bool:
                 return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)
@@ -433,6 +435,15 @@ class Planner:
             p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
             d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))
         return p, d
+
+    def _more(self, load: Workload) -> float:
+        """The factor on ``load``'s rate a layout must keep up with: ``headroom`` for a window
+        up to ``headroom_span_s`` long (or of unknown length), shrinking with the square root of
+        a longer one's length — the share by which the count of independent arrivals strays
+        from its mean falls so, and a busiest window of 90 s is already most of a burst."""
+        c = self.config
+        longer = max(1.0, load.span_s / c.headroom_span_s)
+        return 1 + c.headroom / math.sqrt(longer)
 
     def _ranked(self, current: Layout) -> list[Layout]:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))

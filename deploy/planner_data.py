@@ -60,6 +60,10 @@ def moves(have: Layout, target: Layout) -> tuple[int, tuple[int, int]]:
     return switched, (dp - switched, dd + switched)
 
 
+# looks an interval (both autoscalers'): the last decides, the others may only grow the pools
+CHECKS = 3
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     ttft_s: float  # the SLO's targets (a quantile of each, ``quantile``)
@@ -79,6 +83,11 @@ class PlannerConfig:
     step_above: float = 1.5
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
+    # the window length ``headroom`` is sized for (the checks': the interval / ``CHECKS``); a
+    # window ``k`` times as long
+    # gets ``headroom / sqrt(k)``: its rate strays less from the next one's (decode's windows
+    # run to 90 s, and a tenth over the busiest of them priced a worker the SLO never needed)
+    headroom_span_s: float = 10.0
     # the most of the arrivals the planner counts on the router refusing (admission ``reject``:
     # it refuses what is predicted to miss, the longest prompts first), out of the 1 - quantile
     # the SLO allows to miss; 0 sizes the pools to serve every request
@@ -101,6 +110,8 @@ class PlannerConfig:
             raise ValueError("the planner needs both a TTFT and a TPOT target (> 0)")
         if not 0 < self.margin <= 1 or not 0 < self.quantile < 1 or not 0 <= self.headroom <= 10:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
+        if not self.headroom_span_s > 0 or not math.isfinite(self.headroom_span_s):
+            raise ValueError(f"headroom_span_s must be a finite number > 0, got {self.headroom_span_s}")
         if self.down_after < 1 or self.cooldown < 0:
             raise ValueError("down_after must be >= 1 and cooldown >= 0")
         if not self.step_above > 1:

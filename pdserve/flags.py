@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.planner_data import Bounds, PlannerConfig
+from pdserve.deploy.planner_data import CHECKS, Bounds, PlannerConfig
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
 
@@ -174,6 +175,9 @@ def planner_settings(
     if not 0 <= spend <= 1:
         raise ValueError(f"--autoscale-spend must be a share in [0, 1], got {spend}")
     config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=spend, max_seqs=max_seqs)
+    interval = getattr(args, "autoscale_interval", None)
+    if interval is not None and 0 < interval < math.inf:  # the checks' windows, which ``headroom`` is sized for
+        config = replace(config, headroom_span_s=interval / CHECKS)
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:
         return replace(config, shed=AUTO_SHED * (1 - config.quantile) if refuses else 0.0)

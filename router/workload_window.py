@@ -33,9 +33,11 @@ class Workload:
     # the router's admission refuses the rest — under overload it refuses what is predicted to
     # miss, the longest prompts first — for the shares the planner may count on
     light: tuple[tuple[float, float], ...] = ()
+    # the window's length (0: not known): a longer window's rate strays less from the next one's
+    span_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("rate", "prompt_tokens", "output_tokens", "prompt_tail_tokens"):
+        for name in ("rate", "prompt_tokens", "output_tokens", "prompt_tail_tokens", "span_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -102,7 +104,7 @@ class WorkloadWindow:
         covered = min(span_s, self.horizon_s)
         if len(self._arrivals) == self._arrivals.maxlen and self._arrivals[0][0] > now - covered:
             covered = max(now - self._arrivals[0][0], 1e-9)
-        return Workload(len(arrivals) / covered, prompt, output, min(1.0, cached), tail, light)
+        return Workload(len(arrivals) / covered, prompt, output, min(1.0, cached), tail, light, covered)
 
 
 def rank(n: int, quantile: float) -> int:

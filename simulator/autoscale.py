@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Decision, Layout, Observation, moves
+from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation, moves
 from pdserve.router.workload_window import Workload, prompt_shape, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
@@ -31,7 +31,7 @@ class AutoscaleConfig:
     interval_s: float = 30.0
     start_s: float = 20.0  # a new worker's start-up (node, process, weights) before it serves
     switch_s: float = 1.0  # a drained worker's change of role
-    checks: int = 3  # looks an interval: the last is the decision, the others may only scale up
+    checks: int = CHECKS  # looks an interval: the last is the decision, the others may only scale up
     warmup_s: float | None = (
         None  # after a join, windows are a warm-up (the planner holds); None: one interval
     )
@@ -194,10 +194,10 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         times = self.arrival_times  # in time order: a window is a slice, not a pass over the run
         arrived = self.submitted[bisect.bisect_right(times, now - span) : bisect.bisect_right(times, now)]
         if not arrived:
-            return arrived, Workload(0.0, 0.0, 0.0)
+            return arrived, Workload(0.0, 0.0, 0.0, span_s=span)
         prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived)
         output = statistics.fmean(sr.work.params.max_tokens for sr in arrived)
-        return arrived, Workload(len(arrived) / span, prompt, output)
+        return arrived, Workload(len(arrived) / span, prompt, output, span_s=span)
 
     def arrivals(self, now: float, span: float) -> Workload:
         return self._arrived(now, span)[1]

@@ -157,7 +157,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
         output, prompts, covered = self._logged(now, span)
         n = sum(len(p) for p in prompts)
         prompt = sum(int(p.sum()) for p in prompts)
-        return Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0)
+        return Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, span_s=covered)
 
     def observe(self, now: float, span: float) -> Observation:
         c, cfg = self.cluster, self.planner.config
@@ -181,7 +181,9 @@ class FluidAutoscaler(PlannerLoop[Role]):
         return Observation(
             t=now,
             layout=self.layout(),
-            load=Workload(n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light),
+            load=Workload(
+                n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light, covered
+            ),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
             ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,

@@ -151,7 +151,7 @@ def test_the_window_measures_rate_means_and_the_prompt_tail() -> None:
     assert load.prompt_tail_tokens == 1000.0 and load.output_tokens == 30.0
     assert load.cached_share == pytest.approx(0.25)
     assert w.workload(9.95, 10.0, 0.5).prompt_tail_tokens == 600.0
-    assert w.workload(500.0, 10.0) == Workload(0.0, 0.0, 0.0)  # nothing in it: zeros, no NaN
+    assert w.workload(500.0, 10.0) == Workload(0.0, 0.0, 0.0, span_s=10.0)  # nothing in it: zeros, no NaN
     assert prompt_quantile([], 0.9) == 0.0
     # a window longer than what is kept is a rate over what is kept, not a lull: past the
     # horizon, and past the entry cap under a heavy load
@@ -492,6 +492,40 @@ def test_a_pool_short_of_its_floor_does_not_hold_the_others_idle_workers() -> No
         plan._fewest(obs(400, layout, 100.0, lens=(100.0, 300.0)), 0.0)[1] > 2
     )  # decode is short of its floor
     assert steps and layout.prefill < 6 and layout.decode == 2
+
+
+def test_the_keep_up_headroom_shrinks_with_the_window_length() -> None:
+    """A 90 s decode window is already most of a burst: a tenth over its rate asks for a decode
+    worker that a third of that (10 % / sqrt(9)) does not; a window of unknown length, or no
+    longer than the checks', keeps the whole headroom."""
+    cap = replace(SLO, max_seqs=256)
+    plan = Planner(H100, cap)
+
+    def one_keeps_up(rate: float) -> bool:
+        load = Workload(rate, *CONV)
+        return math.isfinite(
+            plan.predict(obs(0, Layout(8, 1), rate, decode_load=load), Layout(8, 1), 0.0).tpot_s
+        )
+
+    lo, hi = 1.0, 200.0  # the most one decode worker keeps up with
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if one_keeps_up(mid) else (lo, mid)
+    rate = lo / 1.045  # within 10 / sqrt(3) % of the edge, more than 10 / 3 % from it
+    assert not one_keeps_up(rate * (1 + 0.1 / math.sqrt(3))) and one_keeps_up(rate * (1 + 0.1 / 3))
+
+    def decode_floor(span_s: float, config: PlannerConfig = cap) -> int:
+        window = obs(30.0, Layout(1, 1), 5.0, decode_load=Workload(rate, *CONV, span_s=span_s))
+        return Planner(H100, config)._fewest(window, 0.0)[1]
+
+    assert decode_floor(90.0) == 1
+    assert decode_floor(0.0) == decode_floor(10.0) == decode_floor(5.0) == 2
+    # sized for 30 s checks (a 90 s interval), a 90 s window keeps 10 / sqrt(3) %: still two
+    assert decode_floor(90.0, replace(cap, headroom_span_s=30.0)) == 2
+    with pytest.raises(ValueError, match="headroom_span_s"):
+        replace(cap, headroom_span_s=0.0)
+    with pytest.raises(ValueError, match="span_s"):
+        Workload(1.0, *CONV, span_s=math.nan)
 
 
 @settings(max_examples=200, deadline=None)
