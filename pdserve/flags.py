@@ -175,8 +175,9 @@ def planner_settings(
     if not 0 <= spend <= 1:
         raise ValueError(f"--autoscale-spend must be a share in [0, 1], got {spend}")
     config = PlannerConfig(ttft_s, tpot_s, planner_bounds(args), spend=spend, max_seqs=max_seqs)
+    # ``headroom`` is sized for the checks' windows: the interval over the looks it takes
     interval = getattr(args, "autoscale_interval", None)
-    if interval is not None and 0 < interval < math.inf:  # the checks' windows, which ``headroom`` is sized for
+    if interval is not None and 0 < interval < math.inf:
         config = replace(config, headroom_span_s=interval / CHECKS)
     shed = getattr(args, "autoscale_shed", None)
     if shed is None:

@@ -750,3 +750,22 @@ def test_the_correction_is_bounded_and_ignores_what_it_cannot_learn_from() -> No
     plan.decide(obs(60, layout, 5.0, requests=5, attainment=1.0, ttft_s=9.0, tpot_s=9.0))  # too few
     plan.decide(obs(90, layout, 500.0, requests=150, attainment=0.0, ttft_s=9.0, tpot_s=9.0))  # a queue
     assert plan.correction == before
+
+
+def test_serve_and_simulate_size_the_headroom_for_their_checks() -> None:
+    """``--autoscale-interval`` sets the window the headroom is sized for: the interval over the
+    looks each takes; an unusable interval (serve refuses it first) leaves the default."""
+    import argparse
+
+    from pdserve.deploy.planner_data import CHECKS
+    from pdserve.flags import planner_settings
+
+    def args(interval: float | None) -> argparse.Namespace:
+        ns = argparse.Namespace(min_prefill=1, max_prefill=4, min_decode=1, max_decode=4)
+        if interval is not None:
+            ns.autoscale_interval = interval
+        return ns
+
+    assert planner_settings(args(60.0), 0.25, 0.1, False, 256).headroom_span_s == 60.0 / CHECKS
+    for bad in (None, math.inf, math.nan, 0.0):
+        assert planner_settings(args(bad), 0.25, 0.1, False, 256).headroom_span_s == 10.0
