@@ -84,9 +84,9 @@ class PlannerConfig:
     min_requests: int = 20  # a window with fewer ended requests says nothing about attainment
     headroom: float = 0.1  # a layout moved to keeps up with every recent check window plus this share
     # the window length ``headroom`` is sized for (the checks': the interval / ``CHECKS``); a
-    # window ``k`` times as long
-    # gets ``headroom / sqrt(k)``: its rate strays less from the next one's (decode's windows
-    # run to 90 s, and a tenth over the busiest of them priced a worker the SLO never needed)
+    # window ``k`` times as long gets ``headroom / sqrt(k)``: its rate strays less from the next
+    # one's (decode's windows run to 90 s, and a tenth over the busiest of them priced a worker
+    # the SLO never needed)
     headroom_span_s: float = 10.0
     # the most of the arrivals the planner counts on the router refusing (admission ``reject``:
     # it refuses what is predicted to miss, the longest prompts first), out of the 1 - quantile
