@@ -8,8 +8,9 @@ product does by default; the test suite runs them on one deployment, whole again
 ``prefill_push_kill`` SIGKILL of a prefill worker the moment the first stream has its first token
 (its KV pushes under way); ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term``
 SIGTERM of a decode worker mid-stream (it drains); ``kv_drop`` every KV connection to the decode
-workers reset (``ss -K``) for 1.5 s while prompts are prefilled; ``router_term`` SIGTERM of the
-router (``pdserve serve --local`` in a child process; it drains).
+workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer is seen
+dropped (at most 10 s); ``router_term`` SIGTERM of the router (``pdserve serve --local`` in a
+child process; it drains).
 
 Per scenario: streams succeeded / failed, streams migrated, tokens lost (a stream shorter than
 its reference, or different from it) and duplicated (longer), KV blocks still in use after the
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,12 +203,18 @@ def whole(st: Any, prefill: int, decode: int) -> bool:
     return (live.count(WorkerRole.PREFILL), live.count(WorkerRole.DECODE)) == (prefill, decode)
 
 
-def reset_kv_connections(addresses: list[str], seconds: float) -> int:
+def reset_kv_connections(
+    addresses: list[str], seconds: float, dropped: Callable[[], bool] | None = None, most_s: float = 10.0
+) -> int:
     """Reset every TCP connection to the decode workers' KV ports, again and again (``ss -K``,
-    which needs CAP_NET_ADMIN); returns how many resets ``ss`` reported."""
+    which needs CAP_NET_ADMIN), for ``seconds``, and on until ``dropped()`` says a transfer
+    failed, at most ``most_s`` in all (the first transfers may begin after ``seconds``: a worker
+    just replaced, a slow first step); returns how many resets ``ss`` reported."""
     resets = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while (now := time.monotonic()) < start + seconds or (
+        dropped is not None and now < start + most_s and not dropped()
+    ):
         for addr in addresses:
             host, _, port = addr.rpartition(":")
             out = subprocess.run(["ss", "-K", "-t", "dst", host, "dport", "=", f":{port}"],
@@ -252,7 +260,10 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
                 resume = threading.Timer(max(0.0, 5.0 - detected), lambda: _cont(pid))
                 resume.start()
         if name == "kv_drop":
-            reset_kv_connections([h.info.address for h in handles.values() if h.info.address], 1.5)
+            addresses = [h.info.address for h in handles.values() if h.info.address]
+            reset_kv_connections(
+                addresses, 1.5, lambda: any(n > kv_before.get(w, 0) for w, n in kv_failures(st).items())
+            )
         for t in threads + after_threads:
             t.join(180)
         failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,11 +13,25 @@ from pathlib import Path
 
 import httpx
 
+# Below Linux's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): a
+# server is handed its port well before it binds it (after Ray and the workers start), and
+# meanwhile any process binding port 0 (Ray's own listeners, the workers') could take one the
+# kernel picked from the ephemeral range.
+PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free now, from ``PORTS``."""
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +39,6 @@ def require_tool(*names: str, package: str) -> str:
     if in_ci():
         pytest.fail(f"{msg}, and CI is set: the test must run", pytrace=False)
     pytest.skip(msg)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def load_rules() -> list[dict[str, Any]]:

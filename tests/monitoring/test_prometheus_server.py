@@ -16,10 +16,10 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.client import free_port
 from tests.monitoring.helpers import (
     RULES,
     dashboard_exprs,
-    free_port,
     load_dashboard,
     require_tool,
     send_traffic,
