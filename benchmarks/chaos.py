@@ -195,6 +195,11 @@ def kv_failures(st: Any) -> dict[str, int]:
     return {h.worker_id: sum(n for _, n in h.load.transfers.failures) for h in handles}
 
 
+def kv_failed_since(st: Any, before: dict[str, int]) -> int:
+    """KV transfers failed since ``kv_failures`` gave ``before``."""
+    return sum(max(0, n - before.get(w, 0)) for w, n in kv_failures(st).items())
+
+
 def whole(st: Any, prefill: int, decode: int) -> bool:
     """Every pool at its size, each worker routable (lost ones replaced, drained ones back)."""
     from pdserve.worker.messages import WorkerRole
@@ -261,9 +266,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
                 resume.start()
         if name == "kv_drop":
             addresses = [h.info.address for h in handles.values() if h.info.address]
-            reset_kv_connections(
-                addresses, 1.5, lambda: any(n > kv_before.get(w, 0) for w, n in kv_failures(st).items())
-            )
+            reset_kv_connections(addresses, 1.5, lambda: kv_failed_since(st, kv_before) > 0)
         for t in threads + after_threads:
             t.join(180)
         failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)
@@ -278,7 +281,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
                 load = st.run(h.call("load", timeout_s=10))
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
                 state_left += sum(state.values())
-        kv_failed = sum(max(0, n - kv_before.get(w, 0)) for w, n in kv_failures(st).items())
+        kv_failed = kv_failed_since(st, kv_before)
         return row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
                    kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
     finally:
