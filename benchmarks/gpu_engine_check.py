@@ -12,11 +12,12 @@ engine is judged by, with its ceilings measured in the same run.
    bandwidth. ``host_overhead_ratio`` = the engine's step / replay at batch 1 (1.0: the host is
    hidden behind the device); ``host_overhead_ratio_lone`` the same for a lone step.
 4. Prefill of 2,048 and 8,192 fresh tokens: MFU against the bf16 matmul ceiling.
-5. The KV hand-off over ``cuda_ipc`` (two processes, one GPU) for 1 to 128 blocks: the
+5. A profile of each workload: the kernels' table in ``profile.txt``, top shares in the JSON.
+6. The KV hand-off over ``cuda_ipc`` (two processes, one GPU) for 1 to 128 blocks: the
    intercept of time against bytes is its fixed cost — from ``send`` of computed KV
    (``handoff_fixed_ms``), and from the last layer computed of a transfer begun beforehand, as a
    prefill worker begins it (``handoff_exposed_fixed_ms``).
-6. The ``gpu``-marked tests (float32 token-exact with HF on CUDA, bf16 serving, the kernels on
+7. The ``gpu``-marked tests (float32 token-exact with HF on CUDA, bf16 serving, the kernels on
    CUDA against their references, graphs against eager).
 
 ``--dry-run`` runs the same code on the CPU with a small model and the ``tcp`` hand-off (CI runs
@@ -184,6 +185,41 @@ class Bench:
         return _timed(lambda: self.runner.execute([chunk], requests), self.device, repeat)
 
 
+def _profile(bench: Bench, ctx: int, big: int, prefill_n: int, path: Path) -> dict[str, Any]:
+    """Where each measured workload's device time goes (or host time on the CPU): the kernels'
+    table in ``path``, the top five kernels' shares in the JSON. Timings under the profiler are
+    not the measurement; the shares say what to fix next."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bench.device.type == "cuda"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    workloads: dict[str, Callable[[], object]] = {
+        "decode_b1": lambda: bench.decode(1, ctx, 3),
+        f"decode_b{big}": lambda: bench.decode(big, ctx, 3),
+        f"prefill_{prefill_n}": lambda: bench.prefill(prefill_n, 1),
+    }
+    summary: dict[str, Any] = {}
+    with path.open("w") as f:
+        for name, fn in workloads.items():
+            fn()  # compiled and captured outside the profile
+            with profile(activities=activities) as prof:
+                fn()
+                sync(bench.device)
+            # on a GPU the kernels alone: an operator's own device time repeats its kernels'
+            events = [
+                e
+                for e in prof.key_averages()
+                if getattr(e, key) > 0 and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA"))
+            ]
+            total = sum(getattr(e, key) for e in events) or 1.0
+            events.sort(key=lambda e: getattr(e, key), reverse=True)
+            summary[name] = [[e.key[:100], round(getattr(e, key) / total, 4), e.count] for e in events[:5]]
+            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90)
+            f.write(f"== {name}\n{table}\n")
+    return summary
+
+
 def _handoff(backend: str, device: int | str, counts: tuple[int, ...]) -> dict[str, Any]:
     from benchmarks.gpu_kvtransfer import fixed_cost_ms, run
 
@@ -274,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"prefill {n}: {t * 1e3:.1f} ms, MFU {mfu:.2f}", flush=True)
 
             report.phase(f"prefill_{key}", prefill)
+
+        def where() -> None:
+            out["profile"] = _profile(bench, ctx, big, prefills[-1], Path(args.out) / "profile.txt")
+
+        report.phase("profile", where)
         del bench
     benches.clear()
     if device.type == "cuda":

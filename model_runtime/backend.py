@@ -79,11 +79,16 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-# Decode attention's split-K unit: positions one program reads before the splits are merged.
-# Fixed rather than sized to the batch, so a row's result depends on its own length alone (the
-# same tokens whatever shares its step); 256 gives a 1k-token row four programs per KV head and
-# an 8k-token row thirty-two, and is a multiple of the kernel's 64-position tile.
-DECODE_SPLIT_TOKENS = 256
+# Decode attention's split-K: each row shares the positions it attends to among DECODE_SPLITS
+# programs per KV head, each taking at least DECODE_MIN_SPLIT_TOKENS. Fixed rather than sized to
+# the batch, so a row's result depends on its own length alone (the same tokens whatever shares
+# its step). The grid used to be sized to the block table's capacity (a split per 256 positions
+# the longest context could hold): at 64 rows of 1k tokens under an 8k limit six programs in
+# seven were empty and still wrote a partial the merge read. Rows up to 4k tokens keep that
+# grid's 256-position splits (the same work per program); longer rows take 16 larger shares
+# instead of more programs.
+DECODE_SPLITS = 16
+DECODE_MIN_SPLIT_TOKENS = 256
 
 
 # A step's token budget. On a CPU, 512 keeps a step's activations in cache and a decode batch
@@ -138,12 +143,10 @@ def step_reserve_bytes(
     return step_tokens * per_token + 4 * max_seqs * vocab * 4 + decode_scratch + GRAPH_RESERVE_BYTES
 
 
-def decode_scratch_bytes(max_seqs: int, num_heads: int, head_dim: int, max_len: int) -> int:
-    """Split decode attention's float32 partial outputs and log-sum-exps for a full batch at
-    the longest context (``DECODE_SPLIT_TOKENS`` positions a split): at 256 rows and a 128k
-    context an 8B model's come to 2 GiB, which a fixed reserve would not cover."""
-    splits = max(1, -(-max_len // DECODE_SPLIT_TOKENS))
-    return max_seqs * num_heads * splits * (head_dim + 1) * 4
+def decode_scratch_bytes(max_seqs: int, num_heads: int, head_dim: int) -> int:
+    """Split decode attention's float32 partial outputs and log-sum-exps for a full batch
+    (``DECODE_SPLITS`` a row, whatever its length)."""
+    return max_seqs * num_heads * DECODE_SPLITS * (head_dim + 1) * 4
 
 
 def kv_blocks_for_free_memory(

@@ -197,9 +197,9 @@ class Runtime:
         )
 
 
-def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int, max_len: int) -> int:
+def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) -> int:
     """KV blocks that fit in the device memory free now (after the weights), less the reserve for
-    the largest step's activations and the decode graphs (at ``max_len`` tokens of context)."""
+    the largest step's activations and the decode graphs."""
     torch.cuda.empty_cache()  # what loading freed counts as free
     free, _ = torch.cuda.mem_get_info()
     reserve = step_reserve_bytes(
@@ -210,7 +210,7 @@ def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int, 
         model.q_size + 2 * model.kv_size,
         model.vocab_size,
         dtype_bytes,
-        decode_scratch_bytes(config.scheduler.max_num_seqs, model.num_heads, model.head_dim, max_len),
+        decode_scratch_bytes(config.scheduler.max_num_seqs, model.num_heads, model.head_dim),
     )
     return kv_blocks_for_free_memory(free, config.cache.block_bytes(model, dtype_bytes), reserve)
 
@@ -234,9 +234,7 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
             backend = choose_backend(device.type, triton_available(), config.backend)
             model = load_model(checkpoint, model_config, device, dtype, max_len, backend)
         dtype_bytes = torch.finfo(dtype).bits // 8
-        free_blocks = (
-            _free_kv_blocks(config, model_config, dtype_bytes, max_len) if device.type == "cuda" else None
-        )
+        free_blocks = _free_kv_blocks(config, model_config, dtype_bytes) if device.type == "cuda" else None
         num_blocks = config.cache.resolve_num_blocks(model_config, dtype_bytes, free_blocks)
         shape = kv_cache_shape(model_config, num_blocks, block_size)
     else:  # the emulated GPU's context and KV capacity, a one-layer stand-in cache

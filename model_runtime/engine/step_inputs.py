@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pdserve.model_runtime.backend import DECODE_SPLIT_TOKENS
+from pdserve.model_runtime.backend import DECODE_MIN_SPLIT_TOKENS, DECODE_SPLITS
 from pdserve.model_runtime.model.ops import PagedMetadata
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
@@ -154,7 +154,8 @@ def unpack(
         num_decodes=layout.decodes,
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
-        decode_split_tokens=DECODE_SPLIT_TOKENS,
+        decode_splits=DECODE_SPLITS,
+        decode_min_split_tokens=DECODE_MIN_SPLIT_TOKENS,
         prefill_block_tables=p_tables,
         prefill_cu_q=cu,
         prefill_start=starts,

@@ -129,12 +129,15 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
-    split_tokens: int,
+    num_splits: int,
+    min_split_tokens: int,
 ) -> torch.Tensor:
     if _triton(q):
         from pdserve.model_runtime.kernels import paged_attention
 
-        return paged_attention.paged_decode(q, kv_layer, block_tables, seq_lens, scale, window, split_tokens)
+        return paged_attention.paged_decode(
+            q, kv_layer, block_tables, seq_lens, scale, window, num_splits, min_split_tokens
+        )
     return reference.paged_decode(q, kv_layer, block_tables, seq_lens, scale, window)
 
 
@@ -146,7 +149,8 @@ def _(
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
-    split_tokens: int,
+    num_splits: int,
+    min_split_tokens: int,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 

@@ -7,14 +7,17 @@ program loads a tile of token positions, maps them to cache addresses, and runs 
 softmax (FlashAttention's running max and sum) over them.
 
 * **Decode** (one query token per sequence) is split-K ("flash-decoding"): program
-  ``(row, kv_head, split)`` covers ``split_tokens`` positions of the sequence and all the query
+  ``(row, kv_head, split)`` covers one share of the positions the row attends to and all the query
   heads that share that KV head (grouped-query attention: K and V are read once per group, and the
   group is the ``M`` of the ``tl.dot``), writing a partial output and its log-sum-exp; a second
-  kernel merges the splits. The split size is fixed (``backend.DECODE_SPLIT_TOKENS``) and the grid
-  covers the block table's capacity, so a row's arithmetic depends on its own length only — not
-  on the batch it runs in (seeded sampling stays batch-independent) — and a captured CUDA graph
-  keeps its grid; splits past a row's length, and rows with ``seq_len == 0`` (a graph bucket's
-  padding), end at once and merge to nothing.
+  kernel merges the splits. The grid has a fixed number of splits (``backend.DECODE_SPLITS``)
+  and each row divides its own span among them — ``num_splits`` shares rounded up to the tile,
+  at least ``min_split_tokens`` — so a row's arithmetic depends on its own length only, not on
+  the batch it runs in (seeded sampling stays batch-independent), a captured CUDA graph keeps its
+  grid, and neither the grid nor the partials grow with the longest context the block table can
+  hold. Splits a short row leaves empty, and rows with ``seq_len == 0`` (a graph bucket's
+  padding), store only a log-sum-exp of ``-inf``, which the merge skips without reading their
+  partials.
 * **Prefill** is varlen: program ``(sequence, query_head, query_tile)`` reads its sequence's keys
   from the cache (the step's own keys are written there first), so a chunk continuing a cached
   prefix and a fresh prompt are the same case; the causal mask is by absolute position.
@@ -28,6 +31,8 @@ Sliding window (Mistral): a query at position ``p`` sees keys ``p - window < k <
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -94,7 +99,8 @@ def _decode_split_kernel(
     stride_lh,
     scale,
     window,
-    split_tokens,
+    num_splits,
+    min_split_tokens,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,17 +114,20 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(LENS + row)
     first = tl.maximum(seq_len - window, 0)
-    lo = tl.maximum(split * split_tokens, first)
-    hi = tl.minimum((split + 1) * split_tokens, seq_len)
+    share = (seq_len - first + num_splits - 1) // num_splits
+    per_split = tl.maximum((share + BLOCK_N - 1) // BLOCK_N * BLOCK_N, min_split_tokens)
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
+    work_mask = offs_g < tl.where(lo < hi, GROUP, 0)  # an empty split reads and writes no partial
     heads = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=work_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
     m_i = tl.full([BLOCK_G], _MASKED, tl.float32)
@@ -138,7 +147,7 @@ def _decode_split_kernel(
     tl.store(
         O_PART + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
         out,
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=work_mask[:, None] & d_mask[None, :],
     )
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     tl.store(LSE_PART + row * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
@@ -171,9 +180,9 @@ def _decode_merge_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
     total = tl.sum(w, 0)
-    parts = tl.load(
+    parts = tl.load(  # an empty split's partial was never written: not read either
         O_PART + row * stride_ob + head * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
+        mask=(s_mask & (lse > float("-inf")))[:, None] & d_mask[None, :],
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -269,6 +278,20 @@ def _tile(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the decode kernel is compiled and launched: positions a tile (``block_n``), warps per
+    program and software-pipeline stages. Speed only: a row's result depends on ``block_n``
+    (the order of its sums) but never on its batch."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's own default: the setting the H200 check measured
+
+
+DECODE_LAUNCH = DecodeLaunch()
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -276,18 +299,21 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
-    split_tokens: int,
-    block_n: int = 64,
+    num_splits: int,
+    min_split_tokens: int,
+    launch: DecodeLaunch = DECODE_LAUNCH,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [B, Hq, D] (one token per row) over each row's cached keys; [B, Hq, D]
-    (into ``out`` when given). ``split_tokens``: positions per split, a multiple of ``block_n``."""
+    (into ``out`` when given). Each row's span is shared among ``num_splits`` programs per KV
+    head, each taking at least ``min_split_tokens`` positions."""
     rows, n_q, dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
     group = n_q // n_kv
-    if split_tokens <= 0 or split_tokens % block_n:
-        raise ValueError(f"split_tokens must be a positive multiple of {block_n}, got {split_tokens}")
-    num_splits = max(1, -(-block_tables.shape[1] * block_size // split_tokens))
+    if num_splits <= 0 or min_split_tokens <= 0:
+        raise ValueError(
+            f"num_splits and min_split_tokens must be positive, got {num_splits} and {min_split_tokens}"
+        )
     o_part = torch.empty(rows, n_q, num_splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, n_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
@@ -299,9 +325,10 @@ def paged_decode(
         block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, _window(window), split_tokens,
-        GROUP=group, BLOCK_G=_tile(group), BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        scale, _window(window), num_splits, min_split_tokens,
+        GROUP=group, BLOCK_G=_tile(group), BLOCK_N=launch.block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=dim, BLOCK_D=next_power_of_2(dim), PRECISION=_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     DECODE_MERGE.on(q.device.type)[(rows, n_q)](
         o_part, lse, out,

@@ -33,7 +33,8 @@ class PagedMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [Bd, width]
     decode_seq_lens: torch.Tensor  # [Bd] tokens in the cache after this step's write
-    decode_split_tokens: int  # split-K unit of decode attention
+    decode_splits: int  # split-K programs per row and KV head in decode attention
+    decode_min_split_tokens: int  # positions a split takes at least
     prefill_block_tables: torch.Tensor  # [Np, width]
     prefill_cu_q: torch.Tensor  # [Np + 1] row bounds, counted from row num_decodes
     prefill_start: torch.Tensor  # [Np] absolute position of each chunk's first token
@@ -124,7 +125,7 @@ class PagedOps:
         if nd:
             parts.append(kops.paged_decode(
                 q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale, meta.window,
-                meta.decode_split_tokens,
+                meta.decode_splits, meta.decode_min_split_tokens,
             ))  # fmt: skip
         if nd < n_tok:
             parts.append(kops.paged_prefill(

@@ -93,15 +93,15 @@ def test_kernels_on_cuda_match_their_references(dtype: torch.dtype) -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    cache = new_kv_cache((2, 256, 2, 16, 8, 128), dtype, "cuda")
+    cache = new_kv_cache((2, 384, 2, 16, 8, 128), dtype, "cuda")
     cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda").to(dtype))
     kv = cache[1]
     lens = torch.tensor([1, 700, 1024, 0, 33], dtype=torch.int32, device="cuda")
-    tables = torch.randperm(255, device="cuda", generator=gen)[: 5 * 64].view(5, 64).to(torch.int32) + 1
+    tables = torch.randperm(383, device="cuda", generator=gen)[: 5 * 64].view(5, 64).to(torch.int32) + 1
     q = torch.randn(5, 32, 128, generator=gen, device="cuda").to(dtype)
     for window in (0, 300):
-        for split_tokens in (64, 256, 4096):
-            got = pa.paged_decode(q, kv, tables, lens, 0.088, window, split_tokens)
+        for splits in ((16, 64), (4, 256), (1, 64), (64, 64)):
+            got = pa.paged_decode(q, kv, tables, lens, 0.088, window, *splits)
             torch.testing.assert_close(got, reference.paged_decode(q, kv, tables, lens, 0.088, window), **tol)
     cu = torch.tensor([0, 300, 301, 1301], dtype=torch.int32, device="cuda")
     starts = torch.tensor([0, 700, 24], dtype=torch.int32, device="cuda")

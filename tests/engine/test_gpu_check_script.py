@@ -42,6 +42,24 @@ def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
         assert not isinstance(last[key], float) or last[key] == last[key], key  # not NaN
     assert last["handoff"]["byte_exact"] is True
     assert last["decode_mbu_b1"] > 0 and last["prefill_mfu_2k"] > 0
+    assert set(last["profile"]) == {"decode_b1", "decode_b4", "prefill_128"}
+    assert (tmp_path / "profile.txt").stat().st_size > 0
+
+
+def test_decode_attention_sweep_dry_run_ranks_its_settings(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.decode_attention", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "decode_attention.json").read_text())
+    assert not report["errors"], report["errors"]
+    ranked = [name for name, _ in report["ranked"]]
+    assert sorted(ranked) == ["capacity/n16w4s1", "s4_m16/n16w4s1"]
+    assert report["ranked"][0][1] == 1.0  # the best setting is its own reference
 
 
 def test_a_failing_phase_is_recorded_and_the_rest_still_written(tmp_path: Path) -> None:

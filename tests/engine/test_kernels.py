@@ -51,9 +51,11 @@ def _layer(num_blocks: int, kv_heads: int, dtype: torch.dtype, gen: torch.Genera
 
 @pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.parametrize("window", [0, 21])
-@pytest.mark.parametrize("split_tokens", [16, 48, 1024])  # many splits, some, one
-def test_decode_kernel_matches_reference(group: int, window: int, split_tokens: int) -> None:
-    gen = torch.Generator().manual_seed(group * 100 + window + split_tokens)
+@pytest.mark.parametrize(
+    "splits", [(8, 16), (3, 16), (1, 16), (64, 16), (4, 48)]
+)  # many splits, some, one, more than any row fills, a floor above the tile
+def test_decode_kernel_matches_reference(group: int, window: int, splits: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(group * 100 + window + sum(splits))
     kv_heads = 2
     lens = [1, 16, 17, 70, 0, 33]  # ragged, block-aligned, and a padding row
     width = 6
@@ -64,11 +66,12 @@ def test_decode_kernel_matches_reference(group: int, window: int, split_tokens: 
     kv = _poisoned(clean, tables, lens, firsts)
     q = torch.randn(len(lens), kv_heads * group, DIM, generator=gen)
     out = torch.full_like(q, float("nan"))
-    pa.paged_decode(q, kv, tables, seq_lens, 0.2, window, split_tokens, block_n=16, out=out)
+    launch = pa.DecodeLaunch(block_n=16)
+    pa.paged_decode(q, kv, tables, seq_lens, 0.2, window, *splits, launch, out=out)
     want = reference.paged_decode(q, clean, tables, seq_lens, 0.2, window)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[4], torch.zeros_like(out[4]))  # length 0: zeros, not NaN
-    alone = pa.paged_decode(q[3:4], kv, tables[3:4], seq_lens[3:4], 0.2, window, split_tokens, block_n=16)
+    alone = pa.paged_decode(q[3:4], kv, tables[3:4], seq_lens[3:4], 0.2, window, *splits, launch)
     assert torch.equal(alone[0], out[3])  # a row's result does not depend on its batch
 
 
