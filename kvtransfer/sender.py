@@ -4,14 +4,15 @@
 connects (lazily, once per peer) and sends ``begin`` without waiting for the answer, so the
 set-up round trips of several transfers to one peer overlap each other's copies. The reader
 thread takes the peer's answers (``ready``, ``reject``, ``abort``); a ``ready`` moves the
-transfer to TRANSFERRING and hands it back to the pusher, which pushes each layer as soon as it
-is computed (``layer_ready``) or all at once; the frame that announces the last of them also
-ends the transfer (where the receiver offers ``END_FLAG``; a ``done`` frame otherwise), so a
-whole direct-write transfer is ``begin``, ``ready`` and one ``layer`` frame. A ``begin``
-unanswered within the I/O timeout fails the transfer (the reaper checks). A transfer's lock is
-held while one of its layers is written, so an abort or a failure never races a write: once a
-transfer is FAILED or DONE the transport no longer touches its source blocks (and, for
-direct-write paths, the peer's).
+transfer to TRANSFERRING, and the layers computed by then are pushed by the reader itself on a
+direct-write path (a copy and a small frame; on tcp the pusher sends the bulk bytes); the pusher
+pushes each later layer as soon as it is computed (``layer_ready``); the frame that announces
+the last of them also ends the transfer (where the receiver offers ``END_FLAG``; a ``done``
+frame otherwise), so a whole direct-write transfer is ``begin``, ``ready`` and one ``layer``
+frame. A ``begin`` unanswered within the I/O timeout fails the transfer (the reaper checks). A
+transfer's lock is held while one of its layers is written, so an abort or a failure never races
+a write: once a transfer is FAILED or DONE the transport no longer touches its source blocks
+(and, for direct-write paths, the peer's).
 
 Direct-write fence: a direct-write receiver's ``ready`` carries the end of its lease on the
 host's monotonic clock (direct-write peers share a host, hence that clock). The sender starts no
@@ -27,7 +28,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.kvtransfer import wire
@@ -300,25 +301,30 @@ class Sender(TransferTable[Outgoing]):
             assert t is not None
             if t.state.terminal:
                 continue
-            try:
-                if time.monotonic() > t.deadline:
-                    raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
-                if kind == "begin":
-                    self._open_and_begin(p, t)  # the reader hands it back on ``ready``
-                elif t.conn is not None:
-                    self._push_ready_layers(t.conn, t)
-            except ConnectionBroken as e:  # the stream is unusable: everything on it fails
-                log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
-                if t.conn is not None:  # set once its begin found a connection
-                    self._fail_peer(p, t.conn, e.cause, current=t)
-                else:
-                    self._fail(p, t, e.cause, notify_peer=False)
-            except TransferError as e:  # this transfer only
-                log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
-                self._fail(p, t, e.cause, notify_peer=True)
-            except Exception:  # a bug must fail the transfer, not kill the pusher silently
-                log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
-                self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
+            if kind == "begin":
+                self._guarded(p, t, lambda t=t: self._open_and_begin(p, t))  # ``ready`` comes back
+            else:
+                self._guarded(p, t, lambda t=t: self._push_ready_layers(t.conn, t) if t.conn else None)
+
+    def _guarded(self, p: _Peer, t: Outgoing, step: Callable[[], None]) -> None:
+        """One step of sending ``t``, on the pusher or the reader thread: a step that fails
+        fails ``t``, or everything on its connection when the stream itself broke."""
+        try:
+            if time.monotonic() > t.deadline:
+                raise TransferError(FailureCause.TIMEOUT, "deadline passed before sending")
+            step()
+        except ConnectionBroken as e:  # the stream is unusable: everything on it fails
+            log.info("kv connection to %s broke during %s: %s", p.address, t.transfer_id, e)
+            if t.conn is not None:  # set once its begin found a connection
+                self._fail_peer(p, t.conn, e.cause, current=t)
+            else:
+                self._fail(p, t, e.cause, notify_peer=False)
+        except TransferError as e:  # this transfer only
+            log.info("kv transfer %s to %s failed: %s", t.transfer_id, p.address, e)
+            self._fail(p, t, e.cause, notify_peer=True)
+        except Exception:  # a bug must fail the transfer, not kill the thread silently
+            log.exception("kv transfer %s to %s crashed", t.transfer_id, p.address)
+            self._fail(p, t, FailureCause.PROTOCOL, notify_peer=True)
 
     def _open_and_begin(self, p: _Peer, t: Outgoing) -> None:
         """Send ``begin`` on the peer's connection (made first if there is none); the reader
@@ -405,7 +411,13 @@ class Sender(TransferTable[Outgoing]):
                         continue
                     t.write_until_ns = f.get("write_until_ns")
                     t.state = TransferState.TRANSFERRING
-                p.events.put(("progress", t))
+                if self.path.direct_write:
+                    # Pushed from here: handing it back to the pusher would put a thread's wake-up
+                    # on every hand-off's critical path. A direct-write push is a copy and one
+                    # small frame, so the answers this thread reads wait no longer than that.
+                    self._guarded(p, t, lambda t=t: self._push_ready_layers(conn, t))
+                else:  # bulk bytes on this socket: the pusher sends them
+                    p.events.put(("progress", t))
         except (TransferError, wire.FrameError) as e:
             if not conn.closed.is_set():
                 log.info("kv connection to %s ended: %s", p.address, e)
