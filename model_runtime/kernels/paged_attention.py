@@ -59,11 +59,15 @@ def _load_kv_fn(
     return k, v
 
 
-def _softmax_step_fn(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-    """One tile of the online softmax: scores of ``q`` against ``k`` where ``allowed``, the
-    running max ``m_i`` and sum ``l_i`` rescaled, ``acc`` += weights @ ``v``."""
+def _softmax_step_fn(
+    q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr, MASK: tl.constexpr = True
+):  # fmt: skip
+    """One tile of the online softmax: scores of ``q`` against ``k`` where ``allowed`` (every
+    score without ``MASK``), the running max ``m_i`` and sum ``l_i`` rescaled, ``acc`` +=
+    weights @ ``v``."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    s = tl.where(allowed, s, _MASKED)
+    if MASK:
+        s = tl.where(allowed, s, _MASKED)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -208,6 +212,7 @@ def _prefill_kernel(
     scale,
     window,
     GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -217,7 +222,7 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest tiles first: a shorter tail
     q0 = tl.load(CU_Q + seq)
     q_len = tl.load(CU_Q + seq + 1) - q0
     if tile * BLOCK_M < q_len:
@@ -239,7 +244,19 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
+        # Whole tiles of keys at or before the tile's first query are seen by every row: no
+        # mask. With a window, rows lose keys at the low end too, so every tile is masked.
+        unmasked_end = lo
+        if not HAS_WINDOW:
+            unmasked_end = lo + (start_pos + tile * BLOCK_M + 1 - lo) // BLOCK_N * BLOCK_N
+        every = offs_n < BLOCK_N
+        for start in range(lo, unmasked_end, BLOCK_N):
+            k, v = _load_kv(
+                KV, BT + seq * stride_bt, start + offs_n, every, kvh, offs_d, d_mask,
+                stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, BLOCK_SIZE,
+            )  # fmt: skip
+            m_i, l_i, acc = _softmax_step(q, k, v, every[None, :], m_i, l_i, acc, scale, PRECISION, False)
+        for start in range(unmasked_end, hi, BLOCK_N):
             k_pos = start + offs_n
             n_mask = k_pos < hi
             k, v = _load_kv(
@@ -247,7 +264,8 @@ def _prefill_kernel(
                 stride_kv_block, stride_kv_kv, stride_kv_tok, stride_kv_head, BLOCK_SIZE,
             )  # fmt: skip
             allowed = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            if HAS_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _softmax_step(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
         out = acc / l_i[:, None]
         tl.store(
@@ -341,6 +359,21 @@ def paged_decode(
     return out
 
 
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """How the prefill kernel is compiled and launched: query rows a program (``block_m``),
+    keys a tile (``block_n``), warps and pipeline stages. Speed only (and the order of a row's
+    sums)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's own default: the setting the H200 check measured
+
+
+PREFILL_LAUNCH = PrefillLaunch()
+
+
 def paged_prefill(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -350,8 +383,7 @@ def paged_prefill(
     max_q_len: int,
     scale: float,
     window: int,
-    block_m: int = 64,
-    block_n: int = 64,
+    launch: PrefillLaunch = PREFILL_LAUNCH,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunks ``q`` [T, Hq, D]: sequence ``i`` owns rows
@@ -362,13 +394,14 @@ def paged_prefill(
     _, _, block_size, n_kv, _ = kv_layer.shape
     out = torch.empty_like(q) if out is None else out
     s = kv_layer.stride()
-    PREFILL.on(q.device.type)[(n_seqs, n_q, -(-max_q_len // block_m))](
+    PREFILL.on(q.device.type)[(n_seqs, n_q, -(-max_q_len // launch.block_m))](
         q, kv_layer, out, block_tables, cu_q, start_pos,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         s[0], s[1], s[2], s[3],
         block_tables.stride(0),
         scale, _window(window),
-        GROUP=n_q // n_kv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        HEAD_DIM=dim, BLOCK_D=next_power_of_2(dim), PRECISION=_precision(q.dtype),
+        GROUP=n_q // n_kv, HAS_WINDOW=window > 0, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, BLOCK_D=next_power_of_2(dim), PRECISION=_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return out

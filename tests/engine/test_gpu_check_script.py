@@ -46,20 +46,26 @@ def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
     assert (tmp_path / "profile.txt").stat().st_size > 0
 
 
-def test_decode_attention_sweep_dry_run_ranks_its_settings(tmp_path: Path) -> None:
+def test_attention_kernel_sweep_dry_run_ranks_its_settings(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.decode_attention", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.attention_kernels", "--dry-run", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "decode_attention.json").read_text())
-    assert not report["errors"], report["errors"]
-    ranked = [name for name, _ in report["ranked"]]
-    assert sorted(ranked) == ["capacity/n16w4s1", "s4_m16/n16w4s1"]
-    assert report["ranked"][0][1] == 1.0  # the best setting is its own reference
+    report = json.loads((tmp_path / "attention_kernels.json").read_text())
+    want = {"decode": ["capacity/n16w4s1", "s4_m16/n16w4s1"], "prefill": ["m16n16w4s1", "m32n16w4s1"]}
+    for kernel, names in want.items():
+        sweep = report[kernel]
+        assert not sweep["errors"], sweep["errors"]
+        assert sorted(name for name, _ in sweep["ranked"]) == names
+        scores = [score for _, score in sweep["ranked"]]
+        assert scores == sorted(scores) and scores[0] >= 1.0  # each shape's best is its reference
+        for shape, best in sweep["best_us"].items():
+            assert best == min(ms[shape] for ms in sweep["ms"].values()) * 1e3
+        assert all(v > 0 for v in sweep["best_of_ceiling"].values())
 
 
 def test_a_failing_phase_is_recorded_and_the_rest_still_written(tmp_path: Path) -> None:

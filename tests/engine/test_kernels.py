@@ -95,7 +95,7 @@ def test_prefill_kernel_matches_reference(group: int, window: int) -> None:
     q = torch.randn(int(cu[-1]), kv_heads * group, DIM, generator=gen)
     out = torch.full_like(q, float("nan"))
     max_q = max(n for _, n in chunks)
-    pa.paged_prefill(q, kv, tables, cu, starts, max_q, 0.3, window, block_m=16, block_n=16, out=out)
+    pa.paged_prefill(q, kv, tables, cu, starts, max_q, 0.3, window, pa.PrefillLaunch(16, 16), out=out)
     want = reference.paged_prefill(q, clean, tables, cu, starts, max_q, 0.3, window)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
