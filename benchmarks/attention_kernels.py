@@ -4,9 +4,9 @@ Times the paged attention kernels alone for one layer of a Llama-3.1-8B shape (3
 8 KV heads, dimension 128, bf16, 16-token blocks scattered through the cache):
 
 * **decode** (split + merge) at batch x context shapes from one short row to many long ones,
-  over split policies ``(num_splits, min_split_tokens)`` (``backend.DECODE_SPLITS`` and
-  ``DECODE_MIN_SPLIT_TOKENS``; ``capacity`` is the earlier grid, a split per 256 positions of an
-  8k limit) and launch settings (``DecodeLaunch``: positions a tile, warps, pipeline stages);
+  over split policies ``(num_splits, min_split_tokens)`` (``attention_tuning``; ``capacity`` is
+  the earlier grid, a split per 256 positions of an 8k limit) and launch settings
+  (``DecodeLaunch``: positions a tile, warps, pipeline stages);
   bandwidth = the KV bytes the rows attend to over the time, against the device copy rate;
 * **prefill** (causal, varlen) for a fresh 2k and 8k prompt and a 2k chunk continuing a 6k
   cached prefix, over ``PrefillLaunch`` (query rows a program, keys a tile, warps, stages);
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import matmul_flops, median_time, memory_copy_bandwidth
-from pdserve.model_runtime.backend import DECODE_MIN_SPLIT_TOKENS, DECODE_SPLITS
+from pdserve.model_runtime.attention_tuning import DEFAULT, AttentionTuning, DecodeLaunch, PrefillLaunch
 from pdserve.model_runtime.kernels import paged_attention as pa
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 
@@ -120,20 +120,15 @@ def _tables(rows: int, per_row: int, width: int, blocks: int, gen: torch.Generat
     return tables
 
 
-def _launch_name(launch: pa.DecodeLaunch | pa.PrefillLaunch) -> str:
-    rows = f"m{launch.block_m}" if isinstance(launch, pa.PrefillLaunch) else ""
-    return f"{rows}n{launch.block_n}w{launch.num_warps}s{launch.num_stages}"
-
-
 def decode_sweep(cuda: bool, dtype: torch.dtype, device: torch.device, copy: float) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     if cuda:
         shapes = [(1, 1024), (64, 1024), (256, 1024), (16, 8192), (1, 32768)]
         policies: list[tuple[int, int] | None] = [None, *itertools.product((8, 16, 32), (64, 256))]
         grid = itertools.product((32, 64), (2, 4), (2, 3, 4))
-        launches = [pa.DecodeLaunch(n, w, s) for n, w, s in grid]
+        launches = [DecodeLaunch(n, w, s) for n, w, s in grid]
     else:
-        shapes, policies, launches = [(2, 40)], [None, (4, 16)], [pa.DecodeLaunch(16, 4, 1)]
+        shapes, policies, launches = [(2, 40)], [None, (4, 16)], [DecodeLaunch(16, 4, 1)]
     kv = _cache(max(b * -(-c // BLOCK) * BLOCK for b, c in shapes), dtype, device, gen)
     sweep, work = Sweep(cuda), {}
     for batch, ctx in shapes:
@@ -146,12 +141,13 @@ def decode_sweep(cuda: bool, dtype: torch.dtype, device: torch.device, copy: flo
         work[shape] = batch * ctx * KV_HEADS * DIM * 2 * kv.element_size()
         for policy, launch in itertools.product(policies, launches):
             splits, floor = policy or (-(-width * BLOCK // 256), 256)
-            label = "capacity" if policy is None else f"s{splits}_m{floor}"
+            name = AttentionTuning(splits, floor, launch).decode_name
+            if policy is None:  # the capacity grid's split count depends on the context limit
+                name = f"capacity/{launch.name}"
             args = (q, kv, tables, lens, SCALE, 0, splits, floor, launch, out)
-            sweep.time(f"{label}/{_launch_name(launch)}", shape, functools.partial(pa.paged_decode, *args))
+            sweep.time(name, shape, functools.partial(pa.paged_decode, *args))
         print(f"decode {shape}: best {sweep.best(shape) * 1e3:.1f} us", flush=True)
-    default = f"s{DECODE_SPLITS}_m{DECODE_MIN_SPLIT_TOKENS}/{_launch_name(pa.DECODE_LAUNCH)}"
-    return sweep.report(default, work, copy)
+    return sweep.report(DEFAULT.decode_name, work, copy)
 
 
 def prefill_sweep(cuda: bool, dtype: torch.dtype, device: torch.device, mm: float) -> dict[str, Any]:
@@ -159,11 +155,11 @@ def prefill_sweep(cuda: bool, dtype: torch.dtype, device: torch.device, mm: floa
     if cuda:
         shapes = [(0, 2048), (0, 8192), (6144, 2048)]  # (cached prefix, new tokens)
         grid = itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
-        launches = [pa.PrefillLaunch(m, n, w, s) for m, n, w, s in grid]
+        launches = [PrefillLaunch(m, n, w, s) for m, n, w, s in grid]
     else:
         shapes, launches = (
             [(0, 40), (24, 16)],
-            [pa.PrefillLaunch(16, 16, 4, 1), pa.PrefillLaunch(32, 16, 4, 1)],
+            [PrefillLaunch(16, 16, 4, 1), PrefillLaunch(32, 16, 4, 1)],
         )
     kv = _cache(max(p + n for p, n in shapes) + BLOCK, dtype, device, gen)
     sweep, work = Sweep(cuda), {}
@@ -179,12 +175,12 @@ def prefill_sweep(cuda: bool, dtype: torch.dtype, device: torch.device, mm: floa
         work[shape] = 4.0 * DIM * HEADS * pairs
         for launch in launches:
             args = (q, kv, tables, cu, starts, n, SCALE, 0, launch, out)
-            sweep.time(_launch_name(launch), shape, functools.partial(pa.paged_prefill, *args))
+            sweep.time(launch.name, shape, functools.partial(pa.paged_prefill, *args))
         best = sweep.best(shape)
         print(
             f"prefill {shape}: best {best * 1e3:.0f} us, {work[shape] / best / 1e9:.0f} TFLOP/s", flush=True
         )
-    return sweep.report(_launch_name(pa.PREFILL_LAUNCH), work, mm)
+    return sweep.report(DEFAULT.prefill.name, work, mm)
 
 
 def main(argv: list[str] | None = None) -> int:

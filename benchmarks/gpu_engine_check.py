@@ -49,6 +49,7 @@ import torch
 from benchmarks.common import matmul_flops, memory_copy_bandwidth, sync
 from benchmarks.engine_roofline import prefill_flops, weight_bytes
 from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.model_runtime import attention_tuning
 from pdserve.model_runtime.backend import Backend
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
@@ -220,6 +221,13 @@ def _profile(bench: Bench, ctx: int, big: int, prefill_n: int, path: Path) -> di
     return summary
 
 
+def best_tuning(sweep: dict[str, Any]) -> attention_tuning.AttentionTuning:
+    """The best-ranked settings of an ``attention_kernels`` report (the capacity grid, which
+    depends on the context limit, is not a setting the engine takes)."""
+    decode = next(name for name, _ in sweep["decode"]["ranked"] if not name.startswith("capacity/"))
+    return attention_tuning.AttentionTuning.from_names(decode, sweep["prefill"]["ranked"][0][0])
+
+
 def _handoff(backend: str, device: int | str, counts: tuple[int, ...]) -> dict[str, Any]:
     from benchmarks.gpu_kvtransfer import fixed_cost_ms, run
 
@@ -239,7 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_engine_check.json")
     p.add_argument("--dry-run", action="store_true", help="the same code on the CPU, small sizes")
     p.add_argument("--skip-tests", action="store_true", help="leave out the gpu-marked tests")
+    p.add_argument("--skip-handoff", action="store_true", help="leave out the KV hand-off")
+    p.add_argument(
+        "--tuning-from",
+        type=Path,
+        help="attention_kernels.json of a sweep: run with its best decode and prefill settings",
+    )
     args = p.parse_args(argv)
+    if args.tuning_from is not None:
+        attention_tuning.use(best_tuning(json.loads(args.tuning_from.read_text())))
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device (--dry-run runs the CPU rehearsal)"}))
@@ -254,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "model": "tiny" if dry else "llama-3.1-8b shape, random bf16",
         "context": ctx,
+        "tuning": {
+            "decode": attention_tuning.current().decode_name,
+            "prefill": attention_tuning.current().prefill.name,
+        },
     }
     report = Report(Path(args.out) / "gpu_engine_check.json", out)
     t0 = time.perf_counter()
@@ -330,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         if not out["handoff"].get("byte_exact"):
             raise AssertionError("the hand-off's blocks arrived changed (hashes differ)")
 
-    report.phase("handoff", handoff)
+    if not args.skip_handoff:
+        report.phase("handoff", handoff)
     rc = 0
     if not (dry or args.skip_tests):
 

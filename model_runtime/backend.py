@@ -79,18 +79,6 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-# Decode attention's split-K: each row shares the positions it attends to among DECODE_SPLITS
-# programs per KV head, each taking at least DECODE_MIN_SPLIT_TOKENS. Fixed rather than sized to
-# the batch, so a row's result depends on its own length alone (the same tokens whatever shares
-# its step). The grid used to be sized to the block table's capacity (a split per 256 positions
-# the longest context could hold): at 64 rows of 1k tokens under an 8k limit six programs in
-# seven were empty and still wrote a partial the merge read. Rows up to 4k tokens keep that
-# grid's 256-position splits (the same work per program); longer rows take 16 larger shares
-# instead of more programs.
-DECODE_SPLITS = 16
-DECODE_MIN_SPLIT_TOKENS = 256
-
-
 # A step's token budget. On a CPU, 512 keeps a step's activations in cache and a decode batch
 # waiting behind a prefill chunk short; on a GPU the budget is set by the matmul shape that
 # reaches the tensor cores' rate: 8,192 tokens keeps prefill compute-bound.
@@ -143,10 +131,10 @@ def step_reserve_bytes(
     return step_tokens * per_token + 4 * max_seqs * vocab * 4 + decode_scratch + GRAPH_RESERVE_BYTES
 
 
-def decode_scratch_bytes(max_seqs: int, num_heads: int, head_dim: int) -> int:
+def decode_scratch_bytes(max_seqs: int, num_heads: int, head_dim: int, splits: int) -> int:
     """Split decode attention's float32 partial outputs and log-sum-exps for a full batch
-    (``DECODE_SPLITS`` a row, whatever its length)."""
-    return max_seqs * num_heads * DECODE_SPLITS * (head_dim + 1) * 4
+    (``splits`` a row, whatever its length: ``attention_tuning``)."""
+    return max_seqs * num_heads * splits * (head_dim + 1) * 4
 
 
 def kv_blocks_for_free_memory(

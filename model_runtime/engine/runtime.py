@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.model_runtime import attention_tuning
 from pdserve.model_runtime.backend import (
     Backend,
     choose_backend,
@@ -202,6 +203,7 @@ def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) 
     the largest step's activations and the decode graphs."""
     torch.cuda.empty_cache()  # what loading freed counts as free
     free, _ = torch.cuda.mem_get_info()
+    splits = attention_tuning.current().decode_splits
     reserve = step_reserve_bytes(
         config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs,
@@ -210,7 +212,7 @@ def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) 
         model.q_size + 2 * model.kv_size,
         model.vocab_size,
         dtype_bytes,
-        decode_scratch_bytes(config.scheduler.max_num_seqs, model.num_heads, model.head_dim),
+        decode_scratch_bytes(config.scheduler.max_num_seqs, model.num_heads, model.head_dim, splits),
     )
     return kv_blocks_for_free_memory(free, config.cache.block_bytes(model, dtype_bytes), reserve)
 

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pdserve.model_runtime.backend import DECODE_MIN_SPLIT_TOKENS, DECODE_SPLITS
+from pdserve.model_runtime import attention_tuning
 from pdserve.model_runtime.model.ops import PagedMetadata
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
 
@@ -149,13 +149,14 @@ def unpack(
         p_tables = take(p * layout.prefill_width).view(p, layout.prefill_width)
     else:
         cu, starts, p_tables = take(0), take(0), take(0).view(0, 0)
+    tuning = attention_tuning.current()
     meta = PagedMetadata(
         slot_mapping=slots,
         num_decodes=layout.decodes,
         decode_block_tables=dec_tables,
         decode_seq_lens=dec_lens,
-        decode_splits=DECODE_SPLITS,
-        decode_min_split_tokens=DECODE_MIN_SPLIT_TOKENS,
+        decode_splits=tuning.decode_splits,
+        decode_min_split_tokens=tuning.decode_min_split_tokens,
         prefill_block_tables=p_tables,
         prefill_cu_q=cu,
         prefill_start=starts,

@@ -10,7 +10,7 @@ softmax (FlashAttention's running max and sum) over them.
   ``(row, kv_head, split)`` covers one share of the positions the row attends to and all the query
   heads that share that KV head (grouped-query attention: K and V are read once per group, and the
   group is the ``M`` of the ``tl.dot``), writing a partial output and its log-sum-exp; a second
-  kernel merges the splits. The grid has a fixed number of splits (``backend.DECODE_SPLITS``)
+  kernel merges the splits. The grid has a fixed number of splits (``attention_tuning``)
   and each row divides its own span among them — ``num_splits`` shares rounded up to the tile,
   at least ``min_split_tokens`` — so a row's arithmetic depends on its own length only, not on
   the batch it runs in (seeded sampling stays batch-independent), a captured CUDA graph keeps its
@@ -32,12 +32,11 @@ Sliding window (Mistral): a query at position ``p`` sees keys ``p - window < k <
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.model_runtime.attention_tuning import DecodeLaunch, PrefillLaunch, current
 from pdserve.model_runtime.kernels.launch import Kernel, next_power_of_2
 
 # A global a Triton kernel reads must be a constexpr (the compiler refuses plain Python globals;
@@ -296,20 +295,6 @@ def _tile(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
-@dataclass(frozen=True)
-class DecodeLaunch:
-    """How the decode kernel is compiled and launched: positions a tile (``block_n``), warps per
-    program and software-pipeline stages. Speed only: a row's result depends on ``block_n``
-    (the order of its sums) but never on its batch."""
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3  # Triton's own default: the setting the H200 check measured
-
-
-DECODE_LAUNCH = DecodeLaunch()
-
-
 def paged_decode(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -319,12 +304,14 @@ def paged_decode(
     window: int,
     num_splits: int,
     min_split_tokens: int,
-    launch: DecodeLaunch = DECODE_LAUNCH,
+    launch: DecodeLaunch | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [B, Hq, D] (one token per row) over each row's cached keys; [B, Hq, D]
     (into ``out`` when given). Each row's span is shared among ``num_splits`` programs per KV
-    head, each taking at least ``min_split_tokens`` positions."""
+    head, each taking at least ``min_split_tokens`` positions; ``launch``: the process's
+    (``attention_tuning.current``) unless given."""
+    launch = launch or current().decode
     rows, n_q, dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
     group = n_q // n_kv
@@ -359,21 +346,6 @@ def paged_decode(
     return out
 
 
-@dataclass(frozen=True)
-class PrefillLaunch:
-    """How the prefill kernel is compiled and launched: query rows a program (``block_m``),
-    keys a tile (``block_n``), warps and pipeline stages. Speed only (and the order of a row's
-    sums)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3  # Triton's own default: the setting the H200 check measured
-
-
-PREFILL_LAUNCH = PrefillLaunch()
-
-
 def paged_prefill(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -383,12 +355,14 @@ def paged_prefill(
     max_q_len: int,
     scale: float,
     window: int,
-    launch: PrefillLaunch = PREFILL_LAUNCH,
+    launch: PrefillLaunch | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunks ``q`` [T, Hq, D]: sequence ``i`` owns rows
     ``cu_q[i]:cu_q[i+1]`` at absolute positions from ``start_pos[i]``, and its keys (cached and
-    new) are in the cache through ``block_tables[i]``; [T, Hq, D]."""
+    new) are in the cache through ``block_tables[i]``; [T, Hq, D]. ``launch``: the process's
+    (``attention_tuning.current``) unless given."""
+    launch = launch or current().prefill
     n_seqs = start_pos.shape[0]
     _, n_q, dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape

@@ -83,3 +83,26 @@ def test_a_failing_phase_is_recorded_and_the_rest_still_written(tmp_path: Path) 
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["errors"] == {"decode_b1": "RuntimeError: CUDA error: an illegal memory access"}
     assert written["half"] == 1 and written["handoff_fixed_ms"] == 0.2
+
+
+def test_the_check_runs_with_a_sweeps_best_settings(tmp_path: Path) -> None:
+    from benchmarks.gpu_engine_check import best_tuning
+
+    sweep = {
+        "decode": {"ranked": [["capacity/n64w4s3", 1.0], ["s8_m64/n32w2s4", 1.1]]},
+        "prefill": {"ranked": [["m128n64w8s2", 1.0], ["m64n64w4s3", 1.2]]},
+    }
+    assert best_tuning(sweep).decode_name == "s8_m64/n32w2s4"  # the capacity grid is no setting
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    flags = ["--skip-handoff", "--tuning-from", str(tmp_path / "sweep.json"), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_engine_check", "--dry-run", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["tuning"] == {"decode": "s8_m64/n32w2s4", "prefill": "m128n64w8s2"}
+    assert "handoff" not in last and "errors" not in last

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdserve.model_runtime.attention_tuning import DEFAULT, AttentionTuning, DecodeLaunch, PrefillLaunch
 from pdserve.model_runtime.backend import (
-    DECODE_MIN_SPLIT_TOKENS,
-    DECODE_SPLITS,
     GPU_MAX_SEQS,
     GPU_STEP_TOKENS,
     Backend,
@@ -55,8 +54,17 @@ def test_graph_buckets_refuse_a_non_positive_cap() -> None:
         graph_buckets(0)
 
 
-def test_decode_splits_are_positive() -> None:
-    assert DECODE_SPLITS > 0 and DECODE_MIN_SPLIT_TOKENS > 0
+def test_attention_tuning_names_round_trip_and_bad_settings_are_refused() -> None:
+    t = AttentionTuning(8, 64, DecodeLaunch(32, 2, 4), PrefillLaunch(128, 64, 8, 2))
+    assert AttentionTuning.from_names(t.decode_name, t.prefill.name) == t
+    assert DEFAULT.decode_name == "s16_m256/n64w4s3" and DEFAULT.prefill.name == "m64n64w4s3"
+    for bad in ("s16_m256", "s0_m256/n64w4s3", "s16_m256/n48w4s3", "s16_m256/n64w4s3 "):
+        with pytest.raises(ValueError):
+            AttentionTuning.from_names(bad, "m64n64w4s3")
+    with pytest.raises(ValueError):
+        PrefillLaunch(block_m=8)
+    with pytest.raises(ValueError):
+        DecodeLaunch(num_warps=0)
 
 
 def test_kv_pool_from_free_memory() -> None:
@@ -67,10 +75,8 @@ def test_kv_pool_from_free_memory() -> None:
     reserve = step_reserve_bytes(GPU_STEP_TOKENS, 256, 4096, 14336, 6144, 128256, 2)
     assert 1 << 30 < reserve < 4 << 30  # an 8B model: a few GiB, not tens
     # split decode attention's partials grow with the batch, not with the context
-    full = decode_scratch_bytes(GPU_MAX_SEQS, 32, 128)
-    assert (
-        full == GPU_MAX_SEQS * 32 * DECODE_SPLITS * 129 * 4 and decode_scratch_bytes(64, 32, 128) * 4 == full
-    )
+    full = decode_scratch_bytes(GPU_MAX_SEQS, 32, 128, 16)
+    assert full == GPU_MAX_SEQS * 32 * 16 * 129 * 4 and decode_scratch_bytes(64, 32, 128, 16) * 4 == full
 
 
 def test_cache_config_resolution_order() -> None:

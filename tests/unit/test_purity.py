@@ -31,6 +31,7 @@ PURE = (
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
     "pdserve.model_runtime.config",
+    "pdserve.model_runtime.attention_tuning",
     "pdserve.worker.ports",
     "pdserve.prefill_worker.engine",
     "pdserve.decode_worker.engine",
