@@ -88,6 +88,21 @@ class ConnectionLost(ConnectionBroken):
         super().__init__(FailureCause.PEER_LOST, message)
 
 
+# TLS alerts a peer sends when it refuses this side's certificate. Under TLS 1.3 the server checks
+# the client's certificate after the client has finished its handshake, so a client learns of the
+# refusal only at its first read or write on the session.
+_REFUSED_ALERTS = ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")
+
+
+def _lost(peer: str, what: str, e: OSError) -> ConnectionBroken:
+    """The error an I/O failure on a connection is raised as: a refused certificate is AUTH (a
+    deployment's configuration to fix), anything else a lost peer."""
+    reason = getattr(e, "reason", None) or ""
+    if isinstance(e, ssl.SSLError) and any(a in reason for a in _REFUSED_ALERTS):
+        return ConnectionBroken(FailureCause.AUTH, f"{peer} refused this member's TLS certificate ({reason})")
+    return ConnectionLost(f"{what} {peer} failed: {e}")
+
+
 def _advance(views: list[memoryview], start: int, nbytes: int) -> int:
     """Account for ``nbytes`` moved from ``views[start:]``: skip the buffers now complete, trim a
     partial one in place; returns the index of the first unfinished buffer."""
@@ -158,7 +173,10 @@ class Connection:
         except TimeoutError:
             self.close()
             raise ConnectionBroken(FailureCause.TIMEOUT, f"send to {self.peer} timed out") from None
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            self.close()
+            raise _lost(self.peer, "send to", e) from None
+        except ValueError as e:
             self.close()
             raise ConnectionLost(f"send to {self.peer} failed: {e}") from None
 
@@ -217,7 +235,7 @@ class Connection:
             raise ConnectionBroken(FailureCause.TIMEOUT, f"read from {self.peer} timed out") from None
         except OSError as e:
             self.close()
-            raise ConnectionLost(f"read from {self.peer} failed: {e}") from None
+            raise _lost(self.peer, "read from", e) from None
 
     def drain(self, nbytes: int) -> None:
         """Read and discard ``nbytes`` (the payload of a frame we ignore)."""

@@ -161,12 +161,21 @@ class TlsStream:
         failure, so the caller closes ``sock`` as it would a plain one."""
         stream = cls(sock, context, server_side)
         while True:
+            refused: ssl.SSLError | None = None
             with stream._state:
                 try:
                     stream._obj.do_handshake()
                     done = True
                 except ssl.SSLWantReadError:
                     done = False
+                except ssl.SSLError as e:
+                    refused, done = e, False
+            if refused is not None:
+                # The alert saying why is in the outgoing buffer: sent, the peer reads a refusal
+                # (a certificate to fix) instead of a connection closed without a word.
+                with contextlib.suppress(OSError):
+                    stream._flush()
+                raise refused
             stream._flush()
             if done:
                 return stream

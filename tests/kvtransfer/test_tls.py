@@ -123,6 +123,30 @@ def test_a_peer_without_the_deployments_certificate_is_refused(peer_tls: Interna
         del pool
 
 
+def test_a_certificate_the_receiver_refuses_is_an_auth_failure() -> None:
+    # The sender trusts this deployment's CA but presents another deployment's certificate: under
+    # TLS 1.3 its own handshake completes, and the receiver's refusal arrives as an alert at the
+    # sender's first read. That is a configuration to fix (AUTH), not a lost peer.
+    other = InternalTls.generate()
+    mixed = InternalTls(ca_pem=TLS.ca_pem, cert_pem=other.cert_pem, key_pem=other.key_pem)
+    receiver = transport("tcp", tls=TLS, io_timeout_s=2.0)
+    sender = transport("tcp", seed=1, tls=mixed, io_timeout_s=2.0)
+    try:
+        addr = receiver.listen()
+        receiver.expect("x", [1, 2], lease_s=5)
+        sender.send("x", addr, [3, 4], [1, 2])
+        out = wait_all(sender, {"x"}, "finished_sending", timeout=10)
+        assert out["x"] is FailureCause.AUTH, out
+        sender.forget("x")
+        receiver.cancel("x")
+        receiver.poll()
+        receiver.forget("x")
+        assert sender.num_records() == 0 and receiver.num_records() == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_tls_stream_survives_a_reader_and_writers_at_once() -> None:
     """One thread reads while two write on the same connection, both ways: the use that
     corrupts a Python ``SSLSocket``; every byte arrives, in order per writer."""
