@@ -94,6 +94,11 @@ class KVTransport:
             self._paths["shm"] = ShmPath(cache, shm_path)
         if config.backend != "auto" and config.backend not in self._paths:
             raise ValueError(f"backend {config.backend!r} cannot serve a {cache.device.type} KV cache")
+        for name in self._paths:
+            # Every backend's byte counters exist from the start, at 0: a counter series that
+            # appears only with its first transfer loses that transfer's bytes to rate().
+            self.stats.sent_by_backend[name] += 0
+            self.stats.received_by_backend[name] += 0
         receiver_paths = dict(self._paths)
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache

@@ -64,7 +64,11 @@ def test_short_prompts_prefill_locally_long_ones_remotely_and_both_match_hf(svc)
         )
 
     wait_for(lambda: moved()[0] == moved()[1] > 0, 5, "both ends' shm byte counts", moved)
-    assert 'backend="tcp"' not in httpx.get(f"{svc.http}/metrics").text
+    # the tcp series exist from the start (a rate needs the 0 before the first transfer): still 0
+    lines = httpx.get(f"{svc.http}/metrics").text.splitlines()
+    for role, worker in (("prefill", "prefill-0"), ("decode", "decode-0")):
+        series = f'pdserve:kv_transfer_bytes_total{{backend="tcp",role="{role}",worker="{worker}"}}'
+        assert f"{series} 0.0" in lines, series
 
 
 def test_rejected_by_slo_class_with_a_retry_hint(svc) -> None:
