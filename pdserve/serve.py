@@ -299,9 +299,10 @@ async def _serve(
     try:
         up, ep = await first_of(service.start(progress=True), signals.drain)
     except Exception as e:  # a worker that did not start, a port taken, no room on the cluster
-        print(
-            f"pdserve: error: the deployment did not start: {failure_reason(e)}", file=sys.stderr, flush=True
-        )
+        # One write, on a line of its own: Ray's thread forwarding the workers' logs to this
+        # stderr may be halfway through a line (a dead actor's traceback) when this is printed.
+        sys.stderr.write(f"\npdserve: error: the deployment did not start: {failure_reason(e)}\n")
+        sys.stderr.flush()
         await service.stop()
         return False
     if not up or ep is None:  # a signal during start-up: stop what has started
