@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = (
@@ -24,16 +25,21 @@ KEYS = (
 )
 
 
-def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
+def _dry_run(module: str, *flags: str) -> dict[str, object]:
+    """``module``'s CPU rehearsal; its last line's JSON."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_engine_check", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "-m", f"benchmarks.{module}", "--dry-run", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    return cast(dict[str, object], json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
+    last: dict[str, Any] = _dry_run("gpu_engine_check", "--out", str(tmp_path))
     written = json.loads((tmp_path / "gpu_engine_check.json").read_text())
     assert written == last
     assert "errors" not in last, last.get("errors")
@@ -47,14 +53,7 @@ def test_gpu_engine_check_dry_run_writes_every_key(tmp_path: Path) -> None:
 
 
 def test_attention_kernel_sweep_dry_run_ranks_its_settings(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.attention_kernels", "--dry-run", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _dry_run("attention_kernels", "--out", str(tmp_path))
     report = json.loads((tmp_path / "attention_kernels.json").read_text())
     want = {"decode": ["capacity/n16w4s1", "s4_m16/n16w4s1"], "prefill": ["m16n16w4s1", "m32n16w4s1"]}
     for kernel, names in want.items():
@@ -95,14 +94,6 @@ def test_the_check_runs_with_a_sweeps_best_settings(tmp_path: Path) -> None:
     assert best_tuning(sweep).decode_name == "s8_m64/n32w2s4"  # the capacity grid is no setting
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
     flags = ["--skip-handoff", "--tuning-from", str(tmp_path / "sweep.json"), "--out", str(tmp_path / "out")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_engine_check", "--dry-run", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = _dry_run("gpu_engine_check", *flags)
     assert last["tuning"] == {"decode": "s8_m64/n32w2s4", "prefill": "m128n64w8s2"}
     assert "handoff" not in last and "errors" not in last
