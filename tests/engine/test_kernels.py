@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pdserve.model_runtime import attention_tuning
 from pdserve.model_runtime.kernels import fused, reference
 from pdserve.model_runtime.kernels import paged_attention as pa
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
@@ -73,6 +74,28 @@ def test_decode_kernel_matches_reference(group: int, window: int, splits: tuple[
     assert torch.equal(out[4], torch.zeros_like(out[4]))  # length 0: zeros, not NaN
     alone = pa.paged_decode(q[3:4], kv, tables[3:4], seq_lens[3:4], 0.2, window, *splits, launch)
     assert torch.equal(alone[0], out[3])  # a row's result does not depend on its batch
+
+
+def test_the_process_tuning_is_what_the_kernels_launch_with() -> None:
+    # block_n sets the order of a row's sums: the tuning in use must be the one launched
+    gen = torch.Generator().manual_seed(7)
+    lens = [70, 33]
+    clean = _layer(64, 2, torch.float32, gen)
+    tables = _tables(lens, 6, 64, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, 8, DIM, generator=gen)
+    tuned = attention_tuning.AttentionTuning(3, 16, attention_tuning.DecodeLaunch(32, 2, 1))
+    explicit = pa.paged_decode(q, clean, tables, seq_lens, 0.2, 0, 3, 16, tuned.decode)
+    default = pa.paged_decode(q, clean, tables, seq_lens, 0.2, 0, 3, 16, attention_tuning.DEFAULT.decode)
+    assert not torch.equal(default, explicit)  # so the launch used is told apart
+    attention_tuning.use(tuned)
+    try:
+        assert attention_tuning.current() is tuned
+        implied = pa.paged_decode(q, clean, tables, seq_lens, 0.2, 0, 3, 16)
+    finally:
+        attention_tuning.use(attention_tuning.DEFAULT)
+    assert torch.equal(implied, explicit)
+    assert attention_tuning.current() == attention_tuning.AttentionTuning()
 
 
 @pytest.mark.parametrize("group", [4, 8])
