@@ -66,6 +66,9 @@ class PoolAutoscaler:
         self.clock = clock
         self.started = clock()  # the decode pool's window reaches no further back
         self.joined: dict[str, float] = {}  # worker id -> when it joined (or switched role)
+        # the layout last seen, and since when (as the looks see it): requests that arrived
+        # before then measure the layout they arrived under
+        self._seen: tuple[Layout, float] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- measuring -------------------------------------------------------------------------------
@@ -84,7 +87,11 @@ class PoolAutoscaler:
         acc = router.accounting
         q = self.planner.config.quantile
         span = self.interval_s if span_s is None else span_s
-        requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q)
+        layout = self.layout()
+        if self._seen is None or self._seen[0] != layout:
+            self._seen = (layout, -math.inf if self._seen is None else now)
+        requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q, since=self._seen[1])
+        ended = acc.tracker.tails(now, span, q)[:2]
         load = acc.window.workload(now, span, q, self.planner.config.shares)
         decode = self.planner.decode_window(
             span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q)
@@ -101,11 +108,12 @@ class PoolAutoscaler:
         warming = any(now - t < self.warmup_s for t in self.joined.values())
         return Observation(
             t=now,
-            layout=self.layout(),
+            layout=layout,
             load=load,
             decode_load=decode,
             requests=requests,
             attainment=attainment,
+            ended=ended,
             ttft_s=ttft,
             tpot_s=tpot,
             factors=factors,

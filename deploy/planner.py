@@ -372,9 +372,11 @@ class Planner:
         ``budget_intervals`` windows) on its expected requests allows, at most the SLO's own
         allowance (``1 - quantile``) below it."""
         c = self.config
-        # a window where nothing ended banks nothing but still ages the bank
-        ended = obs.requests if math.isfinite(obs.attainment) else 0
-        self._ledger.append((ended, ended * obs.attainment if ended else 0.0))
+        # every request the SLO counted, whatever layout it arrived under; a window where
+        # nothing ended banks nothing but still ages the bank
+        n, attainment = obs.served
+        ended = n if math.isfinite(attainment) else 0
+        self._ledger.append((ended, ended * attainment if ended else 0.0))
         if not c.spend:
             return c.quantile
         # the windows still inside the horizon when the next one ends (the oldest leaves it)

@@ -145,7 +145,10 @@ class Observation:
     t: float
     layout: Layout  # the workers serving now
     load: Workload
-    requests: int = 0  # ended in the window (attainment's sample)
+    # ended in the window, of those that arrived once the serving workers took their present
+    # form (attainment's sample): a request that arrived before a change measures the layout it
+    # arrived under — after a long decode, one a few intervals old — not this one
+    requests: int = 0
     attainment: float = math.nan  # share of them that met the SLO
     ttft_s: float = math.nan  # measured at the planner's quantile
     tpot_s: float = math.nan  # measured median
@@ -154,6 +157,14 @@ class Observation:
     # the arrivals over ``Planner.decode_span`` when that is longer than ``load``'s window: what
     # the decode pool is sized for (``capacity.predict``'s ``decode_load``); None: ``load``
     decode_load: Workload | None = None
+    # every request that ended in the window and the share that met, whatever layout it arrived
+    # under: what the SLO counts (the error budget's bank, reports); None: ``requests`` are all
+    ended: tuple[int, float] | None = None
+
+    @property
+    def served(self) -> tuple[int, float]:
+        """(requests, attainment) of every request that ended in the window."""
+        return self.ended if self.ended is not None else (self.requests, self.attainment)
 
     @property
     def decode(self) -> Workload:

@@ -99,12 +99,14 @@ class Accounting:
 
     def judge(self, slo: SloClass, timing: Timing | None) -> None:
         """One request against its class; ``None``: it failed or was refused (a miss)."""
+        now = time.monotonic()
         if timing is None:
-            result = SloResult(time.monotonic(), slo.name, 0.0, 0.0, False, False, ok=False)
+            result = SloResult(now, slo.name, 0.0, 0.0, False, False, ok=False)
         else:
             ttft_met, tpot_met = slo.met(timing.ttft_ms, timing.tpot_ms)
+            arrival = now - timing.e2e_ms / 1000  # the planner tells layouts apart by it
             result = SloResult(
-                time.monotonic(), slo.name, timing.ttft_ms, timing.tpot_ms, ttft_met, tpot_met, True
+                now, slo.name, timing.ttft_ms, timing.tpot_ms, ttft_met, tpot_met, True, arrival
             )
         self.tracker.record(result)
         self.metrics.judged(result)

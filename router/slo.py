@@ -120,10 +120,15 @@ class SloResult:
     ttft_met: bool
     tpot_met: bool
     ok: bool  # finished without error
+    arrival: float = math.nan  # when it arrived (monotonic seconds; NaN: when it ended)
 
     @property
     def good(self) -> bool:
         return self.ok and self.ttft_met and self.tpot_met
+
+    @property
+    def arrived(self) -> float:
+        return self.t if math.isnan(self.arrival) else self.arrival
 
 
 @dataclass(frozen=True)
@@ -202,10 +207,13 @@ class SloTracker:
         n = max(1, int(horizon_s // step_s))
         return [_stats(outs, times, now - (n - 1 - i) * step_s, step_s, None) for i in range(n)]
 
-    def tails(self, now: float, span_s: float, q: float) -> tuple[int, float, float, float]:
+    def tails(
+        self, now: float, span_s: float, q: float, since: float = -math.inf
+    ) -> tuple[int, float, float, float]:
         """``(requests, attainment, TTFT at quantile q, median TPOT)`` over the requests that
-        ended in ``(now - span_s, now]`` (seconds; NaN for what an empty window cannot say)."""
-        outs = list(self._outcomes)
+        ended in ``(now - span_s, now]`` having arrived at ``since`` or later (seconds; NaN for
+        what an empty window cannot say)."""
+        outs = [o for o in self._outcomes if o.arrived >= since]
         picked, ttft, tpot = _ended(outs, [o.t for o in outs], now, span_s, None)
         attainment = sum(o.good for o in picked) / len(picked) if picked else math.nan
         return len(picked), attainment, _pct(ttft, q) / 1000, _pct(tpot, 0.5) / 1000

@@ -132,7 +132,8 @@ class PlannerLoop(abc.ABC, Generic[R]):
         decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.arrivals(now, s))
         obs = replace(obs, decode_load=decode)
         if full:
-            self.timeline.windows.append((now, obs.attainment, obs.requests))
+            ended, attainment = obs.served  # every request, whatever layout it arrived under
+            self.timeline.windows.append((now, attainment, ended))
         d = self.planner.decide(obs, up_only=not full)
         if full or d.changes:
             self.timeline.decisions.append(d)
@@ -177,6 +178,9 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         self.last_arrival = self.arrival_times[-1] if submitted else 0.0
         self.starting: dict[str, WorkerRole] = {}  # worker id -> the pool it is starting (switching) into
         self.last_join = -math.inf  # the window after a join still holds the backlog it was for
+        # when the serving workers last changed (a join, a stop, a switch's leaving): requests
+        # that arrived from then on were routed over the present layout alone
+        self.layout_since = -math.inf
         cluster.clock.at(config.interval_s / config.checks, self.tick)
 
     # -- measuring -------------------------------------------------------------------------------
@@ -209,28 +213,36 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         tokens = sum(sr.num_prompt_tokens for sr in firsts)
         cached = sum(sr.cached for sr in firsts) / tokens if tokens else 0.0
         lo, hi = bisect.bisect_right(c.end_times, now - span), bisect.bisect_right(c.end_times, now)
-        ended = c.finished[lo:hi]  # served ones end with their last token, refused ones on arrival
-        ttfts, tpots, good = [], [], 0
+        # served ones end with their last token, refused ones on arrival; those that arrived
+        # before the layout took its present form measure the one they arrived under
+        ended = c.finished[lo:hi]
+        ttfts, tpots, good, fresh, fresh_good = [], [], 0, 0, 0
         for sr in ended:
-            if sr.rejected or sr.error or not sr.token_times:
-                continue
-            t = sr.token_times
-            ttft = t[0] - sr.arrival
-            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
-            ttfts.append(ttft)
-            tpots.append(tpot)
-            good += ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
+            met = False
+            if not (sr.rejected or sr.error or not sr.token_times):
+                t = sr.token_times
+                ttft = t[0] - sr.arrival
+                tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+                met = ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
+                if sr.arrival >= self.layout_since:
+                    ttfts.append(ttft)
+                    tpots.append(tpot)
+            good += met
+            if sr.arrival >= self.layout_since:
+                fresh += 1
+                fresh_good += met
         q = cfg.quantile
         tail, light = prompt_shape([sr.num_prompt_tokens for sr in arrived], q, cfg.shares)
         return Observation(
             t=now,
             layout=self.layout(),
             load=replace(base, cached_share=min(1.0, cached), prompt_tail_tokens=tail, light=light),
-            requests=len(ended),
-            attainment=good / len(ended) if ended else math.nan,
+            requests=fresh,
+            attainment=fresh_good / fresh if fresh else math.nan,
             ttft_s=sorted(ttfts)[rank(len(ttfts), q)] if ttfts else math.nan,
             tpot_s=statistics.median(tpots) if tpots else math.nan,
             warming=bool(self.starting) or now - self.last_join < self.config.warmup,
+            ended=(len(ended), good / len(ended) if ended else math.nan),
         )
 
     # -- acting ----------------------------------------------------------------------------------
@@ -249,6 +261,7 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
 
     def stop(self, role: WorkerRole) -> None:
         self.cluster.retire(self._idlest(role))
+        self.layout_since = self.cluster.clock.now
 
     def worker_seconds(self, until: float) -> float:
         return self.cluster.worker_seconds(until)
@@ -261,9 +274,10 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
     def _started(self, wid: str) -> None:
         """``wid`` joined its pool (started, or switched)."""
         self.starting.pop(wid, None)
-        self.last_join = self.cluster.clock.now
+        self.last_join = self.layout_since = self.cluster.clock.now
 
     def switch(self, src: WorkerRole, dst: WorkerRole) -> None:
         w = self._idlest(src)
         self.starting[w.wid] = dst
+        self.layout_since = self.cluster.clock.now
         self.cluster.switch(w, dst, self.config.switch_s, on_join=lambda: self._started(w.wid))

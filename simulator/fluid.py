@@ -144,12 +144,14 @@ class _Worker:
 
 @dataclass
 class Ended:
-    """Requests that ended in a tick: end time, TTFT and TPOT (NaN when not served), good."""
+    """Requests that ended in a tick: end time, TTFT and TPOT (NaN when not served), good, and
+    when each arrived."""
 
     end: np.ndarray
     ttft: np.ndarray
     tpot: np.ndarray
     good: np.ndarray
+    arrival: np.ndarray
 
 
 class FluidCluster:
@@ -177,7 +179,7 @@ class FluidCluster:
             for k in ("w", "left", "ctx", "first", "arrival", "output", "since", "kv")
         }
         self._ended: list[Ended] = []
-        self._pending: list[tuple[float, float, float, bool]] = []  # this tick's ends, as rows
+        self._pending: list[tuple[float, float, float, bool, float]] = []  # this tick's ends, as rows
         self.offered = self.ended = self.good = self.rejected = self.failed = 0
         # The router's prefill correction (``StepPredictor``, one for the pool here, one a worker
         # there): each first token moves it a fifth of the way to observed / predicted TTFT,
@@ -186,6 +188,7 @@ class FluidCluster:
         self.ttft_factor, self._ttft_samples = 1.0, 0
         self._mean_out = 200.0  # the arrivals' mean output, drifting toward the workload's
         self.last_join = -math.inf  # the last worker that joined a pool after the start
+        self.last_leave = -math.inf  # the last worker retired (no new requests from then)
         # each tick's arrivals (tick end, Σoutput, their prompt lengths), for a planner's windows:
         # kept only when one reads (and trims) it
         self.log_arrivals = False
@@ -227,6 +230,12 @@ class FluidCluster:
             n[w.switch_to or w.role] += 1
         return n[Role.PREFILL], n[Role.DECODE]
 
+    @property
+    def layout_since(self) -> float:
+        """When the serving workers last changed (a join or a retirement): requests that arrived
+        from then on were routed over the present layout alone."""
+        return max(self.last_join, self.last_leave)
+
     def starting(self) -> bool:
         return any(w.state is _State.STARTING or w.switch_to is not None for w in self.live)
 
@@ -243,6 +252,7 @@ class FluidCluster:
         w.state = _State.DRAINING
         w.switch_to = switch_to
         w.retired_at = self.now
+        self.last_leave = max(self.last_leave, self.now)
         w.gen = -1  # its prefill heap entry, if any, is void
         if w.role is Role.PREFILL and w.members:
             self._close(w)
@@ -356,7 +366,7 @@ class FluidCluster:
         self.offered += 1
         placed = self._place(t, prompt) if decoders else None
         if placed is None:  # a pool with no worker serving (never so under the autoscaler)
-            self._end(t, math.nan, math.nan, False)
+            self._end(t, t, math.nan, math.nan, False)
             self.failed += 1
             return
         d = decoders[0][2]
@@ -372,7 +382,7 @@ class FluidCluster:
             if (c.ttft_s and predicted > c.ttft_s) or (c.tpot_s and output > 1 and tpot > c.tpot_s):
                 heapq.heappush(self._heap, (self._settle(w, t), w.gen, w))
                 self.rejected += 1
-                self._end(t, math.nan, math.nan, False)
+                self._end(t, t, math.nan, math.nan, False)
                 return
         r = _Req(t, prompt, output, w, d)
         r.predicted = raw
@@ -410,7 +420,7 @@ class FluidCluster:
             return
         if r.output <= 1:  # its first token was its last: the reservation goes back
             self._release(r)
-            self._end(r.first, r.first - r.arrival, 0.0, True)
+            self._end(r.first, r.arrival, r.first - r.arrival, 0.0, True)
             return
         r.prefill.sending += 1  # its KV stays on the prefill worker until it joins decode
         if not math.isnan(r.granted):
@@ -429,12 +439,12 @@ class FluidCluster:
         else:
             d.reserved -= r.kv
 
-    def _end(self, at: float, ttft: float, tpot: float, served: bool) -> None:
+    def _end(self, at: float, arrival: float, ttft: float, tpot: float, served: bool) -> None:
         c = self.config
         good = served and (not c.ttft_s or ttft <= c.ttft_s) and (not c.tpot_s or tpot <= c.tpot_s)
         self.good += good
         self.ended += 1
-        self._pending.append((at, ttft, tpot, good))
+        self._pending.append((at, ttft, tpot, good, arrival))
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode(self, t0: float, t1: float) -> None:
@@ -494,7 +504,7 @@ class FluidCluster:
                 good &= tpot <= c.tpot_s
             self.good += int(good.sum())
             self.ended += len(fin)
-            self._ended.append(Ended(fin, ttft, tpot, good))
+            self._ended.append(Ended(fin, ttft, tpot, good, run["arrival"][done]))
             freed = np.bincount(run["w"][done], weights=run["kv"][done], minlength=len(self.workers))
             gone = np.bincount(run["w"][done], minlength=len(self.workers))
             for i in np.flatnonzero(gone):
@@ -544,7 +554,7 @@ class FluidCluster:
                     r.prefill.sending -= 1
                 r.granted = math.inf  # never joins (its first token may be out)
                 self.failed += 1
-                self._end(r.arrival + self.config.reserve_timeout_s, math.nan, math.nan, False)
+                self._end(r.arrival + self.config.reserve_timeout_s, r.arrival, math.nan, math.nan, False)
 
     # -- the clock -------------------------------------------------------------------------------
     def tick(self, t1: float, arrivals: Arrivals) -> None:
@@ -578,7 +588,7 @@ class FluidCluster:
         self._grant(t1)
         if self._pending:
             rows = np.array(self._pending, dtype=np.float64)
-            self._ended.append(Ended(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(bool)))
+            self._ended.append(Ended(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(bool), rows[:, 4]))
             self._pending = []
         self.now = t1
 

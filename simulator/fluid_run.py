@@ -170,14 +170,19 @@ class FluidAutoscaler(PlannerLoop[Role]):
         sums = np.cumsum(lens)
         light = tuple((a, float(sums[k - 1]) / k if k else 0.0) for a in cfg.shares for k in [kept(n, a)])
         end = np.concatenate([e.end for e in self.ends]) if self.ends else np.zeros(0)
-        inside = (end > now - span) & (end <= now)
+        arrival = np.concatenate([e.arrival for e in self.ends]) if self.ends else end
+        # what the present layout served: requests that arrived before it took its form measure
+        # the layout they arrived under (``Observation.requests``)
+        window = (end > now - span) & (end <= now)
+        inside = window & (arrival >= c.layout_since)
         ttft = np.concatenate([e.ttft for e in self.ends])[inside] if self.ends else end
         tpot = np.concatenate([e.tpot for e in self.ends])[inside] if self.ends else end
+        all_good = np.concatenate([e.good for e in self.ends])[window] if self.ends else end
         good = np.concatenate([e.good for e in self.ends])[inside] if self.ends else end
         served = ~np.isnan(ttft)
         ttfts, tpots = np.sort(ttft[served]), tpot[served]
         q = cfg.quantile
-        requests = int(inside.sum())
+        requests, n_all = int(inside.sum()), int(window.sum())
         return Observation(
             t=now,
             layout=self.layout(),
@@ -186,6 +191,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
             ),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,
+            ended=(n_all, float(all_good.sum()) / n_all if n_all else math.nan),
             ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,
             tpot_s=float(np.median(tpots)) if len(tpots) else math.nan,
             warming=c.starting() or now - c.last_join < self.config.warmup,

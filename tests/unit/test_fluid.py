@@ -177,6 +177,34 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
     assert scaler.observe(70.0, longest).load.rate == pytest.approx(20.0, rel=0.05)
 
 
+def test_the_planner_judges_a_layout_by_what_arrived_under_it() -> None:
+    """A window's attainment sample is the requests that arrived once the serving workers took
+    their present form; every request that ended is still counted for the SLO (``served``)."""
+    model = load_sim_profile("h100-llama3-8b")
+    c = FluidCluster(model, 2, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
+    planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
+    scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
+    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(1400)]  # 20 a second for 70 s
+    for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
+        if t1 > 70.0:
+            break
+        if c.now < 60.0 <= t1:
+            c.retire(c.idlest(Role.PREFILL))
+        c.tick(t1, batch)
+        c.settle(1.0)
+        scaler.record(c.take_ended())
+    assert 60.0 - c.config.tick_s <= c.layout_since <= 60.0  # retired at the tick before 60 s
+    obs = scaler.observe(70.0, 20.0)
+    end = np.concatenate([e.end for e in scaler.ends])
+    arrival = np.concatenate([e.arrival for e in scaler.ends])
+    good = np.concatenate([e.good for e in scaler.ends])
+    window = (end > 50.0) & (end <= 70.0)
+    fresh = window & (arrival >= c.layout_since)
+    assert 0 < obs.requests == int(fresh.sum()) < obs.served[0] == int(window.sum())
+    assert obs.attainment == pytest.approx(good[fresh].mean())
+    assert obs.served[1] == pytest.approx(good[window].mean())
+
+
 def test_a_full_kv_pool_fails_reservations_at_the_routers_deadline() -> None:
     """Decode KV for about one request: the rest wait for room, and those still waiting after
     the deadline fail (RESOURCE_EXHAUSTED, a miss); all state is released."""

@@ -37,6 +37,9 @@ def test_a_load_step_grows_the_pools_and_the_quiet_shrinks_them() -> None:
     assert a["worker_seconds"] < 0.9 * static_peak  # type: ignore[operator]  # the peak is most of the run
     ups = [r for r in a["reasons"] if r[1] in ("scale_up", "overloaded", "switch")]
     assert ups and ups[0][0] <= 60  # within a few intervals of the step at 40 s
+    # the report counts every request once, whatever layout it arrived under (the planner judges
+    # a layout only by what arrived under it)
+    assert sum(n for _, _, n in a["attainment_by_interval"]) == m["completed"]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

@@ -142,5 +142,10 @@ def test_tails_are_the_windows_own_numbers_in_seconds() -> None:
     assert n == w.requests == 10 and attainment == w.attainment == 0.7
     assert ttft_q == 0.1  # the nearest-rank 0.9 quantile of the 8 finished ones, 30..100 ms
     assert tpot_p50 == w.tpot_p50_ms / 1000
+    # only what arrived at 103 or later (arrival defaults to the end: a refusal's)
+    t.record(SloResult(109.5, "chat", 10.0, 5.0, True, True, True, arrival=100.0))
+    since = t.tails(110.0, 20.0, 0.9, since=103.0)
+    assert since[0] == 7 and since[1] == pytest.approx(6 / 7)  # 103..109 (105 missed TPOT)
+    assert t.tails(110.0, 20.0, 0.9)[0] == 11
     empty = t.tails(1000.0, 10.0, 0.9)
     assert empty[0] == 0 and all(math.isnan(x) for x in empty[1:])
