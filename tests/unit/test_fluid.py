@@ -144,21 +144,32 @@ def test_hostile_lengths_end_with_nothing_held() -> None:
     assert not any(c.request_state().values()), c.request_state()
 
 
+def _steady_70s(
+    prefill: int, retire_at: float | None = None
+) -> tuple[FluidCluster, Planner, FluidAutoscaler, list[tuple[float, int, int]]]:
+    """``prefill``P+1D under 20 requests a second for 70 s, the autoscaler recording what
+    ends (deciding nothing); a prefill worker retired at ``retire_at``."""
+    model = load_sim_profile("h100-llama3-8b")
+    c = FluidCluster(model, prefill, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
+    planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
+    scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
+    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(1400)]
+    for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
+        if t1 > 70.0:
+            break
+        if retire_at is not None and c.now < retire_at <= t1:
+            c.retire(c.idlest(Role.PREFILL))
+        c.tick(t1, batch)
+        c.settle(1.0)
+        scaler.record(c.take_ended())
+    return c, planner, scaler, rows
+
+
 def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
     """The fluid autoscaler's observation: the window's arrival rate, mean lengths and prompt
     length at the planner's quantile (as the router's window gives them), and an arrival log
     trimmed to what a window can read."""
-    model = load_sim_profile("h100-llama3-8b")
-    c = FluidCluster(model, 1, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
-    planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
-    scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
-    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(1400)]  # 20 a second for 70 s
-    for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
-        if t1 > 70.0:
-            break
-        c.tick(t1, batch)
-        c.settle(1.0)
-        scaler.record(c.take_ended())
+    c, planner, scaler, rows = _steady_70s(prefill=1)
     obs = scaler.observe(70.0, 10.0)
     window = [p for t, p, _ in rows if 60.0 < t < 70.0 - 1e-9]
     assert obs.load.rate == pytest.approx(20.0, rel=0.05)
@@ -180,19 +191,7 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
 def test_the_planner_judges_a_layout_by_what_arrived_under_it() -> None:
     """A window's attainment sample is the requests that arrived once the serving workers took
     their present form; every request that ended is still counted for the SLO (``served``)."""
-    model = load_sim_profile("h100-llama3-8b")
-    c = FluidCluster(model, 2, 1, FluidConfig(ttft_s=0.25, tpot_s=0.1))
-    planner = Planner(model, PlannerConfig(0.25, 0.1, shed=0.08))
-    scaler = FluidAutoscaler(c, planner, AutoscaleConfig(interval_s=10.0))
-    rows = [(0.05 * i, 100 * (i % 20 + 1), 20) for i in range(1400)]  # 20 a second for 70 s
-    for t1, batch, _ in ticks(arrivals(rows), c.config.tick_s):
-        if t1 > 70.0:
-            break
-        if c.now < 60.0 <= t1:
-            c.retire(c.idlest(Role.PREFILL))
-        c.tick(t1, batch)
-        c.settle(1.0)
-        scaler.record(c.take_ended())
+    c, _, scaler, _ = _steady_70s(prefill=2, retire_at=60.0)
     assert 60.0 - c.config.tick_s <= c.layout_since <= 60.0  # retired at the tick before 60 s
     obs = scaler.observe(70.0, 20.0)
     end = np.concatenate([e.end for e in scaler.ends])
