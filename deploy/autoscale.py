@@ -91,7 +91,7 @@ class PoolAutoscaler:
         if self._seen is None or self._seen[0] != layout:
             self._seen = (layout, -math.inf if self._seen is None else now)
         requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q, since=self._seen[1])
-        ended = acc.tracker.tails(now, span, q)[:2]
+        every = acc.tracker.window(now, span)  # whatever layout they arrived under
         load = acc.window.workload(now, span, q, self.planner.config.shares)
         decode = self.planner.decode_window(
             span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q)
@@ -113,7 +113,7 @@ class PoolAutoscaler:
             decode_load=decode,
             requests=requests,
             attainment=attainment,
-            ended=ended,
+            ended=(every.requests, every.attainment),
             ttft_s=ttft,
             tpot_s=tpot,
             factors=factors,

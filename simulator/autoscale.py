@@ -218,19 +218,18 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         ended = c.finished[lo:hi]
         ttfts, tpots, good, fresh, fresh_good = [], [], 0, 0, 0
         for sr in ended:
-            met = False
+            now_layout, met = sr.arrival >= self.layout_since, False
             if not (sr.rejected or sr.error or not sr.token_times):
                 t = sr.token_times
                 ttft = t[0] - sr.arrival
                 tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
                 met = ttft <= cfg.ttft_s and tpot <= cfg.tpot_s
-                if sr.arrival >= self.layout_since:
+                if now_layout:
                     ttfts.append(ttft)
                     tpots.append(tpot)
             good += met
-            if sr.arrival >= self.layout_since:
-                fresh += 1
-                fresh_good += met
+            fresh += now_layout
+            fresh_good += now_layout and met
         q = cfg.quantile
         tail, light = prompt_shape([sr.num_prompt_tokens for sr in arrived], q, cfg.shares)
         return Observation(

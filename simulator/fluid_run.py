@@ -177,8 +177,8 @@ class FluidAutoscaler(PlannerLoop[Role]):
         inside = window & (arrival >= c.layout_since)
         ttft = np.concatenate([e.ttft for e in self.ends])[inside] if self.ends else end
         tpot = np.concatenate([e.tpot for e in self.ends])[inside] if self.ends else end
-        all_good = np.concatenate([e.good for e in self.ends])[window] if self.ends else end
-        good = np.concatenate([e.good for e in self.ends])[inside] if self.ends else end
+        goods = np.concatenate([e.good for e in self.ends]) if self.ends else end
+        all_good, good = goods[window], goods[inside]
         served = ~np.isnan(ttft)
         ttfts, tpots = np.sort(ttft[served]), tpot[served]
         q = cfg.quantile
