@@ -207,16 +207,17 @@ def _profile(bench: Bench, ctx: int, big: int, prefill_n: int, path: Path) -> di
             with profile(activities=activities) as prof:
                 fn()
                 sync(bench.device)
+            averages = prof.key_averages()
             # on a GPU the kernels alone: an operator's own device time repeats its kernels'
             events = [
                 e
-                for e in prof.key_averages()
+                for e in averages
                 if getattr(e, key) > 0 and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA"))
             ]
             total = sum(getattr(e, key) for e in events) or 1.0
             events.sort(key=lambda e: getattr(e, key), reverse=True)
             summary[name] = [[e.key[:100], round(getattr(e, key) / total, 4), e.count] for e in events[:5]]
-            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90)
+            table = averages.table(sort_by=key, row_limit=30, max_name_column_width=90)
             f.write(f"== {name}\n{table}\n")
     return summary
 
