@@ -274,6 +274,7 @@ def main() -> int:
             "live_static_host_cpu_pct": [static["host_cpu_median_pct"], static["host_cpu_p90_pct"]],
             "live_static_step_to_target_s": to_target(static, args.step_at),
             "live_static_windows": static["windows"],
+            "live_static_arrival_windows": static["arrival_windows"],
             "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
             "worker_seconds_ratio": round(auto["worker_seconds"] / static["worker_seconds"], 3),
         })  # fmt: skip
