@@ -242,6 +242,7 @@ def main() -> int:
     lo, hi = (float(x) for x in args.steady.split(":"))
     tl = auto["timeline"]
     steady_changes = sum(1 for a, b in itertools.pairwise(tl) if lo <= b[0] <= hi and a[1:] != b[1:])
+    auto_step = to_target(auto, args.step_at)
     result: dict[str, Any] = {
         "workload": f"Azure conversation trace, {args.rate} req/s x curve {args.curve}, {args.duration:g} s",
         "slo": f"ttft:{args.ttft_ms:g} tpot:{args.tpot_ms:g} at 90 %",
@@ -252,8 +253,8 @@ def main() -> int:
         "live_autoscaled_errors": auto["errors"],
         "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
         "live_autoscaled_host_cpu_pct": [auto["host_cpu_median_pct"], auto["host_cpu_p90_pct"]],
-        "step_to_target_s": to_target(auto, args.step_at)["by_end"],
-        "step_to_target_by_arrival_s": to_target(auto, args.step_at)["by_arrival"],
+        "step_to_target_s": auto_step["by_end"],
+        "step_to_target_by_arrival_s": auto_step["by_arrival"],
         "changes_per_5_intervals": round(5 * steady_changes / ((hi - lo) / args.interval), 2),
         "sim_agreement": round(sum(agree) / len(agree), 3) if agree else None,
         "sim_layouts_at_boundaries": [b for _, b in pairs],
@@ -265,6 +266,7 @@ def main() -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     if static is not None:
+        static_step = to_target(static, args.step_at)
         result.update({
             "best_static": args.static,
             "live_static_attainment": round(static["attainment"], 4),
@@ -272,7 +274,8 @@ def main() -> int:
             "live_static_errors": static["errors"],
             "live_static_worker_seconds": round(static["worker_seconds"], 1),
             "live_static_host_cpu_pct": [static["host_cpu_median_pct"], static["host_cpu_p90_pct"]],
-            "live_static_step_to_target_s": to_target(static, args.step_at),
+            "live_static_step_to_target_s": static_step["by_end"],
+            "live_static_step_to_target_by_arrival_s": static_step["by_arrival"],
             "live_static_windows": static["windows"],
             "live_static_arrival_windows": static["arrival_windows"],
             "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
