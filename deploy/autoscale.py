@@ -94,7 +94,7 @@ class PoolAutoscaler:
         every = acc.tracker.window(now, span)  # whatever layout they arrived under
         load = acc.window.workload(now, span, q, self.planner.config.shares)
         decode = self.planner.decode_window(
-            span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q)
+            span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q), now
         )
         model = getattr(acc.dispatcher, "model", None)
         factors = (1.0, 1.0)

@@ -64,6 +64,10 @@ load the quietest 10 s window of a bursty trace stays well above that share of t
 a fall of the load does — or a whole interval's lull that deep, after which the pools grow again
 on the next check (the price of stepping down at once; at a few requests a window, Poisson
 noise alone makes such lulls) — and the layout may step down once the cooldown has passed.
+Decode too: from the fall's interval on, the decode pool is priced on what arrived since the
+fall (the windows that reach before it are cut to the look's own), since the decode workers a
+step down retires drain their own requests; a decode window held over the fall kept a
+step's decode workers for as long as the window after it.
 The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
 busiest remembered window as long as it (a decision's against the intervals' that stay
 remembered, a check's against the checks'), so what ended in it is mostly the backlog of the
@@ -110,6 +114,7 @@ class Planner:
         self._bursts: deque[list[Observation]] = deque(maxlen=config.down_after)
         self._burst: list[Observation] = []  # this interval's, so far
         self._fallen = False  # the memory restarted at a fall of the load (``forget_below``)
+        self._fell_at = -math.inf  # when the last fall began (``Observation.t``'s clock)
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
         # (ended, met) of the last decisions' windows: the error budget's bank
@@ -127,14 +132,21 @@ class Planner:
         return min(self.config.down_after * interval_s, max(span_s, output_tokens * self.config.tpot_s))
 
     def decode_window(
-        self, span_s: float, interval_s: float, elapsed_s: float, load_over: Callable[[float], Workload]
+        self,
+        span_s: float,
+        interval_s: float,
+        elapsed_s: float,
+        load_over: Callable[[float], Workload],
+        now: float = math.inf,
     ) -> Workload | None:
         """``Observation.decode_load`` for a look at ``span_s``: ``load_over(s)`` measures the
         last ``s`` seconds; None when the decode window is no longer than the look's. Never
         longer than ``elapsed_s`` (the time measured so far: a window reaching before it would
-        count its empty start as a lull), and the output length that sets it is read on the
-        longest window (a short window's few requests, or none, would set it by chance)."""
-        longest = min(self.config.down_after * interval_s, elapsed_s)
+        count its empty start as a lull), nor reaching before the last fall of the load, where
+        ``now`` is the look's ``Observation.t`` (it would count the fallen load as still
+        arriving); the output length that sets it is read on the longest window (a short
+        window's few requests, or none, would set it by chance)."""
+        longest = min(self.config.down_after * interval_s, elapsed_s, now - self._fell_at)
         if longest <= span_s:
             return None
         widest = load_over(longest)
@@ -253,6 +265,10 @@ class Planner:
             if self._fell(interval):
                 self._bursts.clear()
                 self._fallen = True
+                self._fell_at = min(w.t - w.load.span_s for w in interval)
+                # decode priced on what arrived since: the workers it retires drain their own
+                interval = [self._since_fall(w) for w in interval]
+                obs = interval[-1]
             self._bursts.append(interval)
             self._burst = []
             self.quantile = self._budgeted_quantile(obs)
@@ -332,6 +348,13 @@ class Planner:
             why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
         return Decision(obs.t, Reason.HOLD, current, now_pred)
+
+    def _since_fall(self, w: Observation) -> Observation:
+        """``w`` with its decode window cut to its own where it reaches before the last fall."""
+        d = w.decode_load
+        if d is not None and w.t - d.span_s < self._fell_at - 1e-6:
+            return replace(w, decode_load=None)
+        return w
 
     def _stepped(self, obs: Observation) -> bool:
         """Whether ``obs``'s window carries at least ``step_above`` times the arrivals a second

@@ -129,7 +129,7 @@ class PlannerLoop(abc.ABC, Generic[R]):
         full = self._looks % cfg.checks == 0
         span = cfg.interval_s if full else cfg.interval_s / cfg.checks  # a check: shorter, up only
         obs = self.observe(now, span)
-        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.arrivals(now, s))
+        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.arrivals(now, s), now)
         obs = replace(obs, decode_load=decode)
         if full:
             ended, attainment = obs.served  # every request, whatever layout it arrived under

@@ -769,3 +769,51 @@ def test_serve_and_simulate_size_the_headroom_for_their_checks() -> None:
     assert planner_settings(args(60.0), 0.25, 0.1, False, 256).headroom_span_s == 60.0 / CHECKS
     for bad in (None, math.inf, math.nan, 0.0):
         assert planner_settings(args(bad), 0.25, 0.1, False, 256).headroom_span_s == 10.0
+
+
+def _fall_with_decode_windows(plan: Planner) -> Decision:
+    """100 req/s for four intervals on 4P+3D (what it needs), then 5 req/s; every look carries
+    a decode window of 90 s (``Observation.decode_load``) holding the arrivals it spans. The
+    first decision after the fall."""
+    layout, high, low = Layout(4, 3), 100.0, 5.0
+
+    def look(t: float, span: float) -> Observation:
+        before = min(90.0, max(0.0, 120.0 - (t - 90.0)))  # seconds of the window at the high rate
+        wide = Workload((high * before + low * (90.0 - before)) / 90.0, *CONV, span_s=90.0)
+        rate = high if t <= 120.0 else low
+        return Observation(t, layout, Workload(rate, *CONV, span_s=span), decode_load=wide)
+
+    d: Decision | None = None
+    for i in range(6):  # the fall is at 120 s
+        for k in (1, 2):
+            layout = plan.decide(look(30 * i + 10 * k, 10.0), up_only=True).layout
+        d = plan.decide(look(30 * i + 30, 30.0))
+        layout = d.layout
+        if 30 * i + 30 > 120:
+            return d
+    raise AssertionError("no decision after the fall")
+
+
+def test_after_a_fall_decode_is_priced_on_what_arrived_since() -> None:
+    """A decode window reaching before a fall counts the fallen load as still arriving: it held
+    decode workers a window's length after the fall, while the workers stepped down drain their
+    own requests. The fall's interval prices decode on its own windows, and the decode windows
+    after it reach no further back than the fall."""
+    plan = Planner(H100, SLO)
+    d = _fall_with_decode_windows(plan)
+    assert d.reason is Reason.SCALE_DOWN and "since the load fell" in d.detail, d
+    assert d.layout.decode == 1, d
+    assert plan.predict(obs(0, d.layout, 5.0), d.layout).feasible
+    # the decode window of a look 40 s after the fall began reads those 40 s at most
+    asked: list[float] = []
+
+    def over(s: float) -> Workload:
+        asked.append(s)
+        return Workload(5.0, *CONV, span_s=s)
+
+    plan.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
+    assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
+    # without the clock, as before: the longest window
+    asked.clear()
+    plan.decode_window(10.0, 30.0, 1000.0, over)
+    assert asked[0] == 90.0
