@@ -187,7 +187,15 @@ class FluidAutoscaler(PlannerLoop[Role]):
             t=now,
             layout=self.layout(),
             load=Workload(
-                n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light, covered
+                n / covered,
+                prompt / n if n else 0.0,
+                output / n if n else 0.0,
+                0.0,
+                tail,
+                light,
+                covered,
+                # the prompts' squared coefficient of variation (``squared_cv``), without a list
+                float(lens.var() / (prompt / n) ** 2) if n > 1 and prompt else 0.0,
             ),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,

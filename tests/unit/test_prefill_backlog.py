@@ -105,3 +105,59 @@ def test_the_fluid_model_counts_what_its_prefill_steps_have_not_done() -> None:
     assert c.queued_prompt_tokens(c.now + 1.0) < queued  # its steps go on
     drive(c, [])
     assert c.queued_prompt_tokens(c.now) == 0
+
+
+def test_prompts_that_vary_wait_longer_in_the_prefill_queue() -> None:
+    """Pollaczek–Khinchine: the wait scales with (1 + c²) / 2 of the service times; alike
+    prompts (c² = 0) keep the M/D/P wait, a conversation mix (c² ≈ 0.9) nearly doubles it. The
+    prompt's own prefill and the load it offers do not change."""
+    busy = replace(CONV, rate=50.0)  # two workers at 0.74
+    alike = predict(H100, busy, 2, 8, 0.9)
+    mixed = predict(H100, replace(busy, prompt_scv=0.9), 2, 8, 0.9)
+    own = H100.prefill_time(2500) + H100.transfer_time(2500)
+    assert mixed.prefill_util == alike.prefill_util
+    assert mixed.ttft_s - own == pytest.approx(1.9 * (alike.ttft_s - own), rel=1e-6)
+    with pytest.raises(ValueError, match="prompt_scv"):
+        Workload(1.0, 100.0, 10.0, prompt_scv=math.nan)
+
+
+def test_a_step_prices_decode_on_the_checks_own_window() -> None:
+    """A check that sees a step (a window 1.5x the busiest remembered) prices decode on its own
+    arrivals: the decode window, which averages the step with the quiet before it, is for
+    bursts a decode pool rides out in its queue, and it put one decode worker on a 7x load."""
+    plan = Planner(H100, SLO)
+    layout = Layout(1, 1)
+    for t in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0):
+        quiet = replace(CONV, rate=10.0, span_s=10.0 if t % 30 else 30.0)
+        plan.decide(Observation(t, layout, quiet), up_only=bool(t % 30))
+    wide = replace(CONV, rate=16.7, span_s=90.0)  # 80 s at 10 req/s, 10 s at 70
+    step = Observation(70.0, layout, replace(CONV, rate=70.0, span_s=10.0), decode_load=wide)
+    d = plan.decide(step, up_only=True)
+    assert d.reason is Reason.SCALE_UP
+    assert predict(H100, wide, 8, 1).feasible  # the wide window alone: one decode worker
+    assert not predict(H100, replace(CONV, rate=70.0), 8, 1).feasible  # the step's: it cannot
+    assert d.layout.decode >= 2 and predict(H100, step.load, d.layout.prefill, d.layout.decode).feasible
+
+
+def _steady(check_share: float) -> list[Layout]:
+    """Eight intervals at 70 req/s of a mixed prompt trace from 4P+3D, each interval's two
+    10 s checks ``check_share`` times as busy as its 30 s decision window: the layouts."""
+    plan = Planner(H100, SLO)
+    layout, seen = Layout(4, 3), []
+    load = replace(CONV, prompt_scv=0.9)
+    for i in range(8):
+        for k in (1, 2):
+            check = replace(load, rate=70.0 * check_share, span_s=10.0)
+            layout = plan.decide(Observation(30.0 * i + 10 * k, layout, check), up_only=True).layout
+        layout = plan.decide(Observation(30.0 * i + 30, layout, replace(load, rate=70.0, span_s=30.0))).layout
+        seen.append(layout)
+    return seen
+
+
+def test_the_way_down_keeps_the_ttft_within_its_target_at_every_window_seen() -> None:
+    """Three prefill workers meet the decisions' 70 req/s with margin, but not the target at the
+    checks' 84 req/s: stepped down there, the next busier check would grow the pool back."""
+    assert predict(H100, replace(CONV, rate=70.0, prompt_scv=0.9), 3, 8).ttft_s < 0.75 * SLO.ttft_s
+    assert predict(H100, replace(CONV, rate=84.0 * 1.1, prompt_scv=0.9), 3, 8).ttft_s > SLO.ttft_s
+    assert all(l.prefill == 4 for l in _steady(1.2))
+    assert _steady(1.0)[-1].prefill == 3  # windows alike: it does step down
