@@ -9,13 +9,9 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   whose queue is done first, which is one first-come queue served by the whole pool: M/D/P,
   not P queues of M/D/1 (at 30 workers and ρ = 0.85 the difference is 35 ms of TTFT against
   240). The M/M/P waiting-time tail is ``P(W > t) = C(P, a) e^{−(P − a) t / s}`` (``C``: Erlang
-  C, the chance of waiting at all), scaled in time by ``(1 + c²) / 2`` for how much the service
-  times vary (Pollaczek–Khinchine, and Allen–Cunneen's approximation for a pool; ``c²``:
-  ``Workload.prompt_scv``, the prompts' squared coefficient of variation, as a prefill's time
-  follows its length): the wait at quantile ``q`` is
-  ``max(0, ln(C / (1 − q))) · s (1 + c²) / (2(P − a))``. Alike prompts halve the M/M/P wait (for
-  one worker ``C = ρ``: the M/D/1 formula); a conversation trace's prompt mix (``c²`` ≈ 0.9,
-  a bulk near 1k tokens and a tenth near 4k) nearly doubles that. TTFT at ``q`` is that wait plus the prefill
+  C, the chance of waiting at all), halved in time for deterministic service
+  (Pollaczek–Khinchine): the wait at quantile ``q`` is ``max(0, ln(C / (1 − q))) · s / (2(P − a))``
+  (for one worker ``C = ρ``: the M/D/1 formula). TTFT at ``q`` is that wait plus the prefill
   and KV hand-off of the prompt at ``q`` (``Workload.prompt_tail_tokens``; the mean when not
   measured): prompt lengths are skewed, and at light load a TTFT quantile is the long prompts'
   own prefill (the sum of the two quantiles stands in for the quantile of the sum: close under
@@ -118,12 +114,7 @@ def predict(
     else:
         wait_p = erlang_c(prefill, offered)
         wait = (
-            max(0.0, math.log(wait_p / (1 - quantile)))
-            * s
-            * (1 + load.prompt_scv)
-            / (2 * (prefill - offered))
-            if wait_p > 0
-            else 0.0
+            max(0.0, math.log(wait_p / (1 - quantile))) * s / (2 * (prefill - offered)) if wait_p > 0 else 0.0
         )
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf

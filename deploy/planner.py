@@ -49,9 +49,6 @@ moved again by the next (the busiest for prefill is not the busiest for decode).
 each look's longer window (``decode_span``: as long as a request decodes at the TPOT target):
 a prefill queue costs TTFT at once, while a decode pool rides out a burst shorter than that in
 its batch and queue, and sized for every 10 s burst it held workers the SLO never needed.
-A step in the load is not such a burst: a check that sees one prices decode on its own window
-(the decode window, averaging the step with the load before it, sized one decode worker for a
-4x step).
 The headroom shrinks with the square root of a window's length past ``headroom_span_s``: the
 busiest of the 90 s decode windows plus a tenth put a decode worker past its batch cap where
 the static layout served the same peak on one.
@@ -265,10 +262,6 @@ class Planner:
 
     def _decide(self, obs: Observation, up_only: bool) -> Decision:
         c = self.config
-        if up_only and obs.decode_load is not None and self._stepped(obs):
-            # a step in the load is not a burst the decode pool rides out in its queue: priced
-            # on the check's own window, not one that averages the step with the load before
-            obs = replace(obs, decode_load=None)
         current = c.bounds.clamp(obs.layout)
         self._floor = {}
         # What ended in a window that arrivals fell off from are mostly requests the busier
@@ -343,20 +336,17 @@ class Planner:
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
-            # with margin at each decision's load, and a TTFT within its target at every window
-            # the intervals' looks saw, checks too, plus the headroom: near saturation the TTFT
-            # tail moves far more than the load does, and a pool stepped down on a margin at
-            # the decisions' 30 s loads was grown back by the next 10 s window a tenth busier
-            # (a decode pool near its limit is the keep-up floor's)
-            seen = [w for ws in self._bursts for w in ws]
+            # with margin at each load, and a TTFT within its target at each load plus the
+            # headroom: near saturation the TTFT tail moves far more than the load does, and a
+            # margin on the tail alone let a load swinging by a few percent step the prefill
+            # pool down and back up (a decode pool near its limit is the keep-up floor's)
             return all(
                 (w.load.rate == 0 and w.decode.rate == 0 if i else idle)
-                or self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
+                or (
+                    self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
+                    and self._price(self._busier(w.now(obs)), l, 1.0, quantile=c.quantile).ttft_s <= c.ttft_s
+                )
                 for i, w in enumerate(recent)
-            ) and all(
-                w.load.rate == 0
-                or self._price(self._busier(w.now(obs)), l, 1.0, quantile=c.quantile).ttft_s <= c.ttft_s
-                for w in seen
             )
 
         best = next(

@@ -35,12 +35,9 @@ class Workload:
     light: tuple[tuple[float, float], ...] = ()
     # the window's length (0: not known): a longer window's rate strays less from the next one's
     span_s: float = 0.0
-    # the squared coefficient of variation of the prompt lengths (0: not measured, priced as
-    # alike): the prefill queue's wait grows with how much the service times vary
-    prompt_scv: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("rate", "prompt_tokens", "output_tokens", "prompt_tail_tokens", "span_s", "prompt_scv"):
+        for name in ("rate", "prompt_tokens", "output_tokens", "prompt_tail_tokens", "span_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -102,22 +99,12 @@ class WorkloadWindow:
         tokens = sum(e[1] for e in ends)
         cached = sum(e[2] for e in ends) / tokens if tokens else 0.0
         tail, light = prompt_shape([a[1] for a in arrivals], quantile, shares)
-        scv = squared_cv([a[1] for a in arrivals])
         # a window past what is kept (the horizon, or the entry cap under a heavy load) is a rate
         # over what is kept, not a lull
         covered = min(span_s, self.horizon_s)
         if len(self._arrivals) == self._arrivals.maxlen and self._arrivals[0][0] > now - covered:
             covered = max(now - self._arrivals[0][0], 1e-9)
-        return Workload(len(arrivals) / covered, prompt, output, min(1.0, cached), tail, light, covered, scv)
-
-
-def squared_cv(values: Sequence[float]) -> float:
-    """The variance of ``values`` over their squared mean (0.0 for fewer than two, or a zero
-    mean)."""
-    if len(values) < 2:
-        return 0.0
-    mean = statistics.fmean(values)
-    return statistics.pvariance(values, mean) / (mean * mean) if mean > 0 else 0.0
+        return Workload(len(arrivals) / covered, prompt, output, min(1.0, cached), tail, light, covered)
 
 
 def rank(n: int, quantile: float) -> int:

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation, moves
-from pdserve.router.workload_window import Workload, prompt_shape, rank, squared_cv
+from pdserve.router.workload_window import Workload, prompt_shape, rank
 from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
 from pdserve.worker.messages import WorkerRole
 
@@ -199,12 +199,9 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
         arrived = self.submitted[bisect.bisect_right(times, now - span) : bisect.bisect_right(times, now)]
         if not arrived:
             return arrived, Workload(0.0, 0.0, 0.0, span_s=span)
-        prompts = [sr.num_prompt_tokens for sr in arrived]
+        prompt = statistics.fmean(sr.num_prompt_tokens for sr in arrived)
         output = statistics.fmean(sr.work.params.max_tokens for sr in arrived)
-        scv = squared_cv(prompts)
-        return arrived, Workload(
-            len(arrived) / span, statistics.fmean(prompts), output, span_s=span, prompt_scv=scv
-        )
+        return arrived, Workload(len(arrived) / span, prompt, output, span_s=span)
 
     def arrivals(self, now: float, span: float) -> Workload:
         return self._arrived(now, span)[1]

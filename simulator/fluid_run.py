@@ -187,15 +187,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
             t=now,
             layout=self.layout(),
             load=Workload(
-                n / covered,
-                prompt / n if n else 0.0,
-                output / n if n else 0.0,
-                0.0,
-                tail,
-                light,
-                covered,
-                # the prompts' squared coefficient of variation (``squared_cv``), without a list
-                float(lens.var() / (prompt / n) ** 2) if n > 1 and prompt else 0.0,
+                n / covered, prompt / n if n else 0.0, output / n if n else 0.0, 0.0, tail, light, covered
             ),
             requests=requests,
             attainment=float(good.sum()) / requests if requests else math.nan,

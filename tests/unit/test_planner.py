@@ -150,9 +150,6 @@ def test_the_window_measures_rate_means_and_the_prompt_tail() -> None:
     assert load.rate == pytest.approx(10.0) and load.prompt_tokens == pytest.approx(550.0)
     assert load.prompt_tail_tokens == 1000.0 and load.output_tokens == 30.0
     assert load.cached_share == pytest.approx(0.25)
-    assert load.prompt_scv == pytest.approx(
-        82_500 / 550**2
-    )  # 100..1000: their variance over the squared mean
     assert w.workload(9.95, 10.0, 0.5).prompt_tail_tokens == 600.0
     assert w.workload(500.0, 10.0) == Workload(0.0, 0.0, 0.0, span_s=10.0)  # nothing in it: zeros, no NaN
     assert prompt_quantile([], 0.9) == 0.0
