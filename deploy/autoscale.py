@@ -118,7 +118,6 @@ class PoolAutoscaler:
             tpot_s=tpot,
             factors=factors,
             warming=warming,
-            queued_prompt_tokens=router.queued_prompt_tokens(),
         )
 
     # -- acting ----------------------------------------------------------------------------------

@@ -36,14 +36,7 @@ prefill. Decode is priced for every arrival (its refusals are not the long promp
 ``factors`` scale the model's prefill and decode times by what the router measured (its
 corrected predictor's factors), so a profile that is off for this hardware is corrected before
 the planner trusts it; ``decode_fixed_s`` adds a cost to every decode step on top (the part of a
-step that does not grow with the batch: launches, scheduling, sampling, streaming), and
-``ttft_offset_s`` a time to the TTFT tail (what the tails measured carry beyond the queueing
-formula: ``step_correction.fit_prefill``).
-
-``backlog_tokens`` are prompt tokens the prefill pool holds now (queued or prefilling): the
-work a step in the load left behind. The TTFT is priced for a request arriving ``drain_s`` from
-now, behind what the pool has not cleared of that work by then (its spare capacity, ``P − a``
-workers, clears it; shared by ``P`` workers); 0 or none prices the steady state alone.
+step that does not grow with the batch: launches, scheduling, sampling, streaming).
 """
 
 from __future__ import annotations
@@ -79,9 +72,6 @@ def predict(
     max_seqs: int | None = None,
     decode_load: Workload | None = None,
     decode_fixed_s: float = 0.0,
-    ttft_offset_s: float = 0.0,
-    backlog_tokens: float = 0.0,
-    drain_s: float = 0.0,
 ) -> Prediction:
     if prefill < 1 or decode < 1:
         raise ValueError("a disaggregated layout needs at least one worker of each role")
@@ -89,13 +79,6 @@ def predict(
         raise ValueError(f"need 0 < quantile < admitted <= 1, got {quantile} and {admitted}")
     if max_seqs is not None and max_seqs < 1:
         raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
-    for name, v in (
-        ("ttft_offset_s", ttft_offset_s),
-        ("backlog_tokens", backlog_tokens),
-        ("drain_s", drain_s),
-    ):
-        if not (v >= 0 and math.isfinite(v)):
-            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
     whole = load
     if admitted < 1 and load.rate > 0:
         kept = load.light_prompt_tokens(admitted)
@@ -118,11 +101,7 @@ def predict(
         )
         tail = load.prompt_tail_tokens or load.prompt_tokens
         own = model.prefill_time(max(1, round(tail * (1 - load.cached_share)))) * pf
-        behind = 0.0
-        if backlog_tokens > 0:
-            work = backlog_tokens * s / new  # worker-seconds at this prompt mix's pace
-            behind = max(0.0, work - (prefill - offered) * drain_s) / prefill
-        ttft = own + wait + model.transfer_time(round(tail)) + behind + ttft_offset_s
+        ttft = own + wait + model.transfer_time(round(tail))
     dl = whole if decode_load is None else decode_load
     tpot, batch = _decode(model, dl, decode, df, max_seqs, decode_fixed_s)
     return Prediction(ttft, tpot, rho, batch, admitted)

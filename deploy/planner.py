@@ -3,12 +3,9 @@
 ``Planner.decide(observation)`` returns where the pools should be and why. It predicts each
 candidate (P prefill, D decode) within the bounds with ``pdserve.deploy.capacity`` on the
 step-time model, corrected twice by what the router measured: the model's prefill and decode
-factors (the router's online corrections), and the planner's own correction under which the
-layouts that served the recent windows predict the TTFT / TPOT measured in them
-(``step_correction``: a factor on the prefill step time and an offset on the TTFT tail, a
-factor and a fixed cost a step on decode). The TTFT is priced behind what the prefill pool
-holds at the look (``Observation.queued_prompt_tokens``): the queue a step in the load left
-must drain within ``drain_s``. Then::
+factors (the router's online corrections), and the planner's own correction of the step times
+under which the layouts that served the recent windows predict the TTFT / TPOT measured in them
+(``step_correction``: a factor on prefill, a factor and a fixed cost a step on decode). Then::
 
     current layout misses (measured or predicted)   -> the smallest layout that meets and
                                                        keeps up, at once (SCALE_UP; a worker
@@ -99,7 +96,7 @@ from dataclasses import replace
 
 from pdserve.deploy.capacity import Prediction, decode_step_at, predict
 from pdserve.deploy.planner_data import Decision, Layout, Observation, PlannerConfig, Reason
-from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, fit_prefill
+from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
 from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
 
@@ -110,7 +107,6 @@ class Planner:
         self.config = config
         self.correction = NONE  # of the model's step times (``_learn``)
         self._decode_points: deque[DecodePoint] = deque(maxlen=config.fit_windows)  # what it is fitted to
-        self._prefill_points: deque[Observation] = deque(maxlen=config.fit_windows)  # likewise
         # the check windows of the last ``down_after`` intervals: a layout the planner moves to
         # must keep up with each, or the next check moves it again (at scale a 10 s window
         # carries a fifth more than its interval's mean, and the busiest for prefill is not the
@@ -191,9 +187,6 @@ class Planner:
             max_seqs=self.config.max_seqs,
             decode_load=obs.decode_load,
             decode_fixed_s=c.decode_fixed_s,
-            ttft_offset_s=c.ttft_offset_s,
-            backlog_tokens=obs.queued_prompt_tokens,
-            drain_s=self.config.drain_s,
         )
 
     def _excess(self, p: Prediction) -> float:
@@ -207,12 +200,10 @@ class Planner:
         (``step_correction``): only with enough requests, and only where the model has the
         layout keeping up — on a layout it sees unable to keep up the tails measure a growing
         queue (how long the overload lasted, not how far off the model is), and learning from
-        them overshoots the next scale-up. Prefill's factor on the step time and offset on the
-        TTFT tail are fitted together over the last ``fit_windows`` windows, each priced as it
-        was served (its layout, load and backlog): a worker 30 % slower than its profile is
-        30 % slower at light load and past saturation at 80 % of the profile's capacity, which
-        only a factor prices, while the excess the tails carry at every load (the hops, the
-        bursts) is an offset, and a factor fitted to it priced a busier pool near saturation."""
+        them overshoots the next scale-up. A correction of the step time, not of the tail: a
+        worker 30 % slower than its profile is 30 % slower at light load and past saturation at
+        80 % of the profile's capacity, and a tail ratio learned in a trough priced the peak as
+        30 % slower, not as a queue without end."""
         if obs.requests < self.config.min_requests or obs.warming:
             return
         q = self.config.quantile  # the measured tails are of served requests, at the SLO's quantile
@@ -220,18 +211,13 @@ class Planner:
             return
         c = self.correction
         if math.isfinite(obs.ttft_s) and obs.ttft_s > 0:
-            self._prefill_points.append(obs)
 
-            def tail(o: Observation) -> Callable[[float], float]:
-                def at(f: float) -> float:
-                    by = StepCorrection(prefill=f)
-                    return self._price(o, o.layout, 1.0, quantile=q, correction=by).ttft_s
+            def tail(f: float) -> float:
+                by = StepCorrection(prefill=f)
+                return self._price(obs, obs.layout, 1.0, quantile=q, correction=by).ttft_s
 
-                return at
-
-            points = list(self._prefill_points)
-            factor, offset = fit_prefill([tail(o) for o in points], [o.ttft_s for o in points])
-            c = replace(c, prefill=factor, ttft_offset_s=offset)
+            # half the way: one noisy window moves it half
+            c = replace(c, prefill=0.5 * c.prefill + 0.5 * solve(tail, obs.ttft_s))
         load = obs.load if obs.decode_load is None else obs.decode_load
         step = decode_step_at(self.model, load, obs.layout.decode, obs.tpot_s, self.config.max_seqs)
         if step is not None:
@@ -336,16 +322,9 @@ class Planner:
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
-            # with margin at each load, and a TTFT within its target at each load plus the
-            # headroom: near saturation the TTFT tail moves far more than the load does, and a
-            # margin on the tail alone let a load swinging by a few percent step the prefill
-            # pool down and back up (a decode pool near its limit is the keep-up floor's)
             return all(
                 (w.load.rate == 0 and w.decode.rate == 0 if i else idle)
-                or (
-                    self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
-                    and self._price(self._busier(w.now(obs)), l, 1.0, quantile=c.quantile).ttft_s <= c.ttft_s
-                )
+                or self._meets(self._price(w.now(obs), l, 1.0, quantile=c.quantile), c.margin)
                 for i, w in enumerate(recent)
             )
 
@@ -468,7 +447,8 @@ class Planner:
         for w in seen:
             if w.load.rate == 0 and w.decode.rate == 0:
                 continue
-            o = self._busier(w.now(obs))
+            o = replace(obs, load=replace(w.load, rate=w.load.rate * self._more(w.load)))
+            o = replace(o, decode_load=replace(w.decode, rate=w.decode.rate * self._more(w.decode)))
 
             def prefill_ok(n: int, o: Observation = o) -> bool:
                 return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)
@@ -480,11 +460,6 @@ class Planner:
             p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
             d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))
         return p, d
-
-    def _busier(self, o: Observation) -> Observation:
-        """``o`` with each load's rate raised by its headroom (``_more``)."""
-        o = replace(o, load=replace(o.load, rate=o.load.rate * self._more(o.load)))
-        return replace(o, decode_load=replace(o.decode, rate=o.decode.rate * self._more(o.decode)))
 
     def _more(self, load: Workload) -> float:
         """The factor on ``load``'s rate a layout must keep up with: ``headroom`` for a window

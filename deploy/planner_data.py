@@ -100,15 +100,10 @@ class PlannerConfig:
     budget_intervals: int = 20
     # a decode step's most requests (the engine's ``max_num_seqs``); None: what the KV pool holds
     max_seqs: int | None = None
-    # the decision windows whose measured tails the correction is fitted to
-    # (``step_correction.fit_decode`` and ``fit_prefill``: windows at other loads tell a fixed
-    # part apart from a factor on the step time)
+    # the decision windows whose measured decode the step-time correction is fitted to
+    # (``step_correction.fit_decode``: windows at other loads tell a fixed cost a step apart
+    # from a factor on it)
     fit_windows: int = 10
-    # a layout is priced for a request arriving this long from now, behind what is left of the
-    # prompts the prefill pool holds (``Observation.queued_prompt_tokens``): a step in the load
-    # leaves a queue that workers sized for the new rate alone never drain in time (0: the
-    # steady state alone)
-    drain_s: float = 15.0
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
@@ -133,8 +128,6 @@ class PlannerConfig:
             raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
         if self.fit_windows < 1:
             raise ValueError(f"fit_windows must be >= 1, got {self.fit_windows}")
-        if not (self.drain_s >= 0 and math.isfinite(self.drain_s)):
-            raise ValueError(f"drain_s must be a finite number >= 0, got {self.drain_s}")
 
     @functools.cached_property
     def shares(self) -> tuple[float, ...]:
@@ -167,9 +160,6 @@ class Observation:
     # every request that ended in the window and the share that met, whatever layout it arrived
     # under: what the SLO counts (the error budget's bank, reports); None: ``requests`` are all
     ended: tuple[int, float] | None = None
-    # prompt tokens on the prefill pool at the look, queued or prefilling (sent to a prefill
-    # worker, no first token yet): what a step in the load left to drain
-    queued_prompt_tokens: float = 0.0
 
     @property
     def served(self) -> tuple[int, float]:

@@ -210,13 +210,6 @@ class Router(Membership):
             "commands_waiting": sum(w.channel.waiting for w in self.workers.values() if w.channel),
         }
 
-    def queued_prompt_tokens(self) -> int:
-        """Prompt tokens of the requests sent to a prefill worker whose first token has not
-        come: the prefill pool's backlog (the pool planner sizes it to drain)."""
-        return sum(
-            len(s.prompt_ids) for s in self._streams.values() if s.prefill_worker and s.first_token is None
-        )
-
     @property
     def num_inflight(self) -> int:
         return len(self._streams)

@@ -242,11 +242,6 @@ class SimAutoscaler(PlannerLoop[WorkerRole]):
             tpot_s=statistics.median(tpots) if tpots else math.nan,
             warming=bool(self.starting) or now - self.last_join < self.config.warmup,
             ended=(len(ended), good / len(ended) if ended else math.nan),
-            queued_prompt_tokens=sum(
-                sr.num_prompt_tokens
-                for sr in c.requests.values()
-                if sr.prefill_worker is not None and not sr.token_times and not sr.done
-            ),
         )
 
     # -- acting ----------------------------------------------------------------------------------

@@ -300,27 +300,14 @@ class FluidCluster:
             self._close(w)
         return w.open_end if w.members else w.end
 
-    def queued_prompt_tokens(self, t: float) -> int:
-        """Prompt tokens the prefill pool holds at ``t``: in its steps not done by then."""
-        total = 0
-        for w in self.workers:
-            if w.role is Role.PREFILL:
-                self._done_steps(w, t)
-                total += w.closed_tokens + w.open_tokens
-        return total
-
-    def _done_steps(self, w: _Worker, t: float) -> None:
-        """Forget ``w``'s closed steps that ended by ``t``."""
-        while w.closed and w.closed[0][1] <= t:
-            w.closed_tokens -= w.closed.popleft()[2]
-
     def _predict(self, w: _Worker, t: float, prompt: int) -> float:
         """The TTFT the goodput router predicts on ``w`` (``GoodputPolicy._prefill_candidates``,
         before its correction): the work queued ahead and the prompt's own prefill; with tokens
         queued, at least as many full steps as they and the prompt fill, counted from when the
         running step began. Its rejections follow from this, not from the model's own (more
         exact) first-token time, which is what the prompt then gets."""
-        self._done_steps(w, t)
+        while w.closed and w.closed[0][1] <= t:
+            w.closed_tokens -= w.closed.popleft()[2]
         queued = w.closed_tokens + w.open_tokens
         own = self._prefill_s(prompt)
         if not queued:

@@ -195,7 +195,6 @@ class FluidAutoscaler(PlannerLoop[Role]):
             ttft_s=float(ttfts[rank(len(ttfts), q)]) if len(ttfts) else math.nan,
             tpot_s=float(np.median(tpots)) if len(tpots) else math.nan,
             warming=c.starting() or now - c.last_join < self.config.warmup,
-            queued_prompt_tokens=c.queued_prompt_tokens(now),
         )
 
     def serving(self, role: Role) -> int:
