@@ -33,7 +33,9 @@ def test_windows_at_two_batch_sizes_recover_the_factor_and_the_fixed_cost(
     f, c = fit_decode([DecodePoint(m, factor * m + fixed) for m in models])
     for m in models:  # each step priced as measured, whatever the split
         assert f * m + c == pytest.approx(factor * m + fixed, rel=0.02)
-    assert f == pytest.approx(factor, rel=0.05, abs=0.05)
+    # the ridge's pull toward an even split moves the factor by up to about 10 % where the
+    # batch sizes span only 1.5x and the fixed cost is twice a step (a searched worst case)
+    assert f == pytest.approx(factor, rel=0.1, abs=0.1)
 
 
 def test_one_batch_size_splits_the_excess_evenly_and_prices_it_as_measured() -> None:
