@@ -49,6 +49,7 @@ from pdserve.bench.metrics import RequestResult, Slo
 from pdserve.bench.runner import build_workload
 from pdserve.bench.runner import run as replay
 from pdserve.bench.workload import RequestSpec
+from pdserve.router.workload_window import rank
 
 BIN = Path(sys.executable).parent
 
@@ -144,6 +145,8 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
         "worker_seconds": seconds,
         "windows": by_window(met, ends, args.interval),  # by when requests ended
         "arrival_windows": by_window(met, arrivals, args.interval),  # by when they arrived
+        # which target each arrival window's misses broke: where a step's growth fell short
+        "arrival_misses": misses_by_window(slo, results, arrivals, args.interval),
         "timeline": rel,
         # the host's CPU while the workload ran: near 100 % the host, not the emulated GPUs,
         # sets the latencies (a dilated profile, ``@xN``, gives it room)
@@ -161,6 +164,32 @@ def by_window(met: list[bool], times: list[float], interval: float) -> list[tupl
         if inside:
             windows.append((hi, sum(inside) / len(inside), len(inside)))
     return windows
+
+
+def misses_by_window(
+    slo: Slo, results: list[RequestResult], times: list[float], interval: float
+) -> list[tuple[float, int, int, int, int, float]]:
+    """(window end, requests, failed, over the TTFT target, over the TPOT target, the TTFT at the
+    90th percentile in ms) of each ``interval`` holding any of ``times``; a request over both
+    targets counts in both."""
+    out = []
+    for k in range(math.ceil(max(times) / interval)):
+        lo, hi = k * interval, (k + 1) * interval
+        inside = [r for r, t in zip(results, times, strict=True) if lo <= t < hi]
+        if not inside:
+            continue
+        ok = [r for r in inside if r.success]
+        ttfts = sorted(r.ttft * 1e3 for r in ok)
+        tpots = [r.tpot for r in ok]
+        out.append((
+            hi,
+            len(inside),
+            len(inside) - len(ok),
+            sum(1 for r in ok if slo.ttft_ms and r.ttft * 1e3 > slo.ttft_ms),
+            sum(1 for t in tpots if slo.tpot_ms and t is not None and t * 1e3 > slo.tpot_ms),
+            round(ttfts[rank(len(ttfts), 0.9)], 1) if ttfts else math.nan,
+        ))  # fmt: skip
+    return out
 
 
 def to_target(run: dict[str, Any], step_at: float) -> dict[str, float | None]:
@@ -263,6 +292,7 @@ def main() -> int:
         "live_layouts_at_boundaries": [a for a, _ in pairs],
         "live_windows": auto["windows"],
         "live_arrival_windows": auto["arrival_windows"],
+        "live_arrival_misses": auto["arrival_misses"],
         "wall_s": round(time.perf_counter() - started, 1),
     }
     if static is not None:
@@ -278,6 +308,7 @@ def main() -> int:
             "live_static_step_to_target_by_arrival_s": static_step["by_arrival"],
             "live_static_windows": static["windows"],
             "live_static_arrival_windows": static["arrival_windows"],
+            "live_static_arrival_misses": static["arrival_misses"],
             "attainment_gap_pp": round(100 * (static["attainment"] - auto["attainment"]), 2),
             "worker_seconds_ratio": round(auto["worker_seconds"] / static["worker_seconds"], 3),
         })  # fmt: skip

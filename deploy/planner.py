@@ -67,7 +67,11 @@ noise alone makes such lulls) — and the layout may step down once the cooldown
 Decode too: from the fall's interval on, the decode pool is priced on what arrived since the
 fall (the windows that reach before it are cut to the look's own), since the decode workers a
 step down retires drain their own requests; a decode window held over the fall kept a
-step's decode workers for as long as the window after it.
+step's decode workers for as long as the window after it. Likewise from a step up on
+(``step_above``, seen by a check): a decode window is long because a decode pool rides out a
+burst in its batch and slot queue, but a step is no burst: a window averaging it with the
+quiet before prices decode for a fraction of the new load, and a decode pool out of KV room
+holds up the prefill workers' hand-offs, so its misses show as TTFT's.
 The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
 busiest remembered window as long as it (a decision's against the intervals' that stay
 remembered, a check's against the checks'), so what ended in it is mostly the backlog of the
@@ -115,6 +119,7 @@ class Planner:
         self._burst: list[Observation] = []  # this interval's, so far
         self._fallen = False  # the memory restarted at a fall of the load (``forget_below``)
         self._fell_at = -math.inf  # when the last fall began (``Observation.t``'s clock)
+        self._rose_at = -math.inf  # when the last step up began (likewise)
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
         # (ended, met) of the last decisions' windows: the error budget's bank
@@ -142,11 +147,11 @@ class Planner:
         """``Observation.decode_load`` for a look at ``span_s``: ``load_over(s)`` measures the
         last ``s`` seconds; None when the decode window is no longer than the look's. Never
         longer than ``elapsed_s`` (the time measured so far: a window reaching before it would
-        count its empty start as a lull), nor reaching before the last fall of the load, where
-        ``now`` is the look's ``Observation.t`` (it would count the fallen load as still
-        arriving); the output length that sets it is read on the longest window (a short
-        window's few requests, or none, would set it by chance)."""
-        longest = min(self.config.down_after * interval_s, elapsed_s, now - self._fell_at)
+        count its empty start as a lull), nor reaching before the last fall or step of the load,
+        where ``now`` is the look's ``Observation.t`` (it would count the fallen load as still
+        arriving, or a step's as a burst); the output length that sets it is read on the longest
+        window (a short window's few requests, or none, would set it by chance)."""
+        longest = min(self.config.down_after * interval_s, elapsed_s, now - self._moved_at)
         if longest <= span_s:
             return None
         widest = load_over(longest)
@@ -256,6 +261,10 @@ class Planner:
         busiest = self._busiest(up_only)
         draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
         if up_only:
+            if self._stepped(obs):
+                if not any(self._stepped(w) for w in self._burst):  # the step's first check
+                    self._rose_at = obs.t - obs.load.span_s
+                obs = self._since_moved(obs)  # decode priced on what arrived since the step
             self._burst.append(obs)
         else:
             self._since_change += 1
@@ -267,7 +276,7 @@ class Planner:
                 self._fallen = True
                 self._fell_at = min(w.t - w.load.span_s for w in interval)
                 # decode priced on what arrived since: the workers it retires drain their own
-                interval = [self._since_fall(w) for w in interval]
+                interval = [self._since_moved(w) for w in interval]
                 obs = interval[-1]
             self._bursts.append(interval)
             self._burst = []
@@ -349,10 +358,16 @@ class Planner:
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
         return Decision(obs.t, Reason.HOLD, current, now_pred)
 
-    def _since_fall(self, w: Observation) -> Observation:
-        """``w`` with its decode window cut to its own where it reaches before the last fall."""
+    @property
+    def _moved_at(self) -> float:
+        """When the last fall or step of the load began: no decode window reaches before it."""
+        return max(self._fell_at, self._rose_at)
+
+    def _since_moved(self, w: Observation) -> Observation:
+        """``w`` with its decode window cut to its own where it reaches before the last fall
+        or step of the load."""
         d = w.decode_load
-        if d is not None and w.t - d.span_s < self._fell_at - 1e-6:
+        if d is not None and w.t - d.span_s < self._moved_at - 1e-6:
             return replace(w, decode_load=None)
         return w
 

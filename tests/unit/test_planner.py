@@ -817,3 +817,44 @@ def test_after_a_fall_decode_is_priced_on_what_arrived_since() -> None:
     asked.clear()
     plan.decode_window(10.0, 30.0, 1000.0, over)
     assert asked[0] == 90.0
+
+
+def test_at_a_step_decode_is_priced_on_what_arrived_since() -> None:
+    """A decode window reaching before a step averages it with the quiet before: it priced one
+    decode worker for a 4x load, whose full KV pool then stalled the prefill hand-offs. The
+    step's check prices decode on its own window, and the decode windows after it reach no
+    further back than the step."""
+    low, high, layout = 20.0, 80.0, Layout(2, 1)
+    plan = Planner(H100, SLO)
+
+    def look(t: float, span: float) -> Observation:  # on whatever layout the planner holds
+        at_high = min(90.0, max(0.0, t - 120.0))  # seconds of a 90 s window after the step at 120 s
+        wide = Workload((high * at_high + low * (90.0 - at_high)) / 90.0, *CONV, span_s=90.0)
+        rate = high if t > 120.0 else low
+        return Observation(t, layout, Workload(rate, *CONV, span_s=span), decode_load=wide)
+
+    for i in range(4):
+        for k in (1, 2):
+            layout = plan.decide(look(30 * i + 10 * k, 10.0), up_only=True).layout
+        layout = plan.decide(look(30 * i + 30, 30.0)).layout
+    step = plan.decide(look(130.0, 10.0), up_only=True)
+    assert step.reason is Reason.SCALE_UP, step
+    # the step's own load, as the pools' floor prices it (its window plus the headroom)
+    own = Observation(130.0, step.layout, Workload(high * 1.1, *CONV, span_s=10.0))
+    assert plan.predict(own, step.layout).feasible, step
+    # the averaged window alone would have kept fewer decode workers
+    averaged = Planner(H100, SLO)
+    for i in range(4):
+        averaged.decide(look(30 * i + 30, 30.0))
+    wide = look(130.0, 10.0)
+    fewer = averaged.decide(replace(wide, load=replace(wide.load, span_s=30.0), t=150.0))
+    assert fewer.layout.decode < step.layout.decode, (fewer, step)
+    # the decode window of a look 40 s after the step began reads those 40 s at most
+    asked: list[float] = []
+
+    def over(s: float) -> Workload:
+        asked.append(s)
+        return Workload(high, *CONV, span_s=s)
+
+    plan.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
+    assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
