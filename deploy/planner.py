@@ -71,7 +71,7 @@ step's decode workers for as long as the window after it. Likewise from a step u
 (``step_above``, seen by a check): a decode window is long because a decode pool rides out a
 burst in its batch and slot queue, but a step is no burst: a window averaging it with the
 quiet before prices decode for a fraction of the new load, and a decode pool out of KV room
-holds up the prefill workers' hand-offs, so its misses show as TTFT's.
+holds up the prefill workers' hand-offs (their KV waits for room), so it misses TTFT too.
 The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
 busiest remembered window as long as it (a decision's against the intervals' that stay
 remembered, a check's against the checks'), so what ended in it is mostly the backlog of the
