@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -50,6 +50,8 @@ from pdserve.bench.runner import build_workload
 from pdserve.bench.runner import run as replay
 from pdserve.bench.workload import RequestSpec
 from pdserve.router.workload_window import rank
+
+T = TypeVar("T")
 
 BIN = Path(sys.executable).parent
 
@@ -157,13 +159,7 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
 
 def by_window(met: list[bool], times: list[float], interval: float) -> list[tuple[float, float, int]]:
     """(window end, attainment, requests) of each ``interval`` holding any of ``times``."""
-    windows = []
-    for k in range(math.ceil(max(times) / interval)):
-        lo, hi = k * interval, (k + 1) * interval
-        inside = [m for m, t in zip(met, times, strict=True) if lo <= t < hi]
-        if inside:
-            windows.append((hi, sum(inside) / len(inside), len(inside)))
-    return windows
+    return [(hi, sum(inside) / len(inside), len(inside)) for hi, inside in _grouped(met, times, interval)]
 
 
 def misses_by_window(
@@ -173,11 +169,7 @@ def misses_by_window(
     90th percentile in ms) of each ``interval`` holding any of ``times``; a request over both
     targets counts in both."""
     out = []
-    for k in range(math.ceil(max(times) / interval)):
-        lo, hi = k * interval, (k + 1) * interval
-        inside = [r for r, t in zip(results, times, strict=True) if lo <= t < hi]
-        if not inside:
-            continue
+    for hi, inside in _grouped(results, times, interval):
         ok = [r for r in inside if r.success]
         ttfts = sorted(r.ttft * 1e3 for r in ok)
         tpots = [r.tpot for r in ok]
@@ -190,6 +182,15 @@ def misses_by_window(
             round(ttfts[rank(len(ttfts), 0.9)], 1) if ttfts else math.nan,
         ))  # fmt: skip
     return out
+
+
+def _grouped(items: list[T], times: list[float], interval: float) -> Iterator[tuple[float, list[T]]]:
+    """(window end, the ``items`` whose time falls in it) of each ``interval`` holding any."""
+    for k in range(math.ceil(max(times) / interval)):
+        lo, hi = k * interval, (k + 1) * interval
+        inside = [x for x, t in zip(items, times, strict=True) if lo <= t < hi]
+        if inside:
+            yield hi, inside
 
 
 def to_target(run: dict[str, Any], step_at: float) -> dict[str, float | None]:

@@ -260,8 +260,9 @@ class Planner:
         # (growing on them adds workers that start after the backlog is gone).
         busiest = self._busiest(up_only)
         draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
+        stepped = up_only and self._stepped(obs)
         if up_only:
-            if self._stepped(obs):
+            if stepped:
                 if not any(self._stepped(w) for w in self._burst):  # the step's first check
                     self._rose_at = obs.t - obs.load.span_s
                 obs = self._since_moved(obs)  # decode priced on what arrived since the step
@@ -303,7 +304,7 @@ class Planner:
             return self._change(
                 obs, Reason.SCALE_UP if up else Reason.SCALE_DOWN, current, now_pred, "back within the bounds"
             )
-        if up_only and not measured_miss and now_pred.feasible and not self._stepped(obs):
+        if up_only and not measured_miss and now_pred.feasible and not stepped:
             # A check's short window sees the trace's bursts as well as steps: between decisions
             # only what is certain grows the pools (a measured miss, a load the layout cannot
             # keep up with at all, or a step: arrivals far past every window remembered); a
