@@ -72,10 +72,10 @@ def slo_flags(args: argparse.Namespace) -> list[str]:
 @contextmanager
 def serving(
     args: argparse.Namespace, layout: list[str], log: Path
-) -> Iterator[tuple[str, list[tuple[float, int, int, float]]]]:
-    """``pdserve serve`` with ``layout`` flags; yields its gRPC address and a timeline of
-    (monotonic time, prefill, decode, host CPU busy %) sampled once a second while it runs
-    (prefill and decode -1 for a second the status did not answer)."""
+) -> Iterator[tuple[str, str, list[tuple[float, int, int, float]]]]:
+    """``pdserve serve`` with ``layout`` flags; yields its gRPC address, its HTTP URL and a
+    timeline of (monotonic time, prefill, decode, host CPU busy %) sampled once a second while
+    it runs (prefill and decode -1 for a second the status did not answer)."""
     http, grpc_port = free_port(), free_port()
     # INFO: the planner's every decision and the measurements behind it go to the run's log
     cmd = [str(BIN / "pdserve"), "--log-level", "INFO", "serve", "--model", "tiny",
@@ -83,7 +83,7 @@ def serving(
            "--policy", "least_loaded", "--no-local-prefill",
            "--slo", f"default:ttft={args.ttft_ms:g},tpot={args.tpot_ms:g}",
            "--max-tokens-cap", "4096", "--http-port", str(http), "--grpc-port", str(grpc_port),
-           *layout]  # fmt: skip
+           *layout, *args.serve_flag]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     timeline: list[tuple[float, int, int, float]] = []
@@ -107,7 +107,7 @@ def serving(
         wait_ready(f"http://127.0.0.1:{http}/health", proc, timeout_s=300)
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        yield f"127.0.0.1:{grpc_port}", timeline
+        yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http}", timeline
         stop.set()
         th.join()
     finally:
@@ -121,7 +121,7 @@ def serving(
 def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str, Any]:
     slo = Slo.parse(slo_flags(args)[1:])
     work = specs(args)
-    with serving(args, layout, log) as (address, timeline):
+    with serving(args, layout, log) as (address, url, timeline):
 
         async def go() -> tuple[list[RequestResult], float]:
             backend = PdserveGrpcBackend(address, None, 0.0)  # its channel belongs to this loop
@@ -133,6 +133,7 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
         t0 = time.monotonic()
         results, _ = asyncio.run(go())
         t_end = time.monotonic()
+        counters = moved(url)
     met = [slo.met(r) for r in results]
     ends = [s.arrival_s + r.latency for s, r in zip(work, results, strict=True)]
     arrivals = [s.arrival_s for s in work]
@@ -150,11 +151,29 @@ def live_run(args: argparse.Namespace, layout: list[str], log: Path) -> dict[str
         # which target each arrival window's misses broke: where a step's growth fell short
         "arrival_misses": misses_by_window(slo, results, arrivals, args.interval),
         "timeline": rel,
+        "moved": counters,
         # the host's CPU while the workload ran: near 100 % the host, not the emulated GPUs,
         # sets the latencies (a dilated profile, ``@xN``, gives it room)
         "host_cpu_median_pct": busy[len(busy) // 2] if busy else math.nan,
         "host_cpu_p90_pct": busy[int(0.9 * (len(busy) - 1))] if busy else math.nan,
     }
+
+
+MOVED = {
+    "pdserve:prefill_rerouted_total": "prompts_rerouted",  # taken back before they started
+    "pdserve:request_migrations_total": "streams_migrated",
+}
+
+
+def moved(url: str) -> dict[str, float]:
+    """The router's counts of requests it moved (``MOVED``), from its metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in MOVED:
+            out[MOVED[name]] = float(value)
+    return out
 
 
 def by_window(met: list[bool], times: list[float], interval: float) -> list[tuple[float, float, int]]:
@@ -232,6 +251,10 @@ def main() -> int:
     ap.add_argument("--spend", type=float, default=0.0, help="--autoscale-spend of the autoscaled runs")
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"))
+    ap.add_argument(
+        "--serve-flag", action="append", default=[], metavar="FLAG",
+        help="one more 'pdserve serve' flag for the live runs (repeat it), e.g. =--no-prefill-rebalance",
+    )  # fmt: skip
     args = ap.parse_args()
     # The simulated runs: the same workload, profile and SLO (the simulator's own arrivals).
     base = ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", args.curve,
@@ -282,6 +305,7 @@ def main() -> int:
         "live_autoscaled_failed": auto["failed"],
         "live_autoscaled_errors": auto["errors"],
         "live_autoscaled_worker_seconds": round(auto["worker_seconds"], 1),
+        "live_autoscaled_moved": auto["moved"],
         "live_autoscaled_host_cpu_pct": [auto["host_cpu_median_pct"], auto["host_cpu_p90_pct"]],
         "step_to_target_s": auto_step["by_end"],
         "step_to_target_by_arrival_s": auto_step["by_arrival"],

@@ -149,6 +149,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a stream whose decode worker is lost moves to another one at most N times (0: it fails)",
     )  # fmt: skip
     p.add_argument(
+        "--no-prefill-rebalance", dest="rebalance_prefill", action="store_false",
+        help="a prompt stays on the prefill worker it was sent to, even when the pool grows or a "
+        "worker leaves it before the prompt started",
+    )  # fmt: skip
+    p.add_argument(
         "--liveness-timeout", type=float, default=4.0, metavar="S",
         help="a worker that sends nothing (not even its heartbeat) for S seconds is lost: its streams move",
     )  # fmt: skip
@@ -224,6 +229,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         model_name=args.served_model_name or (args.model if args.model in MODEL_NAMES else ""),
         drain_timeout_s=args.drain_timeout,
         migration_limit=args.migration_limit,
+        rebalance_prefill=args.rebalance_prefill,
         liveness_timeout_s=args.liveness_timeout,
         worker_channel_host=kv_host,
     )

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from typing import ClassVar
 
 from pdserve.prefill_worker.engine import PrefillEngine
-from pdserve.worker.commands import Answer, Command, Prefill, SetTarget
+from pdserve.worker.commands import Answer, Command, Prefill, SetTarget, Withdraw
 from pdserve.worker.host import Role, WorkerHost
 from pdserve.worker.loop import RoleEngine
 from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
@@ -23,6 +23,8 @@ def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] 
         return host.loop.submit(eng.add, cmd.work, cmd.target)
     if isinstance(cmd, SetTarget):
         return host.loop.submit(eng.set_target, cmd.request_id, cmd.target)
+    if isinstance(cmd, Withdraw):
+        return host.loop.submit(eng.withdraw, cmd.request_id)
     return None
 
 
@@ -41,3 +43,7 @@ class PrefillWorker(WorkerHost):
 
     def set_target(self, request_id: str, target: KVTarget) -> bool:
         return bool(self.run(SetTarget(request_id, target)))
+
+    def withdraw(self, request_id: str) -> bool:
+        """Take back a prompt that has not started; False if it started or is not here."""
+        return bool(self.run(Withdraw(request_id)))

@@ -11,6 +11,7 @@ Per request::
           out, and the decode worker recomputes the prompt)
     the first token already ends the request (EOS, max_tokens=1): reported finished, the
     transfer is cancelled; abort: removed wherever it is, its transfer cancelled.
+    withdraw (WAITING only): removed as if it had never come (the router routes it again).
 
 Ids: the router's commands arrive in the order it sent them (one channel per worker), so an
 abort never overtakes the add it cancels; an unknown id is simply not here (handed off or
@@ -107,6 +108,16 @@ class PrefillEngine(RoleEngineBase):
         else:
             self.scheduler.remove(request_id)
             self._forget(request_id)
+        return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Give back a request that has not started (no block held, nothing computed): it leaves
+        as if it had never come, and the router routes it again. False if it started, or is not
+        here (both leave it as it was)."""
+        if request_id not in self._requests or self.scheduler.withdraw(request_id) is None:
+            return False
+        self._targets.pop(request_id, None)  # the router gives the decode reservation back
+        self._forget(request_id)
         return True
 
     def _forget(self, request_id: str) -> Request | None:

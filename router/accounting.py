@@ -68,7 +68,9 @@ class Accounting:
             return
         now = time.perf_counter()
         if stream.first_token is None:
-            self.dispatcher.on_first_token(stream.request_id, now, now - stream.arrival)
+            # From this attempt's dispatch: what the dispatcher predicted (a prompt routed again
+            # waited elsewhere before).
+            self.dispatcher.on_first_token(stream.request_id, now, now - stream.attempt_at)
         elif role is not WorkerRole.PREFILL and stream.prefill_worker and not stream.handed_off:
             stream.handed_off = True
             # The KV can move only once prefill is done and decode has reserved room for it: a

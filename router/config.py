@@ -64,5 +64,8 @@ class RouterConfig:
     # A stream whose decode worker is lost continues on another one (prompt + the tokens already
     # sent, recomputed there) at most this many times; 0: it fails UNAVAILABLE, with the reason.
     migration_limit: int = 3
+    # Prompts that have not started move when the prefill pool gains a worker or starts to lose
+    # one (``pdserve.router.rebalance``); False: a prompt stays where it was sent.
+    rebalance_prefill: bool = True
     liveness_timeout_s: float = 4.0  # a worker silent this long (no heartbeat) is lost
     worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)

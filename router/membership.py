@@ -4,7 +4,9 @@
 workers serve: a worker joins (``add_worker``), is lost (its channel ended, ``_on_lost``), is
 retired (``retire``) or moves to the other pool in place (``switch_role``). Whatever a worker
 that leaves still held moves elsewhere (``_migrate``: a fresh internal id, dispatched again
-with the tokens already sent) or fails with the reason.
+with the tokens already sent) or fails with the reason. Whenever the prefill pool gains a
+worker or starts to lose one, the prompts that have not started are spread over the pool
+again (``_rebalance_prefill``, deciding with ``pdserve.router.rebalance``).
 
 Every method runs on the router's event loop, like the rest of ``Router``.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -26,8 +29,10 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.outputs import OutputListener
 from pdserve.router.policy import Decision, Dispatcher, RouteRequest
 from pdserve.router.prefix import block_keys
+from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.commands import Withdraw
 from pdserve.worker.messages import WorkerRole, WorkItem
 
 if TYPE_CHECKING:
@@ -50,6 +55,7 @@ class Membership:
     on_worker_gone: Callable[[WorkerHandle, str], None] | None
     _streams: dict[str, RequestStream]
     _client_ids: dict[str, str]
+    _rebalancing: asyncio.Lock  # one rebalance at a time: each plans on the last one's outcome
 
     if TYPE_CHECKING:
 
@@ -58,7 +64,7 @@ class Membership:
 
         def _pool(self, role: WorkerRole) -> list[WorkerHandle]: ...
 
-        def _decide(self, route: RouteRequest, remote_prefill: bool = True) -> Decision: ...
+        def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision: ...
 
         def _start_dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None: ...
 
@@ -105,6 +111,11 @@ class Membership:
         self.outputs.registered(wid)
         log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
 
+    def _on_ready(self, worker: WorkerHandle) -> None:
+        """A worker's channel is up: it takes requests from now on."""
+        if worker.role is WorkerRole.PREFILL:
+            self._spawn(self._rebalance_prefill())
+
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self._move_off(worker, f"worker {worker.worker_id} failed: {reason}")
         # Its channel is gone, but the process may live on (a broken connection, a wedged
@@ -141,6 +152,8 @@ class Membership:
         if w is None or not w.alive or w.retiring:
             raise ValueError(f"no live worker {worker_id!r} in service")
         w.retiring = True
+        if w.role is WorkerRole.PREFILL:  # its prompts that have not started go elsewhere now
+            self._spawn(self._rebalance_prefill())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s
         while w.inflight and w.alive and (loop.time() < deadline or self.config.migration_limit <= 0):
@@ -176,6 +189,8 @@ class Membership:
             w.load = replace(w.load, role=info.role, address=info.address)
         finally:
             w.retiring = False
+        if w.role is WorkerRole.PREFILL:
+            self._spawn(self._rebalance_prefill())
         moved = "" if clean else " (requests moved)"
         log.info("worker %s is now a %s worker%s", worker_id, role.value, moved)
         return clean
@@ -196,6 +211,49 @@ class Membership:
         log.info("worker %s retired%s", worker_id, "" if clean else " (requests moved)")
         return clean
 
+    # -- prompts that have not started ---------------------------------------------------------
+    async def _rebalance_prefill(self) -> None:
+        """Take back the prompts ``withdrawals`` picks (each worker answers for its own: one
+        that started stays) and route them again, as new requests are routed."""
+        if self.colocated or not self.config.rebalance_prefill:
+            return
+        async with self._rebalancing:
+            pool = [w for w in self.workers.values() if w.role is WorkerRole.PREFILL and w.alive]
+            open_workers = [w.worker_id for w in pool if w.routable]
+            min_tokens = min((w.info.step_tokens for w in pool if w.routable), default=0)
+            plan = withdrawals({w.worker_id: self._queued(w) for w in pool}, open_workers, min_tokens)
+            await asyncio.gather(*(self._withdraw(self.workers[wid], rids) for wid, rids in plan.items()))
+
+    def _queued(self, w: WorkerHandle) -> list[Queued]:
+        """``w``'s prompts without a first token, oldest first (as far as the router knows)."""
+        streams = [self._streams.get(rid) for rid in w.inflight]
+        queued = [
+            s for s in streams
+            if s is not None and not s.done and s.first_token is None and s.prefill_worker == w.worker_id
+        ]  # fmt: skip
+        queued.sort(key=lambda s: (s.attempt_at, s.request_id))
+        now = time.perf_counter()
+        return [
+            Queued(s.request_id, len(s.prompt_ids), worth_moving((now - s.arrival) * 1e3, _ttft_target(s)))
+            for s in queued
+        ]
+
+    async def _withdraw(self, w: WorkerHandle, request_ids: list[str]) -> None:
+        timeout = self.config.call_timeout_s
+        answers = await asyncio.gather(
+            *(w.command(Withdraw(rid), timeout) for rid in request_ids), return_exceptions=True
+        )
+        # oldest first: routed again in the order they came
+        for rid, taken in reversed(list(zip(request_ids, answers, strict=True))):
+            if taken is not True:
+                continue  # started, ended, moved on, or the worker is gone (its loss moves it)
+            w.inflight.discard(rid)  # the worker forgot it: nothing to abort there
+            stream = self._streams.get(rid)
+            if stream is None or stream.done:
+                continue
+            self.metrics.rerouted.inc()
+            self._restart(stream, avoid=w.worker_id)
+
     # -- migration -----------------------------------------------------------------------------
     def _why_not_migrate(self, stream: RequestStream) -> str | None:
         """Why a stream whose decode worker was lost cannot move to another one (None: it can)."""
@@ -209,13 +267,18 @@ class Membership:
         return None
 
     def _migrate(self, stream: RequestStream) -> None:
-        """Move a stream off a lost worker: whatever was under way for it stops (its dispatch;
-        it is aborted on the workers that live on), it takes a fresh id (so nothing the old
-        workers still send can reach it), and it is dispatched again — to a decode worker that
-        recomputes prompt + the tokens already sent and goes on, or, when no token was sent yet,
-        the way any new request is routed."""
+        """Move a stream off a lost worker (``_restart``); it counts against the limit."""
         stream.migrations += 1
         self.metrics.migrations.inc()
+        self._restart(stream)
+
+    def _restart(self, stream: RequestStream, avoid: str = "") -> None:
+        """Dispatch a stream again: whatever was under way for it stops (its dispatch; it is
+        aborted on the workers that live on and still hold it), it takes a fresh id (so
+        nothing the old workers still send can reach it), and it goes to a decode worker that
+        recomputes prompt + the tokens already sent and goes on, or, when no token was sent
+        yet, the way any new request is routed (to a prefill worker other than ``avoid``: one
+        that gave the prompt back, which the dispatcher's last view of it may still favour)."""
         if stream.dispatch is not None and not stream.dispatch.done():
             stream.dispatch.cancel()
         old = stream.request_id
@@ -232,9 +295,9 @@ class Membership:
         if self._client_ids.get(stream.client_id) == old:
             self._client_ids[stream.client_id] = new
         stream.restart(new)
-        self._spawn(self._resume(stream))
+        self._spawn(self._resume(stream, avoid))
 
-    async def _resume(self, stream: RequestStream) -> None:
+    async def _resume(self, stream: RequestStream, avoid: str) -> None:
         assert stream.work is not None
         if stream.done or self._streams.get(stream.request_id) is not stream:
             return  # it ended (or its consumer left) before it could move
@@ -247,12 +310,13 @@ class Membership:
         try:
             # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
             # prefilled anywhere, like a new request's.
-            decision = self._decide(route, remote_prefill=not sent)
+            decision = self._decide(route, remote_prefill=not sent, avoid=avoid)
         except RouterError as e:
             stream.fail(e)
             return
-        log.info("%s: moving to %s after %d tokens (migration %d)", stream.client_id, decision.decode_worker,
-                 len(sent), stream.migrations)  # fmt: skip
+        log.info("%s: moving to %s+%s after %d tokens (migrations: %d)", stream.client_id,
+                 decision.prefill_worker or "-", decision.decode_worker, len(sent),
+                 stream.migrations)  # fmt: skip
         self._start_dispatch(stream, work, decision)
 
     async def _stop_worker(self, worker: WorkerHandle) -> None:
@@ -260,3 +324,7 @@ class Membership:
             await asyncio.to_thread(worker.caller.kill)
         except Exception as e:  # already gone is the common case
             log.debug("stopping lost worker %s: %s", worker.worker_id, e)
+
+
+def _ttft_target(stream: RequestStream) -> float:
+    return stream.slo.ttft_ms if stream.slo is not None else 0.0

@@ -158,6 +158,12 @@ class RouterMetrics:
             "Streams moved to another decode worker after theirs was lost",
             registry=r,
         )
+        self.rerouted = Counter(
+            P + "prefill_rerouted",
+            "Prompts taken back from a prefill worker before they started and routed again "
+            "(the prefill pool changed)",
+            registry=r,
+        )
         self.failures = Counter(
             P + "request_failures", "Requests that ended with an error", ["code"], registry=r
         )

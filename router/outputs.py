@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
+OnReady = Callable[[WorkerHandle], None]
 HANDSHAKE_TIMEOUT_S = 10.0
 REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
 
@@ -112,6 +113,7 @@ class OutputListener:
         self._workers: dict[str, WorkerHandle] = {}
         self._on_deltas: OnDeltas | None = None
         self._on_lost: OnLost | None = None
+        self._on_ready: OnReady | None = None
         self._bound = asyncio.Event()
         self._connected: dict[str, asyncio.Event] = {}
         self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
@@ -130,9 +132,17 @@ class OutputListener:
         port = self._server.sockets[0].getsockname()[1]
         return f"{self.host}:{port}"
 
-    def bind(self, workers: dict[str, WorkerHandle], on_deltas: OnDeltas, on_lost: OnLost) -> None:
-        """Start delivering: connections that arrived earlier wait for this."""
+    def bind(
+        self,
+        workers: dict[str, WorkerHandle],
+        on_deltas: OnDeltas,
+        on_lost: OnLost,
+        on_ready: OnReady | None = None,
+    ) -> None:
+        """Start delivering: connections that arrived earlier wait for this. ``on_ready``: a
+        worker's channel is up (it can take commands)."""
         self._workers, self._on_deltas, self._on_lost = workers, on_deltas, on_lost
+        self._on_ready = on_ready
         self._bound.set()
 
     def expect(self, worker_id: str) -> None:
@@ -177,6 +187,8 @@ class OutputListener:
                 raise ChannelError(f"worker {wid!r} is fenced off (lost, or already connected)")
             worker.channel = channel = CommandChannel(wid, writer)
             self._connected.setdefault(wid, asyncio.Event()).set()
+            if self._on_ready is not None:
+                self._on_ready(worker)
             assert self._on_deltas is not None
             while True:
                 try:

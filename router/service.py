@@ -135,6 +135,7 @@ class Router(Membership):
         self._streams: dict[str, RequestStream] = {}  # by the router's own request id
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
         self._tasks: set[asyncio.Task[None]] = set()
+        self._rebalancing = asyncio.Lock()
         self.draining = False
         # Told of every worker the router lost, once its requests have moved (a pool keeper
         # replaces it).
@@ -175,7 +176,7 @@ class Router(Membership):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.outputs.bind(self.workers, self._on_deltas, self._on_lost)
+        self.outputs.bind(self.workers, self._on_deltas, self._on_lost, self._on_ready)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):
@@ -291,14 +292,15 @@ class Router(Membership):
         """The role of the workers that decode (and may prefill) requests."""
         return WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
 
-    def _decide(self, route: RouteRequest, remote_prefill: bool = True) -> Decision:
+    def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision:
         """Where the request goes; ``remote_prefill=False``: only to a decode worker, which
-        prefills it itself."""
+        prefills it itself; ``avoid``: a prefill worker not to send it to."""
         decode = [w.load for w in self._pool(self._decode_role)]
         if not decode:
             raise RouterError(Code.UNAVAILABLE, f"no healthy {self._decode_role.value} worker")
         remote = remote_prefill and not self.colocated
-        prefill = [w.load for w in self._pool(WorkerRole.PREFILL)] if remote else []
+        pool = self._pool(WorkerRole.PREFILL) if remote else []
+        prefill = [w.load for w in pool if w.worker_id != avoid]
         return self.dispatcher.decide(route, prefill, decode, time.perf_counter())
 
     def discard(self, admitted: Admitted) -> None:

@@ -85,6 +85,7 @@ class RequestStream:
         self.text = TextStream(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
         self.state = StreamState.DISPATCHING
         self.arrival = time.perf_counter()
+        self.attempt_at = self.arrival  # when the current attempt was dispatched (a restart's)
         self.dispatched: float | None = None
         self.first_token: float | None = None
         self.token_ids: list[int] = []
@@ -106,9 +107,10 @@ class RequestStream:
         self.reserved_at = 0.0  # when it did (perf_counter)
 
     def restart(self, request_id: str) -> None:
-        """A new attempt under a new id (migration): the tokens sent stay; the per-attempt
-        dispatch state starts afresh."""
+        """A new attempt under a new id (migration, a prompt routed again): the tokens sent
+        stay; the per-attempt dispatch state starts afresh."""
         self.request_id = request_id
+        self.attempt_at = time.perf_counter()
         self.prefill_worker = self.decode_worker = ""
         self.reservation_settled.set()  # wakes what waited on the old attempt (it moves on)
         self.reserved = asyncio.Event()

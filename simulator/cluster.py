@@ -37,7 +37,7 @@ import random
 import statistics
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.bench.metrics import RequestResult
 from pdserve.decode_worker.engine import DecodeEngine
@@ -48,6 +48,7 @@ from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
+from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.early_stop import EarlyStop
@@ -71,6 +72,8 @@ class SimRequest:
     done: bool = False
     rejected: bool = False
     error: str = ""  # failed after it was dispatched (the router's answer to the client)
+    dispatched: float = 0.0  # when its current attempt was routed
+    attempts: int = 0  # times it was routed again (a prompt taken back from a prefill worker)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -234,11 +237,14 @@ class Cluster:
         shared_host: bool = False,
         jitter_seed: int = 0,
         reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
+        rebalance_prefill: bool = RouterConfig.rebalance_prefill,
     ) -> None:
         self.clock = Clock()
         # as the router: a request whose decode worker finds no KV room in this long fails
         # (RESOURCE_EXHAUSTED) rather than waiting on
         self.reserve_timeout_s = reserve_timeout_s
+        self.rebalance_prefill = rebalance_prefill
+        self.rerouted = 0  # prompts taken back from a prefill worker and routed again
         self.profile = profile
         self.calibration = calibration_of(profile)
         self.link = Link(self.clock, profile)
@@ -252,6 +258,7 @@ class Cluster:
         self.prefillers: list[SimWorker] = []  # routable now
         self.decoders: list[SimWorker] = []
         self.lifetimes: dict[str, list[float]] = {}  # worker id -> [started, stopped (or open)]
+        self.requests: dict[str, SimRequest] = {}  # in flight
         if colocated:
             for _ in range(colocated):
                 self.add_worker(WorkerRole.COLOCATED)
@@ -262,7 +269,6 @@ class Cluster:
                 self.add_worker(WorkerRole.DECODE)
         self.dispatcher = dispatcher
         self.slo = slo
-        self.requests: dict[str, SimRequest] = {}  # in flight
         self.finished: list[SimRequest] = []  # in the order they ended
         self.end_times: list[float] = []  # when each of ``finished`` ended (non-decreasing)
         self.decisions: dict[str, int] = {}  # "outcome/reason" -> count
@@ -295,15 +301,22 @@ class Cluster:
         self.by_id[w.wid] = w
         self.lifetimes[w.wid] = [self.clock.now, math.inf]
         if ready_in_s > 0:
-            self.clock.at(self.clock.now + ready_in_s, lambda: self.pool(role).append(w))
+            self.clock.at(self.clock.now + ready_in_s, lambda: self._join(w))
         else:
-            self.pool(role).append(w)
+            self._join(w)
         return w
+
+    def _join(self, w: SimWorker) -> None:
+        self.pool(w.role).append(w)
+        if w.role is WorkerRole.PREFILL:
+            self._rebalance_prefill()
 
     def retire(self, w: SimWorker, then: Callable[[], None] | None = None) -> None:
         """Route nothing new to ``w``; once it holds nothing, stop it (or run ``then``)."""
         self.pool(w.role).remove(w)
         w.retiring = True
+        if w.role is WorkerRole.PREFILL:
+            self._rebalance_prefill()
 
         def idle() -> None:
             if then is not None:
@@ -323,7 +336,7 @@ class Cluster:
             def join() -> None:
                 w.become(role, self.configs[role])
                 w.retiring = False
-                self.pool(role).append(w)
+                self._join(w)
                 if on_join is not None:
                     on_join()
 
@@ -341,18 +354,20 @@ class Cluster:
         return sr
 
     # -- the router ------------------------------------------------------------------------------
-    def _arrive(self, sr: SimRequest) -> None:
+    def _arrive(self, sr: SimRequest, avoid: SimWorker | None = None) -> None:
+        """Route ``sr`` (again, after a prefill worker gave it back: not to ``avoid``)."""
         work = sr.work
         rid = work.request_id
+        sr.dispatched = self.clock.now
         route = RouteRequest(
             sr.num_prompt_tokens, work.params.max_tokens, request_id=rid,
             block_keys=block_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
         )  # fmt: skip
-        decision = self.dispatcher.decide(
-            route, [w.load() for w in self.prefillers], [w.load() for w in self.decoders], self.clock.now
-        )
-        key = f"{decision.outcome.value}/{decision.reason}"
-        self.decisions[key] = self.decisions.get(key, 0) + 1
+        prefill = [w.load() for w in self.prefillers if w is not avoid]
+        decision = self.dispatcher.decide(route, prefill, [w.load() for w in self.decoders], self.clock.now)
+        if avoid is None:
+            key = f"{decision.outcome.value}/{decision.reason}"
+            self.decisions[key] = self.decisions.get(key, 0) + 1
         if decision.outcome is Outcome.REJECTED:
             sr.rejected = True
             self.finish(sr)
@@ -378,37 +393,38 @@ class Cluster:
             p.command(lambda: p.prefill.add(work, target))
         else:
             p.command(lambda: p.prefill.add(work))
-            reservation.add_done_callback(lambda f: self._reserved(sr, f))
+            reservation.add_done_callback(lambda f: self._reserved(sr, f, rid))
         self.dispatcher.on_report(d.load())
         self.dispatcher.on_report(p.load())
 
-    def _reserved(self, sr: SimRequest, fut: Future[KVTarget | None]) -> None:
+    def _reserved(self, sr: SimRequest, fut: Future[KVTarget | None], rid: str) -> None:
         """A waiting reservation was granted (in the decode worker's step: reported at its end)."""
         d = sr.decode_worker
         assert d is not None
         target = fut.result()
-        if sr.done:  # the request ended meanwhile (its reservation given back)
+        if sr.done or sr.work.request_id != rid:  # it ended, or moved on: the reservation went back
             return
         if target is None:  # no room by the deadline: the router fails it
-            d.later(lambda: self._no_room(sr))
+            d.later(lambda: self._no_room(sr, rid))
             return
-        d.later(lambda: self._granted(sr, target))
+        d.later(lambda: self._granted(sr, target, rid))
 
-    def _no_room(self, sr: SimRequest) -> None:
+    def _no_room(self, sr: SimRequest, rid: str) -> None:
         """As the router does when the reservation's wait runs out: RESOURCE_EXHAUSTED, and the
         prefill worker lets go of the prompt (its first token may be out already)."""
-        if sr.done:
+        if sr.done or sr.work.request_id != rid:
             return
         p = sr.prefill_worker
         assert p is not None
-        rid = sr.work.request_id
         p.command(lambda: p.prefill.abort(rid))
         sr.error = f"RESOURCE_EXHAUSTED: no KV cache room within {self.reserve_timeout_s:g}s"
         self.finish(sr)
 
-    def _granted(self, sr: SimRequest, target: KVTarget) -> None:
+    def _granted(self, sr: SimRequest, target: KVTarget, rid: str) -> None:
         """As the router does: name the blocks to the prefill worker, and start decoding once
         the first token is known as well."""
+        if sr.done or sr.work.request_id != rid:
+            return
         p = sr.prefill_worker
         assert p is not None
         sr.granted = True
@@ -438,7 +454,7 @@ class Cluster:
                 return
             sr.token_times.append(now)  # the first token leaves now (TTFT)
             sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
             self._judge(lambda es: es.first_token(rid, now - sr.arrival))
             if delta.finished:  # that token was the last: decode gives its reservation back
                 decoder.command(lambda: decoder.decode.abort(rid))
@@ -454,10 +470,54 @@ class Cluster:
         sr.token_times.extend([now] * len(delta.token_ids))
         if first and sr.token_times:  # prefilled locally: that was the first token
             sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.arrival)
+            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
             self._judge(lambda es: es.first_token(rid, now - sr.arrival))
         if delta.finished:
             self.finish(sr)
+
+    def _rebalance_prefill(self) -> None:
+        """As the router does when the prefill pool changes: take back the prompts that have not
+        started (``pdserve.router.rebalance``) and route them again under a fresh id."""
+        if not self.rebalance_prefill or not self.requests:
+            return
+        holders: dict[str, list[SimRequest]] = {}
+        for sr in sorted(self.requests.values(), key=lambda r: (r.dispatched, r.work.request_id)):
+            p = sr.prefill_worker
+            if p is not None and not sr.token_times and p.role is WorkerRole.PREFILL:
+                holders.setdefault(p.wid, []).append(sr)
+        ttft_ms = self.slo.ttft_ms if self.slo is not None else 0.0
+        now = self.clock.now
+
+        def queued(sr: SimRequest) -> Queued:
+            movable = worth_moving((now - sr.arrival) * 1e3, ttft_ms)
+            return Queued(sr.work.request_id, sr.num_prompt_tokens, movable)
+
+        queues = {wid: [queued(sr) for sr in q] for wid, q in holders.items()}
+        budget = self.configs[WorkerRole.PREFILL].max_num_batched_tokens
+        plan = withdrawals(queues, [w.wid for w in self.prefillers], budget)
+        for wid, rids in plan.items():
+            p = self.by_id[wid]
+            taken = [rid for rid in rids if p.prefill.withdraw(rid)]
+            for rid in reversed(taken):  # oldest first, as they came
+                self._reroute(self.requests[rid], p)
+            p.changed()
+            p._check_idle()
+
+    def _reroute(self, sr: SimRequest, avoid: SimWorker) -> None:
+        old = sr.work.request_id
+        d = sr.decode_worker
+        assert d is not None
+        d.command(lambda: d.decode.abort(old))  # its reservation goes back
+        self.link.tokens.pop(sr.transfer_id, None)
+        self.dispatcher.on_end(old, self.clock.now, None)  # forget the old placement
+        del self.requests[old]
+        sr.attempts += 1
+        base = old.split("~", 1)[0]
+        sr.work = replace(sr.work, request_id=f"{base}~{sr.attempts}")
+        sr.prefill_worker = sr.decode_worker = None
+        sr.transfer_id, sr.granted = "", False
+        self.rerouted += 1
+        self._arrive(sr, avoid)
 
     def _judge(self, verdict: Callable[[EarlyStop], bool]) -> None:
         if self.early_stop is not None and verdict(self.early_stop):

@@ -11,9 +11,9 @@ for one worker arrive in the order the router sent them. A command frame is
 Decoding checks every frame against the exact schema of its kind (types, lengths, caps,
 nesting); anything else is a ``ChannelError`` and never reaches an engine.
 
-Who answers what: a prefill worker takes ``Prefill``, ``SetTarget`` and ``Abort``; a decode
-worker ``QueueReservation``, ``AwaitReservation``, ``Start``, ``KvLost``, ``AddLocal`` and
-``Abort``. ``AwaitReservation`` is answered only once the reservation is settled (granted,
+Who answers what: a prefill worker takes ``Prefill``, ``SetTarget``, ``Withdraw`` and
+``Abort``; a decode worker ``QueueReservation``, ``AwaitReservation``, ``Start``, ``KvLost``,
+``AddLocal`` and ``Abort``. ``AwaitReservation`` is answered only once the reservation is settled (granted,
 expired or aborted); every other command as soon as the engine ran it between two steps.
 """
 
@@ -51,6 +51,13 @@ class SetTarget:
 
 
 @dataclass(frozen=True)
+class Withdraw:
+    """Give back a prompt that has not started (answered True: the worker forgot it)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class QueueReservation:
     work: WorkItem
     transfer_id: str
@@ -84,7 +91,9 @@ class Abort:
     request_id: str
 
 
-Command = Prefill | SetTarget | QueueReservation | AwaitReservation | Start | KvLost | AddLocal | Abort
+Command = (
+    Prefill | SetTarget | Withdraw | QueueReservation | AwaitReservation | Start | KvLost | AddLocal | Abort
+)
 Answer = bool | KVTarget | None
 
 
@@ -229,6 +238,7 @@ _CODECS: dict[str, tuple[type, Any, Any]] = {
         lambda c: [c.request_id, _encode_target(c.target)],
         lambda a: SetTarget(_id(a[0]), _decode_target(a[1])),
     ),
+    "withdraw": (Withdraw, lambda c: [c.request_id], lambda a: Withdraw(_id(a[0]))),
     "queue_reservation": (
         QueueReservation,
         lambda c: [_encode_work(c.work), c.transfer_id, float(c.timeout_s)],

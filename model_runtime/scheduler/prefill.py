@@ -76,6 +76,11 @@ class PrefillScheduler:
             if r.request_id == request_id:
                 self._preempted.remove(r)
                 return r
+        return self.withdraw(request_id)
+
+    def withdraw(self, request_id: str) -> Request | None:
+        """Take out a request that has not started: waiting, holding no blocks, nothing computed
+        (a preempted one has computed work behind it, so it stays). ``None`` if it is not one."""
         for i, (_, _, r) in enumerate(self._heap):
             if r.request_id == request_id:
                 self._heap.pop(i)

@@ -27,6 +27,7 @@ from pdserve.worker.commands import (
     QueueReservation,
     SetTarget,
     Start,
+    Withdraw,
     decode_command,
     decode_from_worker,
     encode_answer,
@@ -55,6 +56,7 @@ targets = st.builds(
 commands = st.one_of(
     st.builds(Prefill, works, st.none() | targets),
     st.builds(SetTarget, ids, targets),
+    st.builds(Withdraw, ids),
     st.builds(QueueReservation, works, ids, finite),
     st.builds(AwaitReservation, ids),
     st.builds(Start, ids, st.integers(0, (1 << 31) - 1), st.integers(0, 1 << 40)),

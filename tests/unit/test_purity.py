@@ -27,6 +27,7 @@ PURE = (
     "pdserve.deploy.planner",
     "pdserve.deploy.planner_data",
     "pdserve.router.workload_window",
+    "pdserve.router.rebalance",
     "pdserve.simulator.autoscale",
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
