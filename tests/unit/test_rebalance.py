@@ -151,3 +151,16 @@ def test_the_simulator_moves_prompts_as_the_router_does() -> None:
     worst = [max(r.result().ttft for r in reqs) for reqs in (moved_reqs, kept_reqs)]
     assert worst[0] < 0.6 * worst[1], worst
     assert {r.work.request_id for r in moved_reqs if "~" in r.work.request_id}  # a fresh id each move
+
+
+def test_a_simulated_prefill_worker_leaving_gives_back_what_it_had_not_started() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
+    cluster = Cluster(H100_LLAMA3_8B, 2, 1, 0, make_dispatcher("round_robin"), cfg, cfg)
+    reqs = [cluster.submit(0.001 * i, f"r{i}", tuple(range(i * 5000, i * 5000 + 4000)), 8) for i in range(20)]
+    leaving = cluster.prefillers[0]
+    cluster.clock.at(0.05, lambda: cluster.retire(leaving))
+    cluster.run()
+    assert all(r.result().success for r in reqs)
+    assert cluster.rerouted >= 5
+    start, stop = cluster.lifetimes[leaving.wid]
+    assert stop < 0.05 + 0.3  # it finished what it had started (a prompt or two), not its queue
