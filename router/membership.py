@@ -5,8 +5,8 @@ workers serve: a worker joins (``add_worker``), is lost (its channel ended, ``_o
 retired (``retire``) or moves to the other pool in place (``switch_role``). Whatever a worker
 that leaves still held moves elsewhere (``_migrate``: a fresh internal id, dispatched again
 with the tokens already sent) or fails with the reason. Whenever the prefill pool gains a
-worker or starts to lose one, the prompts that have not started are spread over the pool
-again (``_rebalance_prefill``, deciding with ``pdserve.router.rebalance``).
+worker or starts to lose one (retired, switching role, draining), the prompts that have not
+started are spread over the pool again (``_rebalance_prefill``, deciding with ``pdserve.router.rebalance``).
 
 Every method runs on the router's event loop, like the rest of ``Router``.
 """
@@ -111,8 +111,9 @@ class Membership:
         self.outputs.registered(wid)
         log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
 
-    def _on_ready(self, worker: WorkerHandle) -> None:
-        """A worker's channel is up: it takes requests from now on."""
+    def _on_pool_change(self, worker: WorkerHandle) -> None:
+        """Whether ``worker`` takes requests changed: its channel came up, or it is draining
+        (told to stop: it takes nothing new)."""
         if worker.role is WorkerRole.PREFILL:
             self._spawn(self._rebalance_prefill())
 

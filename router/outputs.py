@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
-OnReady = Callable[[WorkerHandle], None]
+OnPoolChange = Callable[[WorkerHandle], None]
 HANDSHAKE_TIMEOUT_S = 10.0
 REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
 
@@ -113,7 +113,7 @@ class OutputListener:
         self._workers: dict[str, WorkerHandle] = {}
         self._on_deltas: OnDeltas | None = None
         self._on_lost: OnLost | None = None
-        self._on_ready: OnReady | None = None
+        self._on_pool_change: OnPoolChange | None = None
         self._bound = asyncio.Event()
         self._connected: dict[str, asyncio.Event] = {}
         self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
@@ -137,12 +137,12 @@ class OutputListener:
         workers: dict[str, WorkerHandle],
         on_deltas: OnDeltas,
         on_lost: OnLost,
-        on_ready: OnReady | None = None,
+        on_pool_change: OnPoolChange | None = None,
     ) -> None:
-        """Start delivering: connections that arrived earlier wait for this. ``on_ready``: a
-        worker's channel is up (it can take commands)."""
+        """Start delivering: connections that arrived earlier wait for this. ``on_pool_change``:
+        whether a worker takes requests changed (its channel came up, or it reports draining)."""
         self._workers, self._on_deltas, self._on_lost = workers, on_deltas, on_lost
-        self._on_ready = on_ready
+        self._on_pool_change = on_pool_change
         self._bound.set()
 
     def expect(self, worker_id: str) -> None:
@@ -187,8 +187,8 @@ class OutputListener:
                 raise ChannelError(f"worker {wid!r} is fenced off (lost, or already connected)")
             worker.channel = channel = CommandChannel(wid, writer)
             self._connected.setdefault(wid, asyncio.Event()).set()
-            if self._on_ready is not None:
-                self._on_ready(worker)
+            if self._on_pool_change is not None:
+                self._on_pool_change(worker)
             assert self._on_deltas is not None
             while True:
                 try:
@@ -202,7 +202,10 @@ class OutputListener:
                 if not isinstance(frame, OutputBatch):
                     channel.answered(*frame)
                     continue
+                was = worker.health
                 worker.report(frame.load)
+                if worker.health is not was and self._on_pool_change is not None:
+                    self._on_pool_change(worker)
                 if frame.deltas:
                     self._on_deltas(worker, frame.deltas)
                     await asyncio.sleep(0)  # let streams send what arrived before reading on

@@ -176,7 +176,7 @@ class Router(Membership):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.outputs.bind(self.workers, self._on_deltas, self._on_lost, self._on_ready)
+        self.outputs.bind(self.workers, self._on_deltas, self._on_lost, self._on_pool_change)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):

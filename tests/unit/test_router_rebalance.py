@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.router.service import GenerateInput, Router
 from pdserve.router.slo import SloClass
 from pdserve.worker import commands as C
-from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole
+from pdserve.worker.messages import KVTarget, TokenDelta, WorkerHealth, WorkerRole
 from tests.unit.test_router_migration import GREEDY, Worker, cluster, consume, settle
 
 PROMPT = list(range(3, 303))  # 300 tokens: more than a scripted worker's step (256)
@@ -48,7 +48,7 @@ def joined(router: Router, ws: dict[str, Worker], wid: str) -> Worker:
     """A prefill worker starts at run time and its channel comes up."""
     w = ws[wid] = Worker(wid, WorkerRole.PREFILL)
     router.add_worker(w.handle)
-    router._on_ready(w.handle)
+    router._on_pool_change(w.handle)
     return w
 
 
@@ -185,6 +185,28 @@ def test_workers_joining_together_take_each_prompt_once() -> None:
         assert len(asked) == len(set(asked)) == 6, asked  # 2,700 tokens, a third each
         where = [a.stream.prefill_worker for a in admitted]
         assert where.count("p0") == 3 and where.count("p1") == 3 and where.count("p2") == 3, where
+        await end_all(router, ws, admitted, tasks)
+
+    asyncio.run(main())
+
+
+def test_a_prefill_worker_told_to_stop_gives_back_its_queue() -> None:
+    """SIGTERM: the worker reports draining; what it has not started goes to the others."""
+
+    async def main() -> None:
+        roles = [("p0", WorkerRole.PREFILL), ("p1", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)]
+        router, ws = cluster(roles, policy="round_robin")
+        admitted, tasks = await start(router, 4)
+        answer(ws)
+        on_p0 = [a.stream.request_id for a in admitted if a.stream.prefill_worker == "p0"]
+        p0 = ws["p0"].handle
+        p0.report(replace(p0.load, health=WorkerHealth.DRAINING))
+        router._on_pool_change(p0)
+        await settle()
+        sent = answer(ws, dict.fromkeys(on_p0, True))
+        assert [c.request_id for _, c in sent if isinstance(c, C.Withdraw)] == on_p0[::-1]
+        await settle()
+        assert {a.stream.prefill_worker for a in admitted} == {"p1"} and not p0.inflight
         await end_all(router, ws, admitted, tasks)
 
     asyncio.run(main())
