@@ -8,6 +8,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from pdserve.router.service import GenerateInput, Router
 from pdserve.router.slo import SloClass
 from pdserve.worker import commands as C
@@ -44,6 +46,16 @@ async def start(router: Router, n: int) -> tuple[list[Any], list[asyncio.Task[No
     return admitted, tasks
 
 
+async def backlog(n: int, **cfg: Any) -> tuple[Router, dict[str, Worker], list[Any], list[Any]]:
+    """One prefill and one decode worker (least-loaded routing) holding ``n`` prompts sent and
+    answered, none started."""
+    roles = [("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)]
+    router, ws = cluster(roles, policy="least_loaded", **cfg)
+    admitted, tasks = await start(router, n)
+    answer(ws)
+    return router, ws, admitted, tasks
+
+
 def joined(router: Router, ws: dict[str, Worker], wid: str) -> Worker:
     """A prefill worker starts at run time and its channel comes up."""
     w = ws[wid] = Worker(wid, WorkerRole.PREFILL)
@@ -67,9 +79,7 @@ async def end_all(router: Router, ws: dict[str, Worker], admitted: list[Any], ta
 
 def test_a_joined_prefill_worker_takes_the_newest_prompts_that_had_not_started() -> None:
     async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)], policy="least_loaded")
-        admitted, tasks = await start(router, 5)
-        answer(ws)
+        router, ws, admitted, tasks = await backlog(5)
         first = admitted[0].stream
         router._on_deltas(ws["p0"].handle, (TokenDelta(first.request_id, (42,), prefilled=True),))
         await settle()
@@ -96,9 +106,7 @@ def test_a_joined_prefill_worker_takes_the_newest_prompts_that_had_not_started()
 
 def test_a_prompt_whose_client_left_while_it_was_withdrawn_goes_nowhere() -> None:
     async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)], policy="least_loaded")
-        admitted, tasks = await start(router, 4)
-        answer(ws)
+        router, ws, admitted, tasks = await backlog(4)
         joined(router, ws, "p1")
         await settle()
         rids = [a.stream.request_id for a in admitted]
@@ -119,7 +127,11 @@ def test_a_prompt_whose_client_left_while_it_was_withdrawn_goes_nowhere() -> Non
     asyncio.run(main())
 
 
-def test_a_retiring_prefill_worker_gives_its_queue_back_at_once() -> None:
+@pytest.mark.parametrize("how", ["retired", "sigterm"])
+def test_a_prefill_worker_leaving_gives_its_queue_back_at_once(how: str) -> None:
+    """Retired by the router, or draining after SIGTERM (it reports so): what it has not
+    started goes to the other prefill worker at once."""
+
     async def main() -> None:
         roles = [("p0", WorkerRole.PREFILL), ("p1", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)]
         router, ws = cluster(roles, policy="round_robin")
@@ -127,40 +139,38 @@ def test_a_retiring_prefill_worker_gives_its_queue_back_at_once() -> None:
         answer(ws)
         on_p0 = [a.stream.request_id for a in admitted if a.stream.prefill_worker == "p0"]
         assert len(on_p0) == 2
-        retire = asyncio.create_task(router.retire("p0", drain_timeout_s=30))
+        p0 = ws["p0"].handle
+        retire = None
+        if how == "retired":
+            retire = asyncio.create_task(router.retire("p0", drain_timeout_s=30))
+        else:
+            p0.report(replace(p0.load, health=WorkerHealth.DRAINING))
+            router._on_pool_change(p0)
         await settle()
         sent = answer(ws, dict.fromkeys(on_p0, True))
-        assert [c.request_id for w, c in sent if isinstance(c, C.Withdraw)] == on_p0[::-1]
-        assert await asyncio.wait_for(retire, 5)  # nothing had to wait out the drain, or move
+        assert [c.request_id for _, c in sent if isinstance(c, C.Withdraw)] == on_p0[::-1]
+        if retire is not None:
+            assert await asyncio.wait_for(retire, 5)  # nothing had to wait out the drain, or move
+            assert "p0" not in router.workers
+            del ws["p0"]
         await settle()
-        assert {a.stream.prefill_worker for a in admitted} == {"p1"}
-        assert "p0" not in router.workers
-        del ws["p0"]
+        assert {a.stream.prefill_worker for a in admitted} == {"p1"} and not p0.inflight
         await end_all(router, ws, admitted, tasks)
 
     asyncio.run(main())
 
 
-def test_with_rebalancing_off_a_prompt_stays_where_it_was_sent() -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"rebalance_prefill": False},  # off: a prompt stays where it was sent
+        # every prompt has used its whole TTFT budget: moved, it would make fresh ones late too
+        {"slo_classes": (SloClass("tight", ttft_ms=1.0),)},
+    ],
+)
+def test_nothing_moves_when_off_or_when_every_prompt_is_late(cfg: dict[str, Any]) -> None:
     async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)], policy="least_loaded",
-                             rebalance_prefill=False)  # fmt: skip
-        admitted, tasks = await start(router, 4)
-        answer(ws)
-        joined(router, ws, "p1")
-        await settle()
-        assert not [c for _, c in answer(ws) if isinstance(c, C.Withdraw)]
-        await end_all(router, ws, admitted, tasks)
-
-    asyncio.run(main())
-
-
-def test_prompts_past_their_ttft_target_stay_for_the_fresh_ones() -> None:
-    async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)], policy="least_loaded",
-                             slo_classes=(SloClass("tight", ttft_ms=1.0),))  # fmt: skip
-        admitted, tasks = await start(router, 4)
-        answer(ws)
+        router, ws, admitted, tasks = await backlog(4, **cfg)
         await asyncio.sleep(0.01)  # each has waited past 1 ms
         joined(router, ws, "p1")
         await settle()
@@ -172,9 +182,7 @@ def test_prompts_past_their_ttft_target_stay_for_the_fresh_ones() -> None:
 
 def test_workers_joining_together_take_each_prompt_once() -> None:
     async def main() -> None:
-        router, ws = cluster([("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)], policy="least_loaded")
-        admitted, tasks = await start(router, 9)
-        answer(ws)
+        router, ws, admitted, tasks = await backlog(9)
         joined(router, ws, "p1")
         joined(router, ws, "p2")
         asked: list[str] = []
@@ -185,28 +193,6 @@ def test_workers_joining_together_take_each_prompt_once() -> None:
         assert len(asked) == len(set(asked)) == 6, asked  # 2,700 tokens, a third each
         where = [a.stream.prefill_worker for a in admitted]
         assert where.count("p0") == 3 and where.count("p1") == 3 and where.count("p2") == 3, where
-        await end_all(router, ws, admitted, tasks)
-
-    asyncio.run(main())
-
-
-def test_a_prefill_worker_told_to_stop_gives_back_its_queue() -> None:
-    """SIGTERM: the worker reports draining; what it has not started goes to the others."""
-
-    async def main() -> None:
-        roles = [("p0", WorkerRole.PREFILL), ("p1", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE)]
-        router, ws = cluster(roles, policy="round_robin")
-        admitted, tasks = await start(router, 4)
-        answer(ws)
-        on_p0 = [a.stream.request_id for a in admitted if a.stream.prefill_worker == "p0"]
-        p0 = ws["p0"].handle
-        p0.report(replace(p0.load, health=WorkerHealth.DRAINING))
-        router._on_pool_change(p0)
-        await settle()
-        sent = answer(ws, dict.fromkeys(on_p0, True))
-        assert [c.request_id for _, c in sent if isinstance(c, C.Withdraw)] == on_p0[::-1]
-        await settle()
-        assert {a.stream.prefill_worker for a in admitted} == {"p1"} and not p0.inflight
         await end_all(router, ws, admitted, tasks)
 
     asyncio.run(main())
