@@ -368,10 +368,12 @@ class Cluster:
         if avoid is None:
             key = f"{decision.outcome.value}/{decision.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
-        if decision.outcome is Outcome.REJECTED:
+        if decision.outcome is Outcome.REJECTED and avoid is None:
             sr.rejected = True
             self.finish(sr)
             return
+        # (a prompt routed again was admitted already: as the router, it goes to the pair the
+        # dispatcher named even when it predicts it late)
         if decision.priority:
             sr.work = work = WorkItem(rid, work.prompt_token_ids, work.params, decision.priority)
         self.requests[rid] = sr

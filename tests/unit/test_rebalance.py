@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +15,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.router.dispatchers import make_dispatcher
+from pdserve.router.policy import Decision, Outcome, RouteRequest
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.simulator.cluster import Cluster, SimRequest
 from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
@@ -130,11 +134,26 @@ def test_only_a_prompt_that_has_not_started_is_given_back() -> None:
     assert eng.kv.check_integrity().used == 0
 
 
-def simulated_join(rebalance: bool) -> tuple[Cluster, list[SimRequest]]:
+class RefusesAgain:
+    """Least-loaded routing that predicts every prompt routed again late (REJECTED)."""
+
+    def __init__(self) -> None:
+        self.inner = make_dispatcher("least_loaded")
+        self.name = "refuses-again"
+
+    def decide(self, request: RouteRequest, *args: Any) -> Decision:
+        d = self.inner.decide(request, *args)
+        return replace(d, outcome=Outcome.REJECTED) if "~" in request.request_id else d
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def simulated_join(rebalance: bool, dispatcher: Any = None) -> tuple[Cluster, list[SimRequest]]:
     """One prefill worker takes 40 prompts of 4,000 tokens in 0.16 s (about 3.6 s of work); a
     second one joins at 0.2 s."""
     cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)
-    cluster = Cluster(H100_LLAMA3_8B, 1, 1, 0, make_dispatcher("least_loaded"), cfg, cfg,
+    cluster = Cluster(H100_LLAMA3_8B, 1, 1, 0, dispatcher or make_dispatcher("least_loaded"), cfg, cfg,
                       rebalance_prefill=rebalance)  # fmt: skip
     reqs = [cluster.submit(0.004 * i, f"r{i}", tuple(range(i * 5000, i * 5000 + 4000)), 8) for i in range(40)]
     cluster.clock.at(0.2, lambda: cluster.add_worker(WorkerRole.PREFILL))
@@ -151,6 +170,13 @@ def test_the_simulator_moves_prompts_as_the_router_does() -> None:
     worst = [max(r.result().ttft for r in reqs) for reqs in (moved_reqs, kept_reqs)]
     assert worst[0] < 0.6 * worst[1], worst
     assert {r.work.request_id for r in moved_reqs if "~" in r.work.request_id}  # a fresh id each move
+
+
+def test_a_simulated_prompt_routed_again_is_served_even_if_predicted_late() -> None:
+    """As the router: admitted once, it is not refused when it moves."""
+    cluster, reqs = simulated_join(True, RefusesAgain())
+    assert cluster.rerouted >= 5
+    assert all(r.result().success for r in reqs)
 
 
 def test_a_simulated_prefill_worker_leaving_gives_back_what_it_had_not_started() -> None:
