@@ -3,19 +3,19 @@
 A prompt stays on the prefill worker it was sent to. When the pool grows at a load step, the
 workers that were there hold the backlog of the seconds before the new ones joined, and the
 new ones take only what arrives after: the backlog's TTFT is what the old workers' queues
-make it, however many workers join. When a worker leaves (retired, or switching role), its
-queue waits for it. So whenever the prefill pool changes, the router takes back prompts that
-have not started (``Withdraw``: answered by the worker, atomically between two steps) and
-routes them again, as new requests are routed.
+make it, however many workers join. When a worker leaves (retired, switching role, or
+draining after SIGTERM), its queue waits for it. So whenever the prefill pool changes, the
+router takes back prompts that have not started (``Withdraw``: answered by the worker,
+atomically between two steps) and routes them again, as new requests are routed.
 
 ``withdrawals`` decides which: the router's own record of each worker's prompts that have
 no first token yet (a prompt that already started answers no, and stays). The pool's queued
-tokens are shared evenly by the workers taking requests (``open``); each gives back its
-newest prompts while what it keeps is above that share, and a worker leaving the pool gives
-back everything. Nothing moves while every open worker is within ``min_tokens`` of the
-share: a move costs a round trip and a new KV reservation, worth it only for a step's work
-or more. Nor does a prompt move that has used half its TTFT budget (``worth_moving``): put
-ahead of fresh prompts elsewhere it makes them late too, so it is served where it is (a
+tokens are shared evenly by the workers taking requests (``open_workers``); each gives back
+its newest prompts while what it keeps is above that share, and a worker leaving the pool
+gives back everything. Nothing moves while every open worker is within ``min_tokens`` of
+the share: a move costs a round trip and a new KV reservation, worth it only for a step's
+work or more. Nor does a prompt move that has used half its TTFT budget (``worth_moving``):
+put ahead of fresh prompts elsewhere it makes them late too, so it is served where it is (a
 worker leaving gives back even those: they would hold up its exit).
 """
 
