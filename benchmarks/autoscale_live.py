@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.autoscale import TRACE, best_static, run, step_to_target
 from benchmarks.autoscale_day import fluid as fluid_run
@@ -167,13 +168,8 @@ MOVED = {
 
 def moved(url: str) -> dict[str, float]:
     """The router's counts of requests it moved (``MOVED``), from its metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in MOVED:
-            out[MOVED[name]] = float(value)
-    return out
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+    return {MOVED[s.name]: s.value for f in families for s in f.samples if s.name in MOVED}
 
 
 def by_window(met: list[bool], times: list[float], interval: float) -> list[tuple[float, float, int]]:

@@ -137,7 +137,7 @@ class OutputListener:
         workers: dict[str, WorkerHandle],
         on_deltas: OnDeltas,
         on_lost: OnLost,
-        on_pool_change: OnPoolChange | None = None,
+        on_pool_change: OnPoolChange,
     ) -> None:
         """Start delivering: connections that arrived earlier wait for this. ``on_pool_change``:
         whether a worker takes requests changed (its channel came up, or it reports draining)."""
@@ -187,9 +187,8 @@ class OutputListener:
                 raise ChannelError(f"worker {wid!r} is fenced off (lost, or already connected)")
             worker.channel = channel = CommandChannel(wid, writer)
             self._connected.setdefault(wid, asyncio.Event()).set()
-            if self._on_pool_change is not None:
-                self._on_pool_change(worker)
-            assert self._on_deltas is not None
+            assert self._on_deltas is not None and self._on_pool_change is not None
+            self._on_pool_change(worker)
             while True:
                 try:
                     body = await asyncio.wait_for(
@@ -204,7 +203,7 @@ class OutputListener:
                     continue
                 was = worker.health
                 worker.report(frame.load)
-                if worker.health is not was and self._on_pool_change is not None:
+                if worker.health is not was:
                     self._on_pool_change(worker)
                 if frame.deltas:
                     self._on_deltas(worker, frame.deltas)

@@ -8,8 +8,7 @@ import concurrent.futures
 import time
 from typing import Any
 
-import httpx
-
+from benchmarks.autoscale_live import moved
 from pdserve.worker.messages import WorkerRole
 from tests.service.helpers import (
     all_free,
@@ -27,14 +26,6 @@ N_TOKENS = 4
 def prompt(k: int) -> list[int]:
     """1,000 tokens, no prefix shared with another request's."""
     return [k % 200 + 20, *((7 * i + k) % 200 + 20 for i in range(999))]
-
-
-def rerouted(url: str) -> float:
-    """The router's count of prompts taken back and routed again."""
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    return float(
-        next(x for x in metrics.splitlines() if x.startswith("pdserve:prefill_rerouted_total")).split()[-1]
-    )
 
 
 def test_a_joined_prefill_worker_takes_part_of_the_backlog() -> None:
@@ -67,7 +58,7 @@ def test_a_joined_prefill_worker_takes_part_of_the_backlog() -> None:
         by = {w: sum(r.prefill_worker == w for r in results) for w in ("prefill-0", "prefill-1")}
         assert by["prefill-1"] >= 3, (by, time.monotonic() - t0)
         assert all(r.migrations == 0 for r in results)
-        assert rerouted(ep.http) == by["prefill-1"]
+        assert moved(ep.http)["prompts_rerouted"] == by["prefill-1"]
         # the same prompts again, with the pool at two: the same tokens
         assert [one(k)[0] for k in range(3)] == [t for t, _ in served[:3]]
         wait_for(lambda: all_free(status(ep)), 5, "blocks freed at the end")
@@ -104,7 +95,7 @@ def test_a_prefill_worker_told_to_stop_hands_its_queue_to_the_others() -> None:
         # 8+ prompts of 0.2 s each were queued there: it left after the one or two it had started
         assert drained and drained[0] < 1.0, drained
         assert all(r.migrations == 0 and r.usage.completion_tokens == N_TOKENS for r in results)
-        assert rerouted(ep.http) >= 5
+        assert moved(ep.http)["prompts_rerouted"] >= 5
         assert_no_request_state(st)
     finally:
         st.stop()
