@@ -62,13 +62,17 @@ class _Workers(Collector):
         healthy = GaugeMetricFamily(
             P + "worker_healthy", "1 when the worker is healthy", labels=["worker", "role"]
         )
+        busy = CounterMetricFamily(
+            P + "worker_busy_seconds", "Wall time of the worker's computing steps", labels=["worker", "role"]
+        )
         for w in self.loads():
             labels = [w.worker_id, w.role.value]
             running.add_metric(labels, w.running)
             waiting.add_metric(labels, w.waiting)
             kv.add_metric(labels, w.kv_usage)
             healthy.add_metric(labels, 1.0 if w.health is WorkerHealth.HEALTHY else 0.0)
-        return [running, waiting, kv, healthy, *self._transfers()]
+            busy.add_metric(labels, w.busy_s)
+        return [running, waiting, kv, healthy, busy, *self._transfers()]
 
     def _transfers(self) -> list[Metric]:
         labels = ["worker", "role"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import struct
 from typing import Any
 
@@ -29,7 +30,7 @@ from pdserve.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 4
+VERSION = 5
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
@@ -147,6 +148,7 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                     [[c, n] for c, n in ld.transfers.failures],
                     [[b, n] for b, n in ld.transfers.by_backend],
                 ],
+                float(ld.busy_s),
             ],
         }
     )
@@ -231,13 +233,16 @@ def batch_from(msg: Any, worker_id: str) -> OutputBatch:
     if msg["w"] != worker_id or not isinstance(msg["d"], list):
         raise ChannelError("bad output frame")
     ld = msg["l"]
-    if not isinstance(ld, list) or len(ld) != 9 or not isinstance(ld[1], str):
+    if not isinstance(ld, list) or len(ld) != 10 or not isinstance(ld[1], str):
         raise ChannelError("bad load")
+    busy = ld[9]
+    if not isinstance(busy, float) or not 0.0 <= busy < math.inf:
+        raise ChannelError("bad busy seconds")
     try:
         role, health = WorkerRole(ld[0]), WorkerHealth(ld[7])
     except ValueError:
         raise ChannelError("bad load") from None
     running, waiting, total, free, cached = (_int(v) for v in ld[2:7])
     transfers = _transfers(ld[8])
-    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers)
+    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers, busy)
     return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)

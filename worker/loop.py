@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -67,6 +68,7 @@ class EngineLoop:
         self._health = WorkerHealth.HEALTHY  # what every load this loop reports says
         self.error: BaseException | None = None
         self.steps = 0
+        self.busy_s = 0.0  # wall time of the steps that computed something (``WorkerLoad.busy_s``)
         self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Event()
         self._out: list[TokenDelta] = []
@@ -82,8 +84,7 @@ class EngineLoop:
         self._wake.set()
 
     def refresh_load(self) -> None:
-        load = self.engine.load(self.address)
-        self.load = load if self._health is WorkerHealth.HEALTHY else replace(load, health=self._health)
+        self.load = replace(self.engine.load(self.address), health=self._health, busy_s=self.busy_s)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         self._check()
@@ -136,7 +137,11 @@ class EngineLoop:
                     self.refresh_load()
                 eng = self.engine
                 if eng.has_work or eng.has_pending_io:
+                    computes = eng.has_work  # a step for transfers alone is a poll, not work
+                    start = time.perf_counter()
                     deltas = eng.step()
+                    if computes:
+                        self.busy_s += time.perf_counter() - start
                     self.steps += 1
                     self.refresh_load()
                     if deltas:

@@ -150,6 +150,9 @@ class WorkerLoad:
     kv_cached: int
     health: WorkerHealth = WorkerHealth.HEALTHY
     transfers: TransferCounters | None = None
+    # seconds of wall time its steps that computed something took since it started (polls for
+    # transfers alone excluded): the pool planner reads the pool's speed off its differences
+    busy_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:

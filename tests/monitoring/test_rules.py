@@ -113,6 +113,7 @@ def test_dashboard_shape() -> None:
         "pdserve:num_requests_waiting",
         "pdserve:kv_cache_usage_perc",
         "pdserve:worker_healthy",
+        "pdserve:worker_busy_seconds_total",
         "pdserve:kv_handoff_seconds_bucket",
         "pdserve:kv_transfer_bytes_total",
         "pdserve:kv_transfer_seconds_total",

@@ -402,6 +402,11 @@ def test_metrics_endpoint_exposes_the_slo_metrics(svc) -> None:
         assert name in text, name
     count = next(ln for ln in text.splitlines() if ln.startswith("pdserve:e2e_request_latency_seconds_count"))
     assert float(count.split()[-1]) >= 1
+    # the prefill worker computed the prompt: its busy seconds count up (the planner's reading)
+    busy = next(
+        ln for ln in text.splitlines() if ln.startswith('pdserve:worker_busy_seconds_total{role="prefill"')
+    )
+    assert float(busy.split()[-1]) > 0
 
 
 def test_reused_and_hostile_client_ids_reach_no_other_request(svc) -> None:

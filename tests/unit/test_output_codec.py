@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pdserve.worker.codec import (
     LENGTH,
+    VERSION,
     ChannelError,
     check_welcome,
     decode_batch,
@@ -33,8 +34,13 @@ from pdserve.worker.messages import (
 SECRET = b"0123456789abcdef-secret"
 LOAD = WorkerLoad(
     "decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING,
-    TransferCounters(0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))),
+    TransferCounters(0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))), 12.5,
 )  # fmt: skip
+
+
+def load_list(transfers: object = None, busy: object = 0.0) -> list[object]:
+    """A load as the frame carries it, well formed but for what is passed."""
+    return ["decode", "", 0, 0, 0, 0, 0, "healthy", transfers, busy]
 
 
 def body(frame: bytes) -> bytes:
@@ -56,6 +62,10 @@ def test_round_trip_keeps_every_field() -> None:
     )
     assert decode_batch(body(encode_batch("decode-0", batch)), "decode-0") == batch
     assert batch.load.transfers is not None and batch.load.transfers.bytes == 123456  # the backends' sum
+    # the hostile cases below alter one field of this well-formed load
+    well_formed = msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()})
+    plain = decode_batch(well_formed, "decode-0")
+    assert plain.load.busy_s == 0.0 and plain.load.transfers is None
 
 
 def test_hello_and_welcome_authenticate_both_ends_with_the_shared_secret() -> None:
@@ -92,25 +102,25 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
         msgpack.packb([1, 2, 3]),
         msgpack.packb(
             {
-                "v": 4,
+                "v": VERSION,
                 "w": "decode-0",
                 "d": [["a", [-1], None, False, None, None, 0, False, None, False]],
                 "l": [],
             }
         ),
-        msgpack.packb(
-            {"v": 4, "w": "decode-0", "d": "x", "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": "x", "l": load_list()}),
+        msgpack.packb({"v": VERSION - 1, "w": "decode-0", "d": [], "l": load_list()}),
+        msgpack.packb({"v": VERSION + 1, "w": "decode-0", "d": [], "l": load_list()}),
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": ["boss", *load_list()[1:]]}),
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()[:9]}),  # the old shape
+        *(  # busy seconds: negative, NaN, infinite, not a float
+            msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list(busy=b)})
+            for b in (-1.0, float("nan"), float("inf"), 3, "1.0", None)
         ),
-        msgpack.packb(
-            {"v": 5, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", None]}
-        ),
-        msgpack.packb({"v": 4, "w": "decode-0", "d": [], "l": ["boss", "", 0, 0, 0, 0, 0, "healthy", None]}),
         msgpack.packb(msgpack.ExtType(5, b"xx")),
         b"",
         *(  # transfer counters: wrong shape, negative, NaN, oversized or malformed lists
-            msgpack.packb(
-                {"v": 4, "w": "decode-0", "d": [], "l": ["decode", "", 0, 0, 0, 0, 0, "healthy", t]}
-            )
+            msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list(transfers=t)})
             for t in (
                 [2.0],
                 [0.0, 0, []],

@@ -222,6 +222,7 @@ def test_emulated_workers_take_the_profiles_time() -> None:
     try:
         assert d.info().max_model_len == prof.max_model_len
         assert d.info().kv_blocks == prof.kv_capacity_tokens // 16
+        assert p.collect(0.01).load.busy_s == 0.0  # nothing computed yet
         prompt = tuple(range(20, 200)) * 20  # 3,600 tokens: beyond the tiny model's own context
         w = WorkItem("e", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
         t0 = time.perf_counter()
@@ -241,11 +242,14 @@ def test_emulated_workers_take_the_profiles_time() -> None:
         chunks = [(min(512, 3600 - c), c) for c in range(0, 3600, 512)]
         predicted = sum(prof.step_time([ch]) for ch in chunks)
         assert predicted <= ttft <= predicted + 0.05, (ttft, predicted)
+        # the worker's busy seconds are its steps' time: the planner reads its speed off them
+        assert predicted <= p.collect(0.01).load.busy_s <= ttft, (ttft, predicted)
         gaps = sorted(b - a for a, b in itertools.pairwise(times))
         step = prof.decode_time(1, 3600)
         assert step * 0.95 <= gaps[len(gaps) // 2] <= step + 0.006, (gaps[len(gaps) // 2], step)
         # The first decode gap also carries the emulated hand-off of 3,600 tokens' KV.
         assert times[1] - times[0] >= prof.transfer_time(3600)
+        assert 29 * step * 0.95 <= d.collect(0.01).load.busy_s <= times[-1] - times[0]
     finally:
         for w_ in (p, d):
             assert w_.wait_idle(5.0)
