@@ -39,6 +39,13 @@ mix a few refusals free a large share of the prefill pool. Where it counts on th
   the gap between up and down is the hysteresis that keeps a layout sized at the edge of its
   refusals from stepping into a miss and back (at 64 workers it did, every few intervals).
 
+A tail measured outranks a tail predicted: where the window measured the serving layout's
+TTFT (or TPOT) tail within ``margin`` of its target while meeting the attainment, on most of
+its arrivals (``MEASURED_SAMPLE``; not across a step or a fall), that pool at its size or
+larger counts as meeting whatever tail the model predicts for it — the model is then what is
+off (a prefill factor learned on windows with another prompt tail), not the pool. Whether a
+pool keeps up is never overruled: a queue without end shows in the tails only once it has grown.
+
 "Keeps up": each pool at least the fewest workers predicted to keep up with every window the
 checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
 carries a fifth more than its interval's mean, and a layout sized for one window would be
@@ -103,6 +110,10 @@ from pdserve.deploy.planner_data import Decision, Layout, Observation, PlannerCo
 from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
 from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
+
+# the share of a window's arrivals that must have ended in it for its measured tails to stand
+# for the load priced (``Planner._measured_within``)
+MEASURED_SAMPLE = 0.5
 
 
 class Planner:
@@ -200,6 +211,37 @@ class Planner:
     def _meets(self, p: Prediction, share: float) -> bool:
         return p.ttft_s <= share * self.config.ttft_s and p.tpot_s <= share * self.config.tpot_s
 
+    def _measured_within(self, obs: Observation, moved: bool) -> tuple[bool, bool]:
+        """Whether ``obs``'s window measured the serving layout's TTFT tail, and its TPOT,
+        within ``margin`` of their targets while meeting the attainment, on a sample that speaks
+        for the window's arrivals: at least ``MEASURED_SAMPLE`` of them ended, so that the load
+        measured is the load priced (a step's arrivals have mostly not ended yet, and a window
+        the load ``moved`` in — a step, a fall — counts nothing). Where it did, the pool's tail
+        is a fact about this load, and a prediction over the target for it is the model's error
+        (the learned prefill factor is solved from windows whose prompt tails differ, and a
+        window with a heavier tail than the one it was learned on is priced past the target
+        while every request meets it): growing on it adds a worker the SLO never needed."""
+        c = self.config
+        arrived = obs.load.rate * obs.load.span_s
+        sample = (
+            not moved
+            and not obs.warming
+            and arrived > 0
+            and obs.requests >= max(c.min_requests, MEASURED_SAMPLE * arrived)
+            and obs.attainment >= self.quantile  # False for NaN
+        )
+        return sample and obs.ttft_s <= c.margin * c.ttft_s, sample and obs.tpot_s <= c.margin * c.tpot_s
+
+    def _fits(self, p: Prediction, layout: Layout, current: Layout, within: tuple[bool, bool]) -> bool:
+        """``_meets`` at the targets, except that a pool no smaller than the serving one, whose
+        tail the window measured ``within`` margin (``_measured_within``), meets on any finite
+        prediction: the measurement outranks the model's tail, never its keeping up (a queue
+        without end shows in the tails only once it has grown)."""
+        c = self.config
+        prefill = within[0] and layout.prefill >= current.prefill and math.isfinite(p.ttft_s)
+        decode = within[1] and layout.decode >= current.decode and math.isfinite(p.tpot_s)
+        return (p.ttft_s <= c.ttft_s or prefill) and (p.tpot_s <= c.tpot_s or decode)
+
     def _learn(self, obs: Observation) -> None:
         """Fold the window's measured TTFT tail and TPOT into the correction
         (``step_correction``): only with enough requests, and only where the model has the
@@ -288,7 +330,7 @@ class Planner:
             # started for), not what arrives: a load that even the layout with its new workers
             # cannot keep up with grows it further, on the prediction alone.
             if (obs.load.rate > 0 or obs.decode.rate > 0) and current == obs.layout and not now_pred.feasible:
-                return self._grow(obs, current, now_pred, measured_miss=False, predicted_ok=False)
+                return self._grow(obs, current, now_pred, False, False, (False, False))
             return Decision(obs.t, Reason.WARMING, obs.layout, now_pred, "new workers warming up")
         measured_miss = obs.requests >= c.min_requests and obs.attainment < self.quantile  # False for NaN
         backlog = ""
@@ -314,11 +356,18 @@ class Planner:
         # Nothing arrived and nothing ended: there is no load to size for, and the corrections
         # (learned under load, queueing included) would price an idle worker as a busy one.
         idle = obs.load.rate == 0 and obs.decode.rate == 0 and obs.requests == 0
-        predicted_ok = idle or self._meets(now_pred, 1.0)
+        within = self._measured_within(obs, stepped or draining)
+        predicted_ok = idle or self._fits(now_pred, current, current, within)
         if measured_miss or not predicted_ok:
-            return self._grow(obs, current, now_pred, measured_miss, predicted_ok)
+            return self._grow(obs, current, now_pred, measured_miss, predicted_ok, within)
+        held = ""
+        if not idle and not self._meets(now_pred, 1.0):
+            held = (
+                f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms; "
+                f"measured within {c.margin:g} of the targets"
+            )
         if up_only:
-            return Decision(obs.t, Reason.HOLD, current, now_pred, backlog or "between decisions")
+            return Decision(obs.t, Reason.HOLD, current, now_pred, held or "between decisions")
         if backlog:
             # not a reason to grow, nor a window to step down in: the workers being drained
             # would hand their share of the backlog to fewer
@@ -328,7 +377,7 @@ class Planner:
         # since) serving every request, and keeps up with their checks' windows; never within
         # the cooldown; no refusals counted on (the module's docstring).
         if self._since_change <= c.cooldown or (len(self._bursts) < c.down_after and not self._fallen):
-            return Decision(obs.t, Reason.HOLD, current, now_pred)
+            return Decision(obs.t, Reason.HOLD, current, now_pred, held)
         recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
@@ -357,7 +406,7 @@ class Planner:
                 since = f"the {n} intervals since the load fell"
             why = f"{best.prefill}P+{best.decode}D meets the loads of {since} with margin {c.margin}"
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
-        return Decision(obs.t, Reason.HOLD, current, now_pred)
+        return Decision(obs.t, Reason.HOLD, current, now_pred, held)
 
     @property
     def _moved_at(self) -> float:
@@ -490,7 +539,13 @@ class Planner:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))
 
     def _grow(
-        self, obs: Observation, current: Layout, now_pred: Prediction, measured_miss: bool, predicted_ok: bool
+        self,
+        obs: Observation,
+        current: Layout,
+        now_pred: Prediction,
+        measured_miss: bool,
+        predicted_ok: bool,
+        within: tuple[bool, bool],
     ) -> Decision:
         """The smallest layout predicted to meet and to keep up with the recent checks' busiest
         window (a move sized for this window alone is moved again by the next, busier in the
@@ -522,7 +577,8 @@ class Planner:
         meeting = (
             l
             for l in larger
-            if self._meets(self.predict(obs, l, shed), 1.0) and self._keeps_up(obs, l, shed=shed)
+            if self._fits(self.predict(obs, l, shed), l, current, within)
+            and self._keeps_up(obs, l, shed=shed)
         )
         need = next(meeting, None)
         why = (

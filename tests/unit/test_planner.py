@@ -858,3 +858,55 @@ def test_at_a_step_decode_is_priced_on_what_arrived_since() -> None:
 
     plan.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
     assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
+
+
+def test_a_tail_measured_within_margin_outranks_the_predicted_one() -> None:
+    """A window that measured the serving layout's TTFT tail within ``margin`` of its target,
+    on most of its arrivals, is a fact about that load: a prefill factor learned on other
+    windows that prices it over the target grows nothing at a decision, and a check that must
+    grow decode (its pool cannot keep up) does not add a prefill worker with it. Too small a
+    share of the arrivals ended, a tail past the margin, or a measured miss, and the prediction
+    stands."""
+    layout, rate = Layout(2, 2), 20.0
+    arrivals = int(rate * 30)
+
+    def window(t: float, ended: int, ttft_s: float = 0.1, attainment: float = 1.0) -> Observation:
+        load = Workload(rate, *CONV, span_s=30.0)
+        return Observation(t, layout, load, requests=ended, attainment=attainment, ttft_s=ttft_s, tpot_s=0.05)
+
+    def planner() -> Planner:
+        plan = Planner(H100, SLO)
+        plan.correction = StepCorrection(prefill=4.0)  # learned on windows with a heavier prompt tail
+        return plan
+
+    held = planner().decide(window(30, ended=arrivals * 3 // 4))
+    assert held.reason is Reason.HOLD and held.layout == layout, held
+    assert held.predicted.ttft_s > SLO.ttft_s  # the model's tail, still over the target
+    assert "measured within 0.75 of the targets" in held.detail  # the log says what overruled it
+    for grows in (
+        window(30, ended=arrivals // 3),  # a step's arrivals have mostly not ended
+        window(30, ended=arrivals, ttft_s=0.2),  # within the target, past the margin (0.75)
+        window(30, ended=arrivals, attainment=0.85),  # a measured miss
+    ):
+        d = planner().decide(grows)
+        assert d.reason is Reason.SCALE_UP and d.layout.prefill > layout.prefill, (grows, d)
+
+    # a check whose decode pool cannot keep up (a batch cap) grows decode alone
+    capped = replace(SLO, max_seqs=64)
+    check = Observation(
+        10,
+        Layout(4, 1),
+        Workload(40.0, *CONV, span_s=10.0),
+        requests=300,
+        attainment=0.95,
+        ttft_s=0.1,
+        tpot_s=0.05,
+    )
+    for ended, prefill_grows in ((300, False), (100, True)):
+        plan = Planner(H100, capped)
+        plan.correction = StepCorrection(prefill=3.0)  # 4P keeps up, over the TTFT target
+        now = plan.predict(check, check.layout)
+        assert now.ttft_s > SLO.ttft_s and math.isfinite(now.ttft_s) and now.tpot_s == math.inf
+        d = plan.decide(replace(check, requests=ended), up_only=True)
+        assert d.reason is Reason.SCALE_UP and d.layout.decode > 1, d
+        assert (d.layout.prefill > 4) is prefill_grows, (ended, d)
