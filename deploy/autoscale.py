@@ -132,7 +132,8 @@ class PoolAutoscaler:
         # read against these in the log
         seen = (
             f"[{'check' if up_only else 'decision'}: {obs.load.rate:.2f} req/s, attainment "
-            f"{obs.attainment:.2f} of {obs.requests}; there TTFT {d.predicted.ttft_s * 1e3:.0f} ms / "
+            f"{obs.attainment:.2f} of {obs.requests}, TTFT {obs.ttft_s * 1e3:.0f} ms / TPOT "
+            f"{obs.tpot_s * 1e3:.1f} ms measured; there TTFT {d.predicted.ttft_s * 1e3:.0f} ms / "
             f"TPOT {d.predicted.tpot_s * 1e3:.1f} ms predicted; step-time correction {c}]"
         )
         # a check that changes nothing is noise at INFO; a change is what an operator looks for
