@@ -40,7 +40,7 @@ mix a few refusals free a large share of the prefill pool. Where it counts on th
   refusals from stepping into a miss and back (at 64 workers it did, every few intervals).
 
 A tail measured outranks a tail predicted: where the window measured the serving layout's
-TTFT (or TPOT) tail within ``margin`` of its target while meeting the attainment, on most of
+TTFT (or TPOT) tail within ``trust`` of its target while meeting the attainment, on most of
 its arrivals (``MEASURED_SAMPLE``; not across a step or a fall), that pool at its size or
 larger counts as meeting whatever tail the model predicts for it — the model is then what is
 off (a prefill factor learned on windows with another prompt tail), not the pool. Whether a
@@ -213,7 +213,7 @@ class Planner:
 
     def _measured_within(self, obs: Observation, moved: bool) -> tuple[bool, bool]:
         """Whether ``obs``'s window measured the serving layout's TTFT tail, and its TPOT,
-        within ``margin`` of their targets while meeting the attainment, on a sample that speaks
+        within ``trust`` of their targets while meeting the attainment, on a sample that speaks
         for the window's arrivals: at least ``MEASURED_SAMPLE`` of them ended, so that the load
         measured is the load priced (a step's arrivals have mostly not ended yet, and a window
         the load ``moved`` in — a step, a fall — counts nothing). Where it did, the pool's tail
@@ -224,17 +224,18 @@ class Planner:
         c = self.config
         arrived = obs.load.rate * obs.load.span_s
         sample = (
-            not moved
+            c.trust > 0
+            and not moved
             and not obs.warming
             and arrived > 0
             and obs.requests >= max(c.min_requests, MEASURED_SAMPLE * arrived)
             and obs.attainment >= self.quantile  # False for NaN
         )
-        return sample and obs.ttft_s <= c.margin * c.ttft_s, sample and obs.tpot_s <= c.margin * c.tpot_s
+        return sample and obs.ttft_s <= c.trust * c.ttft_s, sample and obs.tpot_s <= c.trust * c.tpot_s
 
     def _fits(self, p: Prediction, layout: Layout, current: Layout, within: tuple[bool, bool]) -> bool:
         """``_meets`` at the targets, except that a pool no smaller than the serving one, whose
-        tail the window measured ``within`` margin (``_measured_within``), meets on any finite
+        tail the window measured ``within`` trust (``_measured_within``), meets on any finite
         prediction: the measurement outranks the model's tail, never its keeping up (a queue
         without end shows in the tails only once it has grown)."""
         c = self.config
@@ -364,7 +365,7 @@ class Planner:
         if not idle and not self._meets(now_pred, 1.0):
             held = (
                 f"predicted TTFT {now_pred.ttft_s * 1e3:.0f} ms / TPOT {now_pred.tpot_s * 1e3:.1f} ms; "
-                f"measured within {c.margin:g} of the targets"
+                f"measured within {c.trust:g} of the targets"
             )
         if up_only:
             return Decision(obs.t, Reason.HOLD, current, now_pred, held or "between decisions")

@@ -71,6 +71,10 @@ class PlannerConfig:
     bounds: Bounds = field(default_factory=Bounds)
     quantile: float = 0.9  # the attainment target, and the TTFT quantile that must meet it
     margin: float = 0.75  # a smaller layout must predict at most this share of each target
+    # a window that measured the serving layout's tail within this share of its target outranks
+    # the tail the model predicts for that layout (``Planner._measured_within``): a tail that
+    # met the target on most of the window's arrivals is a fact about this load
+    trust: float = 1.0
     down_after: int = 3  # intervals whose loads (and checks) a smaller layout must meet
     cooldown: int = 2  # intervals after a change before the next scale-down
     # an interval whose every window carries less than this share of the busiest one remembered
@@ -110,6 +114,8 @@ class PlannerConfig:
             raise ValueError("the planner needs both a TTFT and a TPOT target (> 0)")
         if not 0 < self.margin <= 1 or not 0 < self.quantile < 1 or not 0 <= self.headroom <= 10:
             raise ValueError("margin must be in (0, 1], quantile in (0, 1) and headroom in [0, 10]")
+        if not 0 <= self.trust <= 1:
+            raise ValueError(f"trust must be in [0, 1] (0: never trust a measured tail), got {self.trust}")
         if not self.headroom_span_s > 0 or not math.isfinite(self.headroom_span_s):
             raise ValueError(f"headroom_span_s must be a finite number > 0, got {self.headroom_span_s}")
         if self.down_after < 1 or self.cooldown < 0:

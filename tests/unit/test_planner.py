@@ -861,35 +861,40 @@ def test_at_a_step_decode_is_priced_on_what_arrived_since() -> None:
 
 
 def test_a_tail_measured_within_margin_outranks_the_predicted_one() -> None:
-    """A window that measured the serving layout's TTFT tail within ``margin`` of its target,
+    """A window that measured the serving layout's TTFT tail within ``trust`` of its target,
     on most of its arrivals, is a fact about that load: a prefill factor learned on other
     windows that prices it over the target grows nothing at a decision, and a check that must
     grow decode (its pool cannot keep up) does not add a prefill worker with it. Too small a
-    share of the arrivals ended, a tail past the margin, or a measured miss, and the prediction
-    stands."""
+    share of the arrivals ended, a tail past the trusted share, a measured miss, or trust 0,
+    and the prediction stands."""
     layout, rate = Layout(2, 2), 20.0
     arrivals = int(rate * 30)
 
-    def window(t: float, ended: int, ttft_s: float = 0.1, attainment: float = 1.0) -> Observation:
+    def window(t: float, ended: int, ttft_s: float = 0.2, attainment: float = 1.0) -> Observation:
         load = Workload(rate, *CONV, span_s=30.0)
         return Observation(t, layout, load, requests=ended, attainment=attainment, ttft_s=ttft_s, tpot_s=0.05)
 
-    def planner() -> Planner:
-        plan = Planner(H100, SLO)
+    def planner(config: PlannerConfig = SLO) -> Planner:
+        plan = Planner(H100, config)
         plan.correction = StepCorrection(prefill=4.0)  # learned on windows with a heavier prompt tail
         return plan
 
     held = planner().decide(window(30, ended=arrivals * 3 // 4))
     assert held.reason is Reason.HOLD and held.layout == layout, held
     assert held.predicted.ttft_s > SLO.ttft_s  # the model's tail, still over the target
-    assert "measured within 0.75 of the targets" in held.detail  # the log says what overruled it
-    for grows in (
-        window(30, ended=arrivals // 3),  # a step's arrivals have mostly not ended
-        window(30, ended=arrivals, ttft_s=0.2),  # within the target, past the margin (0.75)
-        window(30, ended=arrivals, attainment=0.85),  # a measured miss
+    assert "measured within 1 of the targets" in held.detail  # the log says what overruled it
+    trusting = planner(replace(SLO, trust=0.9)).decide(window(30, ended=arrivals, ttft_s=0.2))
+    assert trusting.reason is Reason.HOLD, trusting
+    for config, grows in (
+        (SLO, window(30, ended=arrivals // 3)),  # a step's arrivals have mostly not ended
+        (replace(SLO, trust=0.75), window(30, ended=arrivals)),  # within the target, past the share trusted
+        (SLO, window(30, ended=arrivals, attainment=0.85)),  # a measured miss
+        (replace(SLO, trust=0.0), window(30, ended=arrivals)),  # nothing measured is trusted
     ):
-        d = planner().decide(grows)
-        assert d.reason is Reason.SCALE_UP and d.layout.prefill > layout.prefill, (grows, d)
+        d = planner(config).decide(grows)
+        assert d.reason is Reason.SCALE_UP and d.layout.prefill > layout.prefill, (config.trust, grows, d)
+    with pytest.raises(ValueError, match="trust"):
+        replace(SLO, trust=1.5)
 
     # a check whose decode pool cannot keep up (a batch cap) grows decode alone
     capped = replace(SLO, max_seqs=64)
