@@ -44,11 +44,7 @@ TTFT (or TPOT) tail within ``trust`` of its target while meeting the attainment,
 its arrivals (``MEASURED_SAMPLE``; not across a step or a fall), that pool at its size or
 larger counts as meeting whatever tail the model predicts for it — the model is then what is
 off (a prefill factor learned on windows with another prompt tail), not the pool. Whether a
-pool keeps up with the window is never overruled: a queue without end shows in the tails only
-once it has grown. But where the other pool is what must grow, a pool measured within its
-target that the model has keeping up with this window is not grown with it to the floor of the
-busier windows remembered (below): a burst it cannot keep up with grows it at the check that
-sees it.
+pool keeps up is never overruled: a queue without end shows in the tails only once it has grown.
 
 "Keeps up": each pool at least the fewest workers predicted to keep up with every window the
 checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
@@ -579,20 +575,11 @@ class Planner:
             )
         larger = (l for l in ranked if l.workers >= current.workers and l != current)
         shed = c.shed if now_pred.feasible else 0.0
-        # A pool whose tail the window measured ``within`` its target, and which the model has
-        # keeping up with this window at its size, is not grown to the floor of the busier
-        # windows remembered when the other pool cannot keep up: the measurement says it serves
-        # this load, and a burst it could not keep up with grows it at the check that sees it.
-        ttft, tpot = math.isfinite(now_pred.ttft_s), math.isfinite(now_pred.tpot_s)
-        held = Layout(
-            current.prefill if within[0] and ttft and not tpot else c.bounds.max_prefill,
-            current.decode if within[1] and tpot and not ttft else c.bounds.max_decode,
-        )
         meeting = (
             l
             for l in larger
             if self._fits(self.predict(obs, l, shed), l, current, within)
-            and self._keeps_up(obs, l, below=held, shed=shed)
+            and self._keeps_up(obs, l, shed=shed)
         )
         need = next(meeting, None)
         why = (
