@@ -860,7 +860,7 @@ def test_at_a_step_decode_is_priced_on_what_arrived_since() -> None:
     assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
 
 
-def test_a_tail_measured_within_margin_outranks_the_predicted_one() -> None:
+def test_a_tail_measured_within_trust_outranks_the_predicted_one() -> None:
     """A window that measured the serving layout's TTFT tail within ``trust`` of its target,
     on most of its arrivals, is a fact about that load: a prefill factor learned on other
     windows that prices it over the target grows nothing at a decision, and a check that must
@@ -883,7 +883,7 @@ def test_a_tail_measured_within_margin_outranks_the_predicted_one() -> None:
     assert held.reason is Reason.HOLD and held.layout == layout, held
     assert held.predicted.ttft_s > SLO.ttft_s  # the model's tail, still over the target
     assert "measured within 1 of the targets" in held.detail  # the log says what overruled it
-    trusting = planner(replace(SLO, trust=0.9)).decide(window(30, ended=arrivals, ttft_s=0.2))
+    trusting = planner(replace(SLO, trust=0.9)).decide(window(30, ended=arrivals))
     assert trusting.reason is Reason.HOLD, trusting
     for config, grows in (
         (SLO, window(30, ended=arrivals // 3)),  # a step's arrivals have mostly not ended
