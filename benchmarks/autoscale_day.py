@@ -209,6 +209,20 @@ def split(total: int, peak: Workload, args: argparse.Namespace) -> tuple[int, in
     return p, total - p
 
 
+def compact(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """``by_hour`` rows as ``[hour, attainment, worker-hours]``."""
+    return [[r["hour"], r["attainment"], r["worker_hours"]] for r in rows]
+
+
+def print_hours(name: str, rows: list[dict[str, Any]]) -> None:
+    """Where a day's run missed and what it held, hour by hour: a static layout misses at the
+    peak alone, a planner every hour alike, at the same average."""
+    print(f"{name}, by hour of arrival: hour  requests  attainment  workers held", flush=True)
+    for r in rows:
+        att = "-" if r["attainment"] is None else f"{r['attainment']:.4f}"
+        print(f"  {r['hour']:>4}  {r['requests']:>9,}  {att:>10}  {r['worker_hours']:>8.2f}", flush=True)
+
+
 def day(args: argparse.Namespace) -> dict[str, Any]:
     curve = diurnal(args.swing)
     base = [
@@ -236,6 +250,7 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
         f"{a['changes']} changes, largest {peak_layout[1]}P+{peak_layout[2]}D ({auto_s:.0f} s)",
         flush=True,
     )
+    print_hours("autoscaled", auto["by_hour"])
     prompt_mean, output_mean, prompt_p90 = 1154.7, 211.1, 2734.0  # the trace's
     peak = Workload(args.rate * args.swing, prompt_mean, output_mean, prompt_tail_tokens=prompt_p90)
     tried: list[dict[str, Any]] = []
@@ -289,9 +304,12 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
         "day_layouts_hourly": [x for x in a["layouts"] if x[0] % 3600 < a["interval_s"]],
         "day_static_tried": tried,
         "day_autoscaled_wall_s": round(auto_s, 1),
+        "day_autoscaled_by_hour": compact(auto["by_hour"]),
     }
     if best is not None:
         p, d = best["prefill"], best["decode"]
+        print_hours(f"static {p}P+{d}D", best["by_hour"])
+        out["day_static_by_hour"] = compact(best["by_hour"])
         static_h = (p + d) * best["duration"] / 3600
         out.update(
             {

@@ -334,3 +334,20 @@ def test_fluid_refuses_what_it_cannot_model(extra: str, match: str) -> None:
 def test_absurd_settings_are_refused(cfg: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FluidConfig(**cfg)  # type: ignore[arg-type]
+
+
+def test_each_hour_counts_its_arrivals_attainment_and_workers_held() -> None:
+    """``by_hour`` adds up to the run: every request in the hour it arrived, the day's
+    attainment as their weighted mean, and the worker-hours held (two workers all along)."""
+    m = fluid(
+        "--random-input-len 1024 --random-output-len 64 --request-rate 0.25 --duration 9000 "
+        "--prefill 1 --decode 1 --goodput ttft:250 tpot:100"
+    )
+    rows = m["by_hour"]
+    assert isinstance(rows, list) and [r["hour"] for r in rows] == list(range(len(rows)))
+    assert len(rows) == math.ceil(m["duration"] / 3600)  # type: ignore[operator]
+    assert sum(r["requests"] for r in rows) == m["num_prompts"]
+    good = sum(r["requests"] * r["attainment"] for r in rows if r["requests"])
+    assert good / m["num_prompts"] == pytest.approx(m["slo_attainment"], abs=1e-3)  # type: ignore[operator]
+    assert [r["worker_hours"] for r in rows[:2]] == [2.0, 2.0]
+    assert sum(r["worker_hours"] for r in rows) == pytest.approx(m["worker_seconds"] / 3600, abs=0.02)  # type: ignore[operator]
