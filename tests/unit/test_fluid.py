@@ -337,11 +337,13 @@ def test_absurd_settings_are_refused(cfg: dict[str, float]) -> None:
 
 
 def test_each_hour_counts_its_arrivals_attainment_and_workers_held() -> None:
-    """``by_hour`` adds up to the run: every request in the hour it arrived, the day's
-    attainment as their weighted mean, and the worker-hours held (two workers all along)."""
+    """``by_hour`` adds up to the run: every request in the hour it arrived, the run's
+    attainment as their weighted mean, the misses in the hour whose load caused them, and the
+    worker-hours held (two workers all along)."""
     m = fluid(
-        "--random-input-len 1024 --random-output-len 64 --request-rate 0.25 --duration 9000 "
-        "--prefill 1 --decode 1 --goodput ttft:250 tpot:100"
+        "--random-input-len 8192 --random-output-len 64 --request-rate 0.25 "
+        "--rate-curve 0:1,3600:1,3601:6,7200:6,7201:1 --duration 9000 "
+        "--prefill 1 --decode 1 --goodput ttft:400 tpot:100"
     )
     rows = m["by_hour"]
     assert isinstance(rows, list) and [r["hour"] for r in rows] == list(range(len(rows)))
@@ -349,5 +351,8 @@ def test_each_hour_counts_its_arrivals_attainment_and_workers_held() -> None:
     assert sum(r["requests"] for r in rows) == m["num_prompts"]
     good = sum(r["requests"] * r["attainment"] for r in rows if r["requests"])
     assert good / m["num_prompts"] == pytest.approx(m["slo_attainment"], abs=1e-3)  # type: ignore[operator]
+    assert m["slo_attainment"] < 0.95  # type: ignore[operator]
+    busy = rows[1]["attainment"]  # the hour at six times the rate
+    assert busy < 0.95 and all(r["attainment"] > busy + 0.05 for r in (rows[0], rows[2])), rows
     assert [r["worker_hours"] for r in rows[:2]] == [2.0, 2.0]
     assert sum(r["worker_hours"] for r in rows) == pytest.approx(m["worker_seconds"] / 3600, abs=0.02)  # type: ignore[operator]
