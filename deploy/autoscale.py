@@ -93,7 +93,7 @@ class PoolAutoscaler:
         requests, attainment, ttft, tpot = acc.tracker.tails(now, span, q, since=self._seen[1])
         every = acc.tracker.window(now, span)  # whatever layout they arrived under
         load = acc.window.workload(now, span, q, self.planner.config.shares)
-        decode = self.planner.decode_window(
+        decode = self.planner.memory.decode_window(
             span, self.interval_s, now - self.started, lambda s: acc.window.workload(now, s, q), now
         )
         model = getattr(acc.dispatcher, "model", None)

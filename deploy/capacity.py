@@ -23,7 +23,7 @@ is closed-form queueing on the step-time model (``pdserve.steptime``), not a sim
   holds, or up to ``max_seqs``, the engine's ``max_num_seqs``, when that is fewer: the requests
   past it wait for a slot, and their gaps grow without bound). ``decode_load``, when given, is
   what decode is priced for instead of ``load``: the arrivals over a longer window
-  (``Planner.decode_span``), since a decode pool rides out a short burst in its batch and queue.
+  (``LoadMemory.decode_span``), since a decode pool rides out a short burst in its batch and queue.
 
 ``admitted`` < 1 prices the layout as the router's admission would run it under overload:
 it refuses what is predicted to miss, the longest prompts first, so the prefill pool carries

@@ -47,45 +47,12 @@ off (a prefill factor learned on windows with another prompt tail), not the pool
 pool keeps up is never overruled: a queue without end shows in the tails only once it has grown.
 
 "Keeps up": each pool at least the fewest workers predicted to keep up with every window the
-checks of the last ``down_after`` intervals saw, plus ``headroom`` — at scale a 10 s window
-carries a fifth more than its interval's mean, and a layout sized for one window would be
-moved again by the next (the busiest for prefill is not the busiest for decode). Decode reads
-each look's longer window (``decode_span``: as long as a request decodes at the TPOT target):
-a prefill queue costs TTFT at once, while a decode pool rides out a burst shorter than that in
-its batch and queue, and sized for every 10 s burst it held workers the SLO never needed.
-The headroom shrinks with the square root of a window's length past ``headroom_span_s``: the
-busiest of the 90 s decode windows plus a tenth put a decode worker past its batch cap where
-the static layout served the same peak on one.
+planner remembers, plus ``headroom`` (``keep_up``).
 
-With ``spend`` > 0 the planner spends the SLO's error budget: the requests that met beyond
-the attainment target over the last ``budget_intervals`` windows are a bank, and growing and
-holding size the next interval for a lower attainment (down to the target less the SLO's own
-allowance) whose extra misses spend up to ``spend`` of it: a quiet stretch pays for a trough
-held on fewer workers, and a step's misses empty the bank, so the next growth sizes for the
-target again. The way down never spends it (its margin is what keeps the pools from cycling).
-
-The memory of ``down_after`` intervals is what holds a layout through a trace's bursts; it is
-also what held a step's workers three intervals after the step ended. An interval whose every
-window carries less than ``forget_below`` of the busiest remembered one restarts it: at a steady
-load the quietest 10 s window of a bursty trace stays well above that share of the busiest, so
-a fall of the load does — or a whole interval's lull that deep, after which the pools grow again
-on the next check (the price of stepping down at once; at a few requests a window, Poisson
-noise alone makes such lulls) — and the layout may step down once the cooldown has passed.
-Decode too: from the fall's interval on, the decode pool is priced on what arrived since the
-fall (the windows that reach before it are cut to the look's own), since the decode workers a
-step down retires drain their own requests; a decode window held over the fall kept a
-step's decode workers for as long as the window after it. Likewise from a step up on
-(``step_above``, seen by a check): a decode window is long because a decode pool rides out a
-burst in its batch and slot queue, but a step is no burst: a window averaging it with the
-quiet before prices decode for a fraction of the new load, and a decode pool out of KV room
-holds up the prefill workers' hand-offs (their KV waits for room), so it misses TTFT too.
-The same share marks a window as draining: its arrivals fell under ``forget_below`` of the
-busiest remembered window as long as it (a decision's against the intervals' that stay
-remembered, a check's against the checks'), so what ended in it is mostly the backlog of the
-busier load. Its measured misses grow nothing and its tails teach the corrections nothing
-(workers started for a backlog arrive after it is gone, and a correction learned from it
-prices the quieter load as the busier one), and it steps nothing down either (a miss is a
-miss); the model's own prediction for what arrives still grows the pools.
+With ``spend`` > 0 growing and holding spend the SLO's error budget (``error_budget``); the
+way down never does. What the planner remembers of the load — the windows of the last
+``down_after`` intervals, a fall of the load that restarts them, a step, a draining window —
+is ``load_memory``'s.
 
 Flapping is what the peers' users complain of (a 2 <-> 1 oscillation), so the way down is
 deliberately narrower than the way up: a smaller layout must meet the SLO with ``margin`` (its
@@ -102,13 +69,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 from pdserve.deploy.capacity import Prediction, decode_step_at, predict
+from pdserve.deploy.error_budget import ErrorBudget
+from pdserve.deploy.keep_up import fewest
+from pdserve.deploy.load_memory import LoadMemory
 from pdserve.deploy.planner_data import Decision, Layout, Observation, PlannerConfig, Reason
 from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
-from pdserve.router.workload_window import Workload
 from pdserve.steptime.model import StepTimeModel
 
 # the share of a window's arrivals that must have ended in it for its measured tails to stand
@@ -122,54 +90,15 @@ class Planner:
         self.config = config
         self.correction = NONE  # of the model's step times (``_learn``)
         self._decode_points: deque[DecodePoint] = deque(maxlen=config.fit_windows)  # what it is fitted to
-        # the check windows of the last ``down_after`` intervals: a layout the planner moves to
-        # must keep up with each, or the next check moves it again (at scale a 10 s window
-        # carries a fifth more than its interval's mean, and the busiest for prefill is not the
-        # busiest for decode)
-        self._bursts: deque[list[Observation]] = deque(maxlen=config.down_after)
-        self._burst: list[Observation] = []  # this interval's, so far
-        self._fallen = False  # the memory restarted at a fall of the load (``forget_below``)
-        self._fell_at = -math.inf  # when the last fall began (``Observation.t``'s clock)
-        self._rose_at = -math.inf  # when the last step up began (likewise)
+        # the windows of the last ``down_after`` intervals: a layout the planner moves to must
+        # keep up with each, or the next check moves it again (at scale a 10 s window carries a
+        # fifth more than its interval's mean, and the busiest for prefill is not the busiest
+        # for decode)
+        self.memory = LoadMemory(config)
         self._floor: dict[float, tuple[int, int]] = {}  # fewest (P, D) keeping up, by shed: this decision's
         self._since_change = config.cooldown
-        # (ended, met) of the last decisions' windows: the error budget's bank
-        self._ledger: deque[tuple[int, float]] = deque(maxlen=config.budget_intervals)
+        self.budget = ErrorBudget(config)
         self.quantile = config.quantile  # the one growing and holding size for (``spend``)
-
-    def decode_span(self, span_s: float, interval_s: float, output_tokens: float) -> float:
-        """How long a window the decode pool is sized on, where ``span_s`` is the window looked
-        at (``Observation.decode_load``): as long as a request of ``output_tokens`` decodes at
-        the TPOT target, at most the ``down_after`` intervals the planner remembers. A decode
-        worker absorbs a burst past its rate in its batch and its queue: a request that waits
-        ``w`` for a slot adds ``w / output`` to its TPOT, so a mean request tolerates waits of
-        its output times the gap between the target and the step time (tens of seconds), and a
-        pool sized for each 10 s burst holds workers the SLO never needed."""
-        return min(self.config.down_after * interval_s, max(span_s, output_tokens * self.config.tpot_s))
-
-    def decode_window(
-        self,
-        span_s: float,
-        interval_s: float,
-        elapsed_s: float,
-        load_over: Callable[[float], Workload],
-        now: float = math.inf,
-    ) -> Workload | None:
-        """``Observation.decode_load`` for a look at ``span_s``: ``load_over(s)`` measures the
-        last ``s`` seconds; None when the decode window is no longer than the look's. Never
-        longer than ``elapsed_s`` (the time measured so far: a window reaching before it would
-        count its empty start as a lull), nor reaching before the last fall or step of the load,
-        where ``now`` is the look's ``Observation.t`` (it would count the fallen load as still
-        arriving, or a step's as a burst); the output length that sets it is read on the longest
-        window (a short window's few requests, or none, would set it by chance)."""
-        longest = min(self.config.down_after * interval_s, elapsed_s, now - self._moved_at)
-        if longest <= span_s:
-            return None
-        widest = load_over(longest)
-        longer = min(longest, self.decode_span(span_s, interval_s, widest.output_tokens))
-        if longer <= span_s:
-            return None
-        return widest if longer >= longest else load_over(longer)
 
     def predict(self, obs: Observation, layout: Layout, shed: float | None = None) -> Prediction:
         """``layout``'s corrected prediction for ``obs``'s workload: serving every arrival, or
@@ -301,30 +230,17 @@ class Planner:
         # What ended in a window that arrivals fell off from are mostly requests the busier
         # load queued: their tails measure that backlog draining, not this layout at this load
         # (growing on them adds workers that start after the backlog is gone).
-        busiest = self._busiest(up_only)
+        busiest = self.memory.busiest(up_only)
         draining = busiest > 0 and obs.load.rate < c.forget_below * busiest
-        stepped = up_only and self._stepped(obs)
+        stepped = False
         if up_only:
-            if stepped:
-                if not any(self._stepped(w) for w in self._burst):  # the step's first check
-                    self._rose_at = obs.t - obs.load.span_s
-                obs = self._since_moved(obs)  # decode priced on what arrived since the step
-            self._burst.append(obs)
+            obs, stepped = self.memory.check(obs)
         else:
             self._since_change += 1
             if not draining:
                 self._learn(obs)
-            interval = [*self._burst, obs]
-            if self._fell(interval):
-                self._bursts.clear()
-                self._fallen = True
-                self._fell_at = min(w.t - w.load.span_s for w in interval)
-                # decode priced on what arrived since: the workers it retires drain their own
-                interval = [self._since_moved(w) for w in interval]
-                obs = interval[-1]
-            self._bursts.append(interval)
-            self._burst = []
-            self.quantile = self._budgeted_quantile(obs)
+            obs = self.memory.close(obs)
+            self.quantile = self.budget.quantile(obs)
         now_pred = self.predict(obs, current)
         if obs.warming:
             # A warm-up skews what the workers measure (their first steps, the backlog they were
@@ -377,9 +293,9 @@ class Planner:
         # last ``down_after`` intervals' loads with margin (priced now, with what has been learned
         # since) serving every request, and keeps up with their checks' windows; never within
         # the cooldown; no refusals counted on (the module's docstring).
-        if self._since_change <= c.cooldown or (len(self._bursts) < c.down_after and not self._fallen):
+        if self._since_change <= c.cooldown or not self.memory.full():
             return Decision(obs.t, Reason.HOLD, current, now_pred, held)
-        recent = [ws[-1] for ws in reversed(self._bursts)]  # the decisions' windows, this one first
+        recent = self.memory.decisions()  # this one first
 
         def met(l: Layout) -> bool:  # at the SLO's own quantile: the budget is not spent going down
             return all(
@@ -409,73 +325,6 @@ class Planner:
             return self._change(obs, Reason.SCALE_DOWN, best, self.predict(obs, best, shed=0.0), why)
         return Decision(obs.t, Reason.HOLD, current, now_pred, held)
 
-    @property
-    def _moved_at(self) -> float:
-        """When the last fall or step of the load began: no decode window reaches before it."""
-        return max(self._fell_at, self._rose_at)
-
-    def _since_moved(self, w: Observation) -> Observation:
-        """``w`` with its decode window cut to its own where it reaches before the last fall
-        or step of the load."""
-        d = w.decode_load
-        if d is not None and w.t - d.span_s < self._moved_at - 1e-6:
-            return replace(w, decode_load=None)
-        return w
-
-    def _stepped(self, obs: Observation) -> bool:
-        """Whether ``obs``'s window carries at least ``step_above`` times the arrivals a second
-        of the busiest window of the intervals remembered before this one: a step in the load,
-        not a burst of the trace (at a steady load a check window carries some tens of percent
-        over its interval's mean, and the busiest of the nine remembered more)."""
-        before = [w.load.rate for ws in self._bursts for w in ws]
-        return bool(before) and obs.load.rate >= self.config.step_above * max(before) > 0
-
-    def _busiest(self, check: bool) -> float:
-        """The most arrivals a second of the remembered windows as long as the one being
-        decided on: for a check, the checks' windows (this interval's so far among them); for a
-        decision, the intervals' own windows that stay remembered (``_fell``'s reference). Like
-        with like: a steady load with one burst window an interval is not a fall at every
-        decision."""
-        if check:
-            checks = [w for ws in self._bursts for w in ws[:-1]] + self._burst
-            return max((w.load.rate for w in checks), default=0.0)
-        return max((ws[-1].load.rate for ws in self._kept()), default=0.0)
-
-    def _kept(self) -> list[list[Observation]]:
-        """The remembered intervals that stay once a decision's interval joins: the oldest
-        leaves with it when the memory is full."""
-        full = len(self._bursts) == self._bursts.maxlen
-        return list(self._bursts)[1:] if full else list(self._bursts)
-
-    def _fell(self, interval: list[Observation]) -> bool:
-        """Whether every window of ``interval`` carried less than ``forget_below`` of the busiest
-        remembered one that stays remembered (the module's docstring: a fall, or as deep a lull)."""
-        # against what stays remembered: the oldest interval leaves with this one's arrival, and
-        # a gradual decline measured against it would wipe intervals not half as busy again
-        busiest = max((w.load.rate for ws in self._kept() for w in ws), default=0.0)
-        return busiest > 0 and all(w.load.rate < self.config.forget_below * busiest for w in interval)
-
-    def _budgeted_quantile(self, obs: Observation) -> float:
-        """The quantile growing and holding size the next interval for: the SLO's, less what
-        spending ``spend`` of the banked surplus (met requests beyond the quantile over the last
-        ``budget_intervals`` windows) on its expected requests allows, at most the SLO's own
-        allowance (``1 - quantile``) below it."""
-        c = self.config
-        # every request the SLO counted, whatever layout it arrived under; a window where
-        # nothing ended banks nothing but still ages the bank
-        n, attainment = obs.served
-        ended = n if math.isfinite(attainment) else 0
-        self._ledger.append((ended, ended * attainment if ended else 0.0))
-        if not c.spend:
-            return c.quantile
-        # the windows still inside the horizon when the next one ends (the oldest leaves it)
-        kept = list(self._ledger)[-(c.budget_intervals - 1) :]
-        bank = sum(met - c.quantile * n for n, met in kept)
-        # the next interval may carry as many requests as the busiest recent one (a quiet window
-        # must not let a small bank lower the target for a busy one)
-        expected = max(c.min_requests, *(n for n, _ in kept))
-        return c.quantile - min(1 - c.quantile, max(0.0, c.spend * bank / expected))
-
     def _keeps_up(
         self, obs: Observation, layout: Layout, below: Layout | None = None, shed: float | None = None
     ) -> bool:
@@ -488,53 +337,11 @@ class Planner:
         on (the config's by default)."""
         most = self.config.shed if shed is None else shed
         if most not in self._floor:
-            self._floor[most] = self._fewest(obs, most)
+            self._floor[most] = fewest(self.config, [*self.memory.windows(), obs], obs, self.predict, most)
         p, d = self._floor[most]
         if below is not None:
             p, d = min(p, below.prefill), min(d, below.decode)
         return layout.prefill >= p and layout.decode >= d
-
-    def _fewest(self, obs: Observation, shed: float) -> tuple[int, int]:
-        """The fewest prefill and decode workers that keep up with each recent window (prefill
-        and decode are predicted apart: each pool's feasibility is the other's at its largest,
-        and grows with the pool)."""
-        b = self.config.bounds
-        seen = [w for ws in (*self._bursts, self._burst) for w in ws] + [obs]
-
-        def fewest(lo: int, hi: int, keeps_up: Callable[[int], bool]) -> int:
-            if not keeps_up(hi):
-                return hi
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if keeps_up(mid) else (mid + 1, hi)
-            return lo
-
-        p = d = 0
-        for w in seen:
-            if w.load.rate == 0 and w.decode.rate == 0:
-                continue
-            o = replace(obs, load=replace(w.load, rate=w.load.rate * self._more(w.load)))
-            o = replace(o, decode_load=replace(w.decode, rate=w.decode.rate * self._more(w.decode)))
-
-            def prefill_ok(n: int, o: Observation = o) -> bool:
-                return math.isfinite(self.predict(o, Layout(n, b.max_decode), shed).ttft_s)
-
-            def decode_ok(n: int, o: Observation = o) -> bool:
-                # refusals spare prefill only: decode is priced serving everyone
-                return math.isfinite(self.predict(o, Layout(b.max_prefill, n), 0.0).tpot_s)
-
-            p = max(p, fewest(b.min_prefill, b.max_prefill, prefill_ok))
-            d = max(d, fewest(b.min_decode, b.max_decode, decode_ok))
-        return p, d
-
-    def _more(self, load: Workload) -> float:
-        """The factor on ``load``'s rate a layout must keep up with: ``headroom`` for a window
-        up to ``headroom_span_s`` long (or of unknown length), shrinking with the square root of
-        a longer one's length — the share by which the count of independent arrivals strays
-        from its mean falls so, and a busiest window of 90 s is already most of a burst."""
-        c = self.config
-        longer = max(1.0, load.span_s / c.headroom_span_s)
-        return 1 + c.headroom / math.sqrt(longer)
 
     def _ranked(self, current: Layout) -> list[Layout]:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))

@@ -160,7 +160,7 @@ class Observation:
     tpot_s: float = math.nan  # measured median
     factors: tuple[float, float] = (1.0, 1.0)  # the router's prefill and decode corrections
     warming: bool = False  # a worker joined recently: its first steps are not the steady state
-    # the arrivals over ``Planner.decode_span`` when that is longer than ``load``'s window: what
+    # the arrivals over ``LoadMemory.decode_span`` when that is longer than ``load``'s window: what
     # the decode pool is sized for (``capacity.predict``'s ``decode_load``); None: ``load``
     decode_load: Workload | None = None
     # every request that ended in the window and the share that met, whatever layout it arrived

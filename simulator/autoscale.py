@@ -103,7 +103,7 @@ class PlannerLoop(abc.ABC, Generic[R]):
     @abc.abstractmethod
     def arrivals(self, now: float, span: float) -> Workload:
         """The arrivals of ``(now - span, now]``: their rate and mean lengths only (what the
-        decode pool's longer window reads, ``Planner.decode_window``)."""
+        decode pool's longer window reads, ``LoadMemory.decode_window``)."""
 
     @abc.abstractmethod
     def serving(self, role: R) -> int:
@@ -129,7 +129,9 @@ class PlannerLoop(abc.ABC, Generic[R]):
         full = self._looks % cfg.checks == 0
         span = cfg.interval_s if full else cfg.interval_s / cfg.checks  # a check: shorter, up only
         obs = self.observe(now, span)
-        decode = self.planner.decode_window(span, cfg.interval_s, now, lambda s: self.arrivals(now, s), now)
+        decode = self.planner.memory.decode_window(
+            span, cfg.interval_s, now, lambda s: self.arrivals(now, s), now
+        )
         obs = replace(obs, decode_load=decode)
         if full:
             ended, attainment = obs.served  # every request, whatever layout it arrived under

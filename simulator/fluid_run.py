@@ -183,7 +183,7 @@ class FluidAutoscaler(PlannerLoop[Role]):
         horizon = now - self.config.interval_s - 1.0  # the longest window whose ends are read
         while self.ends and (not len(self.ends[0].end) or self.ends[0].end.max() < horizon):
             self.ends.popleft()
-        # arrivals: the decode pool's window reaches further (``Planner.decode_window``)
+        # arrivals: the decode pool's window reaches further (``LoadMemory.decode_window``)
         horizon = now - self.config.interval_s * self.planner.config.down_after - 1.0
         log = self.cluster.arrival_log
         while log and log[0][0] < horizon:

@@ -183,7 +183,7 @@ def test_the_planners_window_reads_the_arrivals_and_their_prompt_tail() -> None:
         assert got == pytest.approx(want, rel=0.02) and got < obs.load.prompt_tokens
     # older ticks trimmed, and the longest window read (the decode pool's: the intervals
     # remembered) still whole
-    longest = planner.decode_span(10.0, 10.0, 1e9)
+    longest = planner.memory.decode_span(10.0, 10.0, 1e9)
     assert longest == 30.0 and 70.0 - longest - 1.0 - c.config.tick_s <= c.arrival_log[0][0] <= 70.0 - longest
     assert scaler.observe(70.0, longest).load.rate == pytest.approx(20.0, rel=0.05)
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy.capacity import erlang_c, predict
+from pdserve.deploy.keep_up import fewest
 from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
 from pdserve.deploy.step_correction import NONE, StepCorrection
@@ -69,10 +70,10 @@ def test_decode_is_sized_on_a_window_as_long_as_a_request_decodes() -> None:
     target, waits in its batch and queue at a small cost to TPOT: a check grows decode only
     on the longer window's load (``Observation.decode_load``), prefill on its own."""
     p = Planner(H100, SLO)
-    assert p.decode_span(10.0, 30.0, 209.0) == pytest.approx(20.9)  # 209 tokens at 100 ms
-    assert p.decode_span(30.0, 30.0, 209.0) == 30.0  # never shorter than the window looked at
-    assert p.decode_span(10.0, 30.0, 5000.0) == 90.0  # at most the intervals remembered
-    assert p.decode_span(10.0, 30.0, 0.0) == 10.0  # nothing arrived
+    assert p.memory.decode_span(10.0, 30.0, 209.0) == pytest.approx(20.9)  # 209 tokens at 100 ms
+    assert p.memory.decode_span(30.0, 30.0, 209.0) == 30.0  # never shorter than the window looked at
+    assert p.memory.decode_span(10.0, 30.0, 5000.0) == 90.0  # at most the intervals remembered
+    assert p.memory.decode_span(10.0, 30.0, 0.0) == 10.0  # nothing arrived
     # one decode worker keeps up with about 52 conversation requests a second
     burst = dict(requests=400, attainment=0.95)
     held = p.decide(obs(10.0, Layout(4, 1), 60.0, decode_load=Workload(40.0, *CONV), **burst), up_only=True)
@@ -99,20 +100,20 @@ def test_the_decode_window_is_read_on_the_longest_window_and_never_before_the_st
         return load
 
     # a conversation mix decodes for 20.9 s at 100 ms: read on the 90 s window first
-    got = p.decode_window(10.0, 30.0, 1000.0, over({}))
+    got = p.memory.decode_window(10.0, 30.0, 1000.0, over({}))
     assert asked == [90.0, pytest.approx(20.9)] and got == Workload(30.0, *CONV)
     asked.clear()
     # long outputs: the longest window itself, read once
     long_out = Workload(5.0, 1000.0, 2000.0)
-    assert p.decode_window(10.0, 30.0, 1000.0, over({90.0: long_out})) == long_out and asked == [90.0]
+    assert p.memory.decode_window(10.0, 30.0, 1000.0, over({90.0: long_out})) == long_out and asked == [90.0]
     asked.clear()
     # not before the start: 15 s in, the 10 s check's decode window is 15 s at most
-    p.decode_window(10.0, 30.0, 15.0, over({}))
+    p.memory.decode_window(10.0, 30.0, 15.0, over({}))
     assert asked == [15.0]
     asked.clear()
     # nothing longer than the look: no second load, decode priced on the look's own
-    assert p.decode_window(30.0, 30.0, 25.0, over({})) is None and asked == []
-    assert p.decode_window(10.0, 30.0, 1000.0, over({90.0: Workload(0.0, 0.0, 0.0)})) is None
+    assert p.memory.decode_window(30.0, 30.0, 25.0, over({})) is None and asked == []
+    assert p.memory.decode_window(10.0, 30.0, 1000.0, over({90.0: Workload(0.0, 0.0, 0.0)})) is None
 
 
 def test_the_prefill_pool_queues_as_one() -> None:
@@ -488,9 +489,9 @@ def test_a_pool_short_of_its_floor_does_not_hold_the_others_idle_workers() -> No
         d = plan.decide(obs(30 * i + 30, layout, 100.0, lens=(100.0, 300.0), requests=3000, attainment=0.99))
         steps += [d.layout] if d.reason is Reason.SCALE_DOWN else []
         layout = d.layout
-    assert (
-        plan._fewest(obs(400, layout, 100.0, lens=(100.0, 300.0)), 0.0)[1] > 2
-    )  # decode is short of its floor
+    last = obs(400, layout, 100.0, lens=(100.0, 300.0))
+    # decode is short of its floor
+    assert fewest(SLO, [*plan.memory.windows(), last], last, plan.predict, 0.0)[1] > 2
     assert steps and layout.prefill < 6 and layout.decode == 2
 
 
@@ -516,7 +517,7 @@ def test_the_keep_up_headroom_shrinks_with_the_window_length() -> None:
 
     def decode_floor(span_s: float, config: PlannerConfig = cap) -> int:
         window = obs(30.0, Layout(1, 1), 5.0, decode_load=Workload(rate, *CONV, span_s=span_s))
-        return Planner(H100, config)._fewest(window, 0.0)[1]
+        return fewest(config, [window], window, Planner(H100, config).predict, 0.0)[1]
 
     assert decode_floor(90.0) == 1
     assert decode_floor(0.0) == decode_floor(10.0) == decode_floor(5.0) == 2
@@ -660,7 +661,7 @@ def test_a_gradual_decline_is_measured_against_what_stays_remembered() -> None:
         details.append(d.detail)
         layout = d.layout
     assert not [x for x in details if "fell" in x], details
-    assert len(plan._bursts) == SLO.down_after
+    assert len(plan.memory.intervals) == SLO.down_after
 
 
 def test_misses_measured_on_a_draining_backlog_grow_nothing_and_teach_nothing() -> None:
@@ -811,11 +812,11 @@ def test_after_a_fall_decode_is_priced_on_what_arrived_since() -> None:
         asked.append(s)
         return Workload(5.0, *CONV, span_s=s)
 
-    plan.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
+    plan.memory.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
     assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
     # without the clock, as before: the longest window
     asked.clear()
-    plan.decode_window(10.0, 30.0, 1000.0, over)
+    plan.memory.decode_window(10.0, 30.0, 1000.0, over)
     assert asked[0] == 90.0
 
 
@@ -856,7 +857,7 @@ def test_at_a_step_decode_is_priced_on_what_arrived_since() -> None:
         asked.append(s)
         return Workload(high, *CONV, span_s=s)
 
-    plan.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
+    plan.memory.decode_window(10.0, 30.0, 1000.0, over, now=160.0)
     assert asked[0] == pytest.approx(40.0) and max(asked) <= 40.0
 
 
