@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.autoscale import SLO, TRACE
 from benchmarks.autoscale_day import DAY, ROUTING, diurnal, fluid
 from benchmarks.common import emit
+from pdserve.deploy.keep_up import fewest_passing as fewest
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -42,16 +42,6 @@ def parse_layout(text: str) -> tuple[int, int]:
     if m is None or min(int(m[1]), int(m[2])) < 1:
         raise argparse.ArgumentTypeError(f"a layout is written like 28P+19D, got {text!r}")
     return int(m[1]), int(m[2])
-
-
-def fewest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
-    """The least ``n`` in [lo, hi] with ``ok(n)`` (monotone), None when even ``hi`` fails."""
-    if not ok(hi):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
-    return lo
 
 
 def hourly_rates(base: float, swing: float) -> list[float]:

@@ -36,6 +36,17 @@ def more(config: PlannerConfig, load: Workload) -> float:
     return 1 + config.headroom / math.sqrt(longer)
 
 
+def fewest_passing(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The least ``n`` in [lo, hi] with ``ok(n)``, ``ok`` monotone in ``n``; None when even
+    ``hi`` fails."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
 def fewest(
     config: PlannerConfig, windows: Iterable[Observation], obs: Observation, predict: Predict, shed: float
 ) -> tuple[int, int]:
@@ -46,12 +57,8 @@ def fewest(
     b = config.bounds
 
     def least(lo: int, hi: int, keeps_up: Callable[[int], bool]) -> int:
-        if not keeps_up(hi):
-            return hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if keeps_up(mid) else (mid + 1, hi)
-        return lo
+        n = fewest_passing(lo, hi, keeps_up)
+        return hi if n is None else n  # none keeps up: the most there may be
 
     p = d = 0
     for w in windows:

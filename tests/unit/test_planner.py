@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy.capacity import erlang_c, predict
-from pdserve.deploy.keep_up import fewest
+from pdserve.deploy.keep_up import fewest, fewest_passing
 from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
 from pdserve.deploy.step_correction import NONE, StepCorrection
@@ -916,3 +916,21 @@ def test_a_tail_measured_within_trust_outranks_the_predicted_one() -> None:
         d = plan.decide(replace(check, requests=ended), up_only=True)
         assert d.reason is Reason.SCALE_UP and d.layout.decode > 1, d
         assert (d.layout.prefill > 4) is prefill_grows, (ended, d)
+
+
+@given(st.integers(0, 50), st.integers(0, 50), st.integers(-5, 60))
+def test_fewest_passing_is_the_least_that_passes(lo: int, span: int, k: int) -> None:
+    """The bisection the keep-up floor and the day's hindsight bound share: on a monotone test
+    it returns the least passing count in the range, and None when even the largest fails,
+    asking each count at most once per halving."""
+    hi = lo + span
+    asked: list[int] = []
+
+    def ok(n: int) -> bool:
+        assert lo <= n <= hi
+        asked.append(n)
+        return n >= k
+
+    got = fewest_passing(lo, hi, ok)
+    assert got == (None if k > hi else max(lo, k))
+    assert len(asked) <= 2 + max(1, span).bit_length()
