@@ -18,9 +18,10 @@ start-up), from 1P+1D, within ``--max-prefill`` / ``--max-decode`` (together 64 
 
 The best static layout at equal attainment: the fewest workers whose day attainment is at
 least the autoscaled run's, each total split as the planner's capacity model says serves the
-peak best; totals are bisected between a few under the autoscaled run's largest layout and
-its mean, each run of the whole day ending early once its misses pass what that attainment
-allows.
+peak best or with one prefill worker more (``static_day``); totals are bisected between a few
+under the autoscaled run's largest layout and its mean, each run of the whole day ending early
+once its misses pass what that attainment allows. ``--static-at N --target A`` runs that test
+for one total alone.
 
 Final JSON line: ``gpu_hours_ratio`` (autoscaled over the static layout's; target <= 0.7), the
 attainment of both, the planner's changes, the longest decision (wall), and the check's
@@ -223,20 +224,54 @@ def print_hours(name: str, rows: list[dict[str, Any]]) -> None:
         print(f"  {r['hour']:>4}  {r['requests']:>9,}  {att:>10}  {r['worker_hours']:>8.2f}", flush=True)
 
 
+def day_flags(args: argparse.Namespace) -> list[str]:
+    """The day's workload and SLO flags, without a layout."""
+    return ["--trace", str(TRACE), "--request-rate", str(args.rate), "--rate-curve", diurnal(args.swing),
+            "--duration", str(args.hours * 3600), *SLO, *ROUTING]  # fmt: skip
+
+
+def day_peak(args: argparse.Namespace) -> Workload:
+    """The day's peak load as the capacity model prices it: the trace's mean lengths."""
+    prompt_mean, output_mean, prompt_p90 = 1154.7, 211.1, 2734.0  # the trace's
+    return Workload(args.rate * args.swing, prompt_mean, output_mean, prompt_tail_tokens=prompt_p90)
+
+
+def static_day(
+    total: int,
+    target: float,
+    base: list[str],
+    peak: Workload,
+    args: argparse.Namespace,
+    tried: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """The static day of ``total`` workers reaching ``target`` (its ``fluid`` result with its
+    split), or None. Two splits are tried, the capacity model's best for the peak and one
+    prefill worker more: at high totals ``split`` gives decode workers the peak does not use
+    (50 as 30P+20D fell short where 31P+19D passed), and a static layout split worse than it
+    could be flatters the planner it is compared with. Each try is appended to ``tried``."""
+    p0, d0 = split(total, peak, args)
+    for p, d in ((p0, d0), (p0 + 1, d0 - 1)):
+        if d < 1 or p > args.max_prefill:
+            continue
+        t0 = time.perf_counter()
+        m = fluid([*base, "--prefill", str(p), "--decode", str(d)], stop_below=target)
+        tried.append(
+            {
+                "layout": f"{p}P+{d}D",
+                "attainment": round(m["slo_attainment"], 4),
+                "ended_early": m["stopped_early"],
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        )
+        shown = f"{'< ' if m['stopped_early'] else ''}{m['slo_attainment']:.4f}"
+        print(f"day static {p}P+{d}D: attainment {shown}", flush=True)
+        if not m["stopped_early"] and m["slo_attainment"] >= target:
+            return {"prefill": p, "decode": d, **m}
+    return None
+
+
 def day(args: argparse.Namespace) -> dict[str, Any]:
-    curve = diurnal(args.swing)
-    base = [
-        "--trace",
-        str(TRACE),
-        "--request-rate",
-        str(args.rate),
-        "--rate-curve",
-        curve,
-        "--duration",
-        str(args.hours * 3600),
-        *SLO,
-        *ROUTING,
-    ]
+    base = day_flags(args)
     bounds = ["--max-prefill", str(args.max_prefill), "--max-decode", str(args.max_decode)]
     t0 = time.perf_counter()
     spend = ["--autoscale-spend", str(args.spend)]
@@ -251,32 +286,15 @@ def day(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     print_hours("autoscaled", auto["by_hour"])
-    prompt_mean, output_mean, prompt_p90 = 1154.7, 211.1, 2734.0  # the trace's
-    peak = Workload(args.rate * args.swing, prompt_mean, output_mean, prompt_tail_tokens=prompt_p90)
+    peak = day_peak(args)
     tried: list[dict[str, Any]] = []
     results: dict[int, dict[str, Any]] = {}
 
     def static(total: int) -> bool:
-        """Whether ``total`` workers, split for the peak, reach the autoscaled attainment."""
-        p, d = split(total, peak, args)
-        t0 = time.perf_counter()
-        m = fluid([*base, "--prefill", str(p), "--decode", str(d)], stop_below=target)
-        passed = not m["stopped_early"] and m["slo_attainment"] >= target
-        tried.append(
-            {
-                "layout": f"{p}P+{d}D",
-                "attainment": round(m["slo_attainment"], 4),
-                "ended_early": m["stopped_early"],
-                "wall_s": round(time.perf_counter() - t0, 1),
-            }
-        )
-        print(
-            f"day static {p}P+{d}D: attainment {'< ' if m['stopped_early'] else ''}{m['slo_attainment']:.4f}",
-            flush=True,
-        )
-        if passed:
-            results[total] = {"prefill": p, "decode": d, **m}
-        return passed
+        m = static_day(total, target, base, peak, args, tried)
+        if m is not None:
+            results[total] = m
+        return m is not None
 
     # the fewest workers that pass, by bisection: from a few under the autoscaled run's largest
     # layout (up while it fails) down to its mean (the static layout below which none can pass
@@ -363,16 +381,32 @@ def main() -> int:
     ap.add_argument(
         "--steady", default="", help="only the steady-load runs at these rates (req/s, comma-separated)"
     )
+    ap.add_argument(
+        "--static-at",
+        type=int,
+        default=0,
+        help="only the static search's test of this many workers, against --target",
+    )
+    ap.add_argument("--target", type=float, default=math.nan, help="the attainment --static-at must reach")
     args = ap.parse_args()
+    if args.static_at and not (
+        0 < args.target <= 1 and 2 <= args.static_at <= args.max_prefill + args.max_decode
+    ):
+        ap.error("--static-at needs 2 to --max-prefill + --max-decode workers and a --target in (0, 1]")
     t0 = time.perf_counter()
     result: dict[str, Any] = {"slo": "ttft:250 tpot:100 at 90 %", "routing": "goodput, admission reject"}
-    if args.steady:
+    if args.static_at:
+        tried: list[dict[str, Any]] = []
+        m = static_day(args.static_at, args.target, day_flags(args), day_peak(args), args, tried)
+        result.update({"static_at": args.static_at, "target": args.target, "passed": m is not None,
+                       "day_static_tried": tried})  # fmt: skip
+    elif args.steady:
         result.update(steady([float(r) for r in args.steady.split(",")], args))
     elif args.oracle_only:
         result.update(oracle())
     elif not args.skip_check:
         result.update(check(args))
-    if not (args.check_only or args.oracle_only or args.steady):
+    if not (args.check_only or args.oracle_only or args.steady or args.static_at):
         result.update(day(args))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     emit(result)
