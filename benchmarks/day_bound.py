@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.autoscale import SLO, TRACE
 from benchmarks.autoscale_day import DAY, ROUTING, diurnal, fluid
 from benchmarks.common import emit
-from pdserve.deploy.keep_up import fewest_passing as fewest
+from pdserve.deploy.keep_up import fewest_passing
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -73,13 +73,13 @@ def smallest(rate: float, target: float, args: argparse.Namespace, memo: dict[An
             memo[(rate, p, d)] = m["slo_attainment"]
         return memo[(rate, p, d)]
 
-    d0 = fewest(1, args.max_decode, lambda d: attainment(args.max_prefill, d) >= target)
+    d0 = fewest_passing(1, args.max_decode, lambda d: attainment(args.max_prefill, d) >= target)
     if d0 is None:
         bound = f"{args.max_prefill}P+{args.max_decode}D"
         raise SystemExit(f"no layout within {bound} meets {target} at {rate} req/s")
     found = []
     for d in range(d0, min(args.max_decode, d0 + 2) + 1):
-        p = fewest(1, args.max_prefill, lambda p, d=d: attainment(p, d) >= target)
+        p = fewest_passing(1, args.max_prefill, lambda p, d=d: attainment(p, d) >= target)
         if p is not None:
             found.append((p + d, p, d))
     _, p, d = min(found)

@@ -337,11 +337,16 @@ class Planner:
         on (the config's by default)."""
         most = self.config.shed if shed is None else shed
         if most not in self._floor:
-            self._floor[most] = fewest(self.config, [*self.memory.windows(), obs], obs, self.predict, most)
+            self._floor[most] = self.floor(obs, most)
         p, d = self._floor[most]
         if below is not None:
             p, d = min(p, below.prefill), min(d, below.decode)
         return layout.prefill >= p and layout.decode >= d
+
+    def floor(self, obs: Observation, shed: float) -> tuple[int, int]:
+        """The keep-up floor (``keep_up.fewest``) of every window remembered and ``obs``, the
+        one being decided on, priced at ``obs``."""
+        return fewest(self.config, [*self.memory.windows(), obs], obs, self.predict, shed)
 
     def _ranked(self, current: Layout) -> list[Layout]:
         return sorted(self.candidates(), key=lambda l: (l.workers, abs(l.prefill - current.prefill), l))

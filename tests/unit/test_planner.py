@@ -489,9 +489,7 @@ def test_a_pool_short_of_its_floor_does_not_hold_the_others_idle_workers() -> No
         d = plan.decide(obs(30 * i + 30, layout, 100.0, lens=(100.0, 300.0), requests=3000, attainment=0.99))
         steps += [d.layout] if d.reason is Reason.SCALE_DOWN else []
         layout = d.layout
-    last = obs(400, layout, 100.0, lens=(100.0, 300.0))
-    # decode is short of its floor
-    assert fewest(SLO, [*plan.memory.windows(), last], last, plan.predict, 0.0)[1] > 2
+    assert plan.floor(obs(400, layout, 100.0, lens=(100.0, 300.0)), 0.0)[1] > 2  # decode short of its floor
     assert steps and layout.prefill < 6 and layout.decode == 2
 
 
