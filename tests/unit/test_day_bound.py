@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.day_bound import fewest, hour_sums, hourly_rates, parse_layout
+from benchmarks.day_bound import hour_sums, hourly_rates, parse_layout
 
 
 def test_a_layout_is_parsed_or_refused() -> None:
@@ -38,11 +38,3 @@ def test_the_sums_bracket_the_points(workers: list[int]) -> None:
 
 def test_the_hours_wrap_around_midnight() -> None:
     assert hour_sums([1, 5]) == {"bound_lower": 2, "bound_points": 6, "bound_upper": 10}
-
-
-@given(st.integers(1, 40), st.integers(1, 40))
-def test_fewest_finds_the_least_passing_count(lo: int, need: int) -> None:
-    hi = 40
-    got = fewest(lo, hi, lambda n: n >= need)
-    assert got == max(lo, need)
-    assert fewest(1, 5, lambda n: False) is None

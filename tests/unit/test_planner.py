@@ -931,4 +931,5 @@ def test_fewest_passing_is_the_least_that_passes(lo: int, span: int, k: int) -> 
 
     got = fewest_passing(lo, hi, ok)
     assert got == (None if k > hi else max(lo, k))
+    assert fewest_passing(lo, hi, lambda n: False) is None
     assert len(asked) <= 2 + max(1, span).bit_length()
