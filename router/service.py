@@ -1,6 +1,8 @@
 """The router's core, shared by the gRPC and HTTP front ends.
 
-``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events::
+``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events (the
+commands and the workers' outputs: ``pdserve.router.request_flow``; workers coming and going:
+``pdserve.router.membership``)::
 
     tokenize + validate (caps) -> SLO class -> dispatcher decides (decode worker, prefill worker
                    or local prefill, or REJECTED -> RESOURCE_EXHAUSTED with a retry hint)
@@ -31,9 +33,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
@@ -47,27 +48,11 @@ from pdserve.router.membership import Membership
 from pdserve.router.outputs import OutputListener
 from pdserve.router.policy import Decision, Outcome, RouteRequest
 from pdserve.router.prefix import block_keys
+from pdserve.router.request_flow import RequestFlow
 from pdserve.router.slo import SloClass, SloHint
 from pdserve.router.stream import Event, RequestStream
-from pdserve.router.workers import WorkerHandle, WorkerLost
-from pdserve.worker.commands import (
-    Abort,
-    AddLocal,
-    AwaitReservation,
-    KvLost,
-    Prefill,
-    QueueReservation,
-    SetTarget,
-    Start,
-)
-from pdserve.worker.messages import (
-    KVTarget,
-    TokenDelta,
-    WorkerHealth,
-    WorkerLoad,
-    WorkerRole,
-    WorkItem,
-)
+from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import WorkerHealth, WorkerLoad, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
 __all__ = ["Admitted", "GenerateInput", "ModelInfo", "Router", "SloHint"]
@@ -114,7 +99,7 @@ class Admitted:
         return self.stream.request_id
 
 
-class Router(Membership):
+class Router(RequestFlow, Membership):
     def __init__(
         self,
         config: RouterConfig,
@@ -334,131 +319,6 @@ class Router(Membership):
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         return self.run(self.admit(inp))
 
-    def _start_dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
-        """Send the request where ``decision`` says, beside the reader of its events: the first
-        token may arrive before the last dispatch call (the KV target) returns, and must not
-        wait for it. Only this attempt's failure fails the stream."""
-        stream.work = work
-        stream.dispatch = task = asyncio.create_task(self._dispatch(stream, work, decision))
-        task.add_done_callback(lambda t: _fail_on_error(stream, t))
-
-    async def _dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
-        timeout = self.config.call_timeout_s
-        rid = stream.request_id
-        if stream.done:
-            return
-        try:
-            decode = self.workers[decision.decode_worker]
-            if decision.prefill_worker is None:
-                stream.decode_worker = decode.worker_id
-                decode.inflight.add(stream.request_id)
-                await decode.command(AddLocal(work), timeout)
-            else:
-                await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
-        except WorkerLost as e:
-            if stream.request_id != rid or stream.done:
-                return  # the stream already moved on (its worker's loss migrated it), or ended
-            why_not = self._why_not_migrate(stream)
-            if why_not is None:  # a worker lost before it held the request: go elsewhere
-                self._migrate(stream)
-                return
-            raise RouterError(Code.UNAVAILABLE, f"{e}; {why_not}") from None
-        except asyncio.TimeoutError:
-            raise RouterError(Code.UNAVAILABLE, "a worker did not answer in time") from None
-        except (InvalidRequestError, ValueError) as e:
-            raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
-        if stream.dispatched is None:  # the first attempt's: queueing ends there, whatever moves later
-            stream.dispatched = time.perf_counter()
-
-    async def _dispatch_pair(
-        self, stream: RequestStream, work: WorkItem, prefill: WorkerHandle, decode: WorkerHandle
-    ) -> None:
-        """Prefill starts at once while decode reserves blocks (the reservation stays off the
-        TTFT path); the KV target follows, and decode starts once both sides are set."""
-        rid = stream.request_id
-        stream.decode_worker, stream.prefill_worker = decode.worker_id, prefill.worker_id
-        decode.inflight.add(rid)
-        prefill.inflight.add(rid)
-        wait = self.config.reserve_timeout_s
-        # Prefill goes out first: its call is on the TTFT path, the reservation is not.
-        outcomes: tuple[Any, Any] = await asyncio.gather(
-            prefill.command(Prefill(work), self.config.call_timeout_s),
-            self._reserve(stream, decode, work, wait),
-            return_exceptions=True,
-        )
-        started, target = outcomes
-        # The first token may come out before prefill's answer does (two threads there): a
-        # prefill worker lost after it is no reason to fail the request (decode recomputes).
-        prefill_gone = (
-            isinstance(started, (WorkerLost, asyncio.TimeoutError)) and stream.first_token is not None
-        )
-        for outcome in (started, target):
-            if isinstance(outcome, BaseException) and not (outcome is started and prefill_gone):
-                raise outcome
-        if target is None:
-            raise RouterError(
-                Code.RESOURCE_EXHAUSTED,
-                f"no KV cache room on decode worker {decode.worker_id} within {wait:g}s; retry later",
-            )
-        if stream.done:
-            return
-        if prefill_gone:
-            self._spawn(self._kv_lost(stream))
-            return
-        try:
-            await prefill.command(SetTarget(rid, target), self.config.call_timeout_s)
-        except (WorkerLost, asyncio.TimeoutError):
-            if stream.first_token is None:
-                raise  # nothing came out yet: the request fails (UNAVAILABLE)
-            # The first token is out, so the request goes on: decode recomputes the prompt
-            # (told here, or by the worker-loss handler if it saw the loss first), and prefill,
-            # should it live, lets go of the prompt's blocks.
-            self._spawn(self._kv_lost(stream))
-            if rid in prefill.inflight and prefill.alive:
-                prefill.inflight.discard(rid)
-                self._spawn(self._abort_on(prefill, rid))
-
-    async def _reserve(
-        self, stream: RequestStream, decode: WorkerHandle, work: WorkItem, wait: float
-    ) -> KVTarget | None:
-        """Queue a reservation on ``decode`` (a quick call: once it returned, an abort reaches
-        the waiting reservation), then wait for it to be granted."""
-        timeout = self.config.call_timeout_s
-        # This attempt's own events: a migration gives the stream new ones, which a late end
-        # of this attempt must not touch.
-        rid, settled, reserved = stream.request_id, stream.reservation_settled, stream.reserved
-        try:
-            tid = f"kv-{uuid.uuid4().hex}"
-            if not await decode.command(QueueReservation(work, tid, wait), timeout):
-                return None
-            target: KVTarget | None = await decode.command(AwaitReservation(rid), wait + timeout)
-            if target is not None and stream.request_id == rid:
-                stream.reserved_at = time.perf_counter()
-                reserved.set()
-            return target
-        finally:
-            settled.set()
-
-    def _release(self, stream: RequestStream) -> None:
-        """Abort the request on every worker still holding it (fire and forget)."""
-        for wid in (stream.prefill_worker, stream.decode_worker):
-            w = self.workers.get(wid)
-            if w is not None and stream.request_id in w.inflight:
-                w.inflight.discard(stream.request_id)
-                if w.alive:
-                    self._spawn(self._abort_on(w, stream.request_id))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _abort_on(self, w: WorkerHandle, rid: str) -> None:
-        try:
-            await w.command(Abort(rid), self.config.call_timeout_s)
-        except Exception as e:  # a dead worker frees nothing, and needs nothing freed
-            log.debug("abort %s on %s: %s", rid, w.worker_id, e)
-
     async def abort(self, request_id: str) -> bool:
         """Abort the request the client named ``request_id``; False if none is in flight."""
         stream = self._streams.get(self._client_ids.get(request_id, ""))
@@ -466,71 +326,6 @@ class Router(Membership):
             return False
         stream.abort()
         return True
-
-    # -- worker events -----------------------------------------------------------------------
-    def _on_deltas(self, worker: WorkerHandle, deltas: tuple[TokenDelta, ...]) -> None:
-        self.dispatcher.on_report(worker.load)
-        for d in deltas:
-            stream = self._streams.get(d.request_id)
-            if stream is None or stream.done:
-                continue
-            if worker.worker_id not in (stream.prefill_worker, stream.decode_worker):
-                continue  # a worker the stream moved away from (migration): fenced off
-            self.accounting.on_delta(worker.role, stream, d)
-            if d.kv_lost:
-                # Prefill's push failed after the first token: it holds nothing any more, and
-                # decode recomputes the prompt (a lost transfer costs time, not the request).
-                worker.inflight.discard(d.request_id)
-                self._spawn(self._kv_lost(stream))
-                continue
-            if d.error is not None:
-                stream.fail(RouterError(Code.UNAVAILABLE, f"{worker.worker_id}: {d.error}"))
-                continue
-            if d.prefilled:
-                # Prefill still holds the KV until it is pushed: it stays in prefill's in-flight
-                # set (and gets an abort if the request ends) until decode produces tokens.
-                decode = self.workers.get(stream.decode_worker)
-                if decode is not None and d.token_ids:
-                    self._spawn(self._start_decode(decode, stream, d))
-                stream.feed(d)
-            else:
-                if worker.role is WorkerRole.PREFILL:
-                    worker.inflight.discard(d.request_id)
-                else:
-                    prefill = self.workers.get(stream.prefill_worker)
-                    if prefill is not None:
-                        prefill.inflight.discard(d.request_id)  # the KV arrived: prefill is done
-                if stream.feed(d) and d.finished:
-                    worker.inflight.discard(d.request_id)
-
-    async def _start_decode(self, decode: WorkerHandle, stream: RequestStream, d: TokenDelta) -> None:
-        await asyncio.sleep(0)  # the first token goes to the client before this call goes out
-        # Settled however the reservation ends; one that was not granted failed the stream
-        # (RESOURCE_EXHAUSTED, from the dispatch).
-        await stream.reservation_settled.wait()
-        if stream.done or stream.request_id != d.request_id or not stream.reserved.is_set():
-            return  # over, or moved on (migration: a new attempt under a new id)
-        try:
-            await decode.command(
-                Start(d.request_id, d.token_ids[0], d.num_cached_tokens), self.config.call_timeout_s
-            )
-        except Exception as e:
-            if stream.request_id == d.request_id:  # else it moved on (migration)
-                stream.fail(RouterError(Code.UNAVAILABLE, f"decode worker {decode.worker_id}: {e!r}"))
-
-    async def _kv_lost(self, stream: RequestStream) -> None:
-        """Tell the decode worker that the request's KV will not come, so it recomputes the
-        prompt now instead of waiting out the transfer's lease."""
-        rid, decode = stream.request_id, self.workers.get(stream.decode_worker)
-        if decode is None or stream.done:
-            return
-        await stream.reservation_settled.wait()
-        if stream.done or stream.request_id != rid or not stream.reserved.is_set():
-            return  # over, or moved on (migration: a new attempt under a new id)
-        try:
-            await decode.command(KvLost(rid), self.config.call_timeout_s)
-        except Exception as e:  # a lost decode worker fails the stream through its own path
-            log.debug("kv_lost %s on %s: %s", rid, decode.worker_id, e)
 
     # -- status ------------------------------------------------------------------------------
     async def cluster_status(self) -> tuple[bool, str, list[WorkerLoad]]:
@@ -548,15 +343,3 @@ class Router(Membership):
         loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
         mode = "colocated" if self.colocated else "disaggregated"
         return self.ready, mode, sorted(loads, key=lambda x: x.worker_id)
-
-
-def _fail_on_error(stream: RequestStream, task: asyncio.Task[None]) -> None:
-    if task.cancelled() or task is not stream.dispatch:
-        return  # cancelled, or an earlier attempt's (a migration replaced it) whatever it raised
-    e = task.exception()
-    if e is None:
-        return
-    if not isinstance(e, RouterError):
-        log.error("dispatch of %s failed: %r", stream.request_id, e)
-        e = RouterError(Code.INTERNAL, f"internal error: {type(e).__name__}")
-    stream.fail(e)

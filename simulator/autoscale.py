@@ -22,7 +22,9 @@ from typing import Generic, TypeVar
 from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation, moves
 from pdserve.router.workload_window import Workload, prompt_shape, rank
-from pdserve.simulator.cluster import Cluster, SimRequest, SimWorker
+from pdserve.simulator.cluster import Cluster
+from pdserve.simulator.sim_request import SimRequest
+from pdserve.simulator.sim_worker import SimWorker
 from pdserve.worker.messages import WorkerRole
 
 

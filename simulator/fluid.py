@@ -38,120 +38,17 @@ the latter can run.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.model_runtime.backend import GPU_MAX_SEQS, GPU_STEP_TOKENS
+from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role
+from pdserve.simulator.fluid_decode import RunningDecode
+from pdserve.simulator.fluid_records import FluidRequest, FluidWorker, WorkerState
 from pdserve.steptime.model import StepTimeModel
-
-
-@dataclass(frozen=True)
-class FluidConfig:
-    ttft_s: float = 0.0  # targets (0: none); a good request meets both
-    tpot_s: float = 0.0
-    reject: bool = False  # refuse a request predicted to miss (admission ``reject``)
-    step_tokens: int = GPU_STEP_TOKENS  # a prefill step's prompt tokens
-    max_seqs: int = GPU_MAX_SEQS  # a decode worker's batch
-    reserve_timeout_s: float = 30.0
-    tick_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s >= 0 and self.tpot_s >= 0 and self.reserve_timeout_s > 0):
-            raise ValueError("targets must be >= 0 and the reservation deadline > 0")
-        if not (0 < self.tick_s <= 10) or self.step_tokens < 1 or self.max_seqs < 1:
-            raise ValueError("tick must be in (0, 10] s, step tokens and batch >= 1")
-
-
-@dataclass(frozen=True)
-class Arrivals:
-    """Requests in arrival order: times (s), prompt and output lengths (tokens)."""
-
-    t: np.ndarray
-    prompt: np.ndarray
-    output: np.ndarray
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-class _State(enum.Enum):
-    """STARTING -> SERVING -> DRAINING -> STOPPED, or DRAINING -> STARTING in the other role
-    (a switch: its start is ``switch_s``)."""
-
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class _Req:
-    __slots__ = ("arrival", "decode", "first", "granted", "kv", "output", "predicted", "prefill", "prompt")
-
-    def __init__(self, arrival: float, prompt: int, output: int, prefill: _Worker, decode: _Worker) -> None:
-        self.arrival = arrival
-        self.prompt = prompt
-        self.output = output
-        self.prefill = prefill
-        self.decode = decode
-        self.first = math.nan  # first token's time, once its step is closed
-        self.granted = math.nan  # when its KV reservation was granted
-        self.kv = prompt + output
-        self.predicted = 0.0  # TTFT the router's queue rule predicted when it placed it (uncorrected)
-
-
-class _Worker:
-    """One GPU: a prefill worker's step queue or a decode worker's accounts (its running
-    requests live in ``FluidCluster``'s arrays, under ``index``)."""
-
-    def __init__(self, index: int, role: Role, held_from: float, ready_at: float) -> None:
-        self.index = index
-        self.role = role
-        self.state = _State.STARTING
-        self.held_from = held_from
-        self.ready_at = ready_at
-        self.stopped_at = math.nan
-        self.retired_at = math.nan
-        self.switch_to: Role | None = None
-        self.gen = -1  # the tag of its entry in the prefill heap (-1: none valid)
-        self.sending = 0  # prefill: prompts done whose KV has not reached their decode worker
-        # prefill: the last closed step's end, and the open step (starts at ``open_start``)
-        self.end = ready_at
-        self.open_start = self.open_end = 0.0
-        self.closed: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) not yet done
-        self.closed_tokens = 0
-        self.open_tokens = 0
-        self.open_lens: list[int] = []
-        self.members: list[_Req] = []
-        # decode: reserved tokens, reservations waiting for room, requests joining or running
-        self.reserved = 0
-        self.queued = 0  # tokens of the waiting reservations
-        self.waiting: deque[_Req] = deque()
-        self.held = 0  # requests reserved on it, not yet ended
-
-    @property
-    def routable(self) -> bool:
-        return self.state is _State.SERVING
-
-
-@dataclass
-class Ended:
-    """Requests that ended in a tick: end time, TTFT and TPOT (NaN when not served), good, and
-    when each arrived."""
-
-    end: np.ndarray
-    ttft: np.ndarray
-    tpot: np.ndarray
-    good: np.ndarray
-    arrival: np.ndarray
 
 
 class FluidCluster:
@@ -165,19 +62,14 @@ class FluidCluster:
         self._transfer_memo: dict[int, float] = {}
         self.capacity = model.kv_capacity_tokens
         self.now = 0.0
-        self.workers: list[_Worker] = []  # every worker ever started (``index`` is the position)
-        self.live: list[_Worker] = []  # those not stopped: what every tick walks
+        self.workers: list[FluidWorker] = []  # every worker ever started (``index`` is the position)
+        self.live: list[FluidWorker] = []  # those not stopped: what every tick walks
         self._seq = itertools.count()
         # prefill workers by their next joinable step's start (lazily: an entry is checked when
         # popped), one entry a worker, tagged with the worker's ``gen`` of the time it joined
-        self._heap: list[tuple[float, int, _Worker]] = []
-        self._joining: list[tuple[float, int, _Req]] = []  # (join time, seq, request)
-        # running decode requests: worker index, tokens left, context, first token, arrival,
-        # output, the time they are advanced to
-        self._run = {
-            k: np.zeros(0, dtype=np.int64 if k == "w" else np.float64)
-            for k in ("w", "left", "ctx", "first", "arrival", "output", "since", "kv")
-        }
+        self._heap: list[tuple[float, int, FluidWorker]] = []
+        self._joining: list[tuple[float, int, FluidRequest]] = []  # (join time, seq, request)
+        self.decoding = RunningDecode(model, config)  # requests past their hand-off
         self._ended: list[Ended] = []
         self._pending: list[tuple[float, float, float, bool, float]] = []  # this tick's ends, as rows
         self.offered = self.ended = self.good = self.rejected = self.failed = 0
@@ -212,20 +104,20 @@ class FluidCluster:
         return t
 
     # -- pools -----------------------------------------------------------------------------------
-    def add_worker(self, role: Role, ready_in_s: float) -> _Worker:
-        w = _Worker(len(self.workers), role, self.now, self.now + ready_in_s)
+    def add_worker(self, role: Role, ready_in_s: float) -> FluidWorker:
+        w = FluidWorker(len(self.workers), role, self.now, self.now + ready_in_s)
         self.workers.append(w)
         self.live.append(w)
         return w
 
-    def pool(self, role: Role, states: tuple[_State, ...] = (_State.SERVING,)) -> list[_Worker]:
+    def pool(self, role: Role, states: tuple[WorkerState, ...] = (WorkerState.SERVING,)) -> list[FluidWorker]:
         return [w for w in self.live if w.role is role and w.state in states]
 
     def counts(self) -> tuple[int, int]:
         """Workers serving or starting by pool (a switching one in its new pool)."""
         n = {Role.PREFILL: 0, Role.DECODE: 0}
         for w in self.live:
-            if w.state is _State.STOPPED or (w.state is _State.DRAINING and w.switch_to is None):
+            if w.state is WorkerState.STOPPED or (w.state is WorkerState.DRAINING and w.switch_to is None):
                 continue
             n[w.switch_to or w.role] += 1
         return n[Role.PREFILL], n[Role.DECODE]
@@ -237,19 +129,19 @@ class FluidCluster:
         return max(self.last_join, self.last_leave)
 
     def starting(self) -> bool:
-        return any(w.state is _State.STARTING or w.switch_to is not None for w in self.live)
+        return any(w.state is WorkerState.STARTING or w.switch_to is not None for w in self.live)
 
-    def idlest(self, role: Role) -> _Worker:
+    def idlest(self, role: Role) -> FluidWorker:
         pool = self.pool(role)
         if role is Role.PREFILL:
             return min(pool, key=lambda w: (w.open_end if w.members else w.end, w.index))
         return min(pool, key=lambda w: (w.held, w.index))
 
-    def retire(self, w: _Worker, switch_to: Role | None = None) -> None:
+    def retire(self, w: FluidWorker, switch_to: Role | None = None) -> None:
         """Stop routing to ``w``; it stops (or, ``switch_to``, changes pool) when drained."""
-        if w.state is not _State.SERVING:
+        if w.state is not WorkerState.SERVING:
             raise ValueError(f"worker {w.index} is {w.state.value}, not serving")
-        w.state = _State.DRAINING
+        w.state = WorkerState.DRAINING
         w.switch_to = switch_to
         w.retired_at = self.now
         self.last_leave = max(self.last_leave, self.now)
@@ -257,19 +149,19 @@ class FluidCluster:
         if w.role is Role.PREFILL and w.members:
             self._close(w)
 
-    def _drained(self, w: _Worker, t: float, switch_s: float) -> None:
+    def _drained(self, w: FluidWorker, t: float, switch_s: float) -> None:
         if w.switch_to is None:
-            w.state, w.stopped_at = _State.STOPPED, t
+            w.state, w.stopped_at = WorkerState.STOPPED, t
             self.live.remove(w)
             return
-        w.role, w.switch_to, w.state = w.switch_to, None, _State.STARTING
+        w.role, w.switch_to, w.state = w.switch_to, None, WorkerState.STARTING
         w.ready_at = w.end = t + switch_s
 
     def _promote(self, t: float) -> None:
         """Workers whose start-up ended by ``t`` begin serving."""
         for w in self.live:
-            if w.state is _State.STARTING and w.ready_at <= t:
-                w.state = _State.SERVING
+            if w.state is WorkerState.STARTING and w.ready_at <= t:
+                w.state = WorkerState.SERVING
                 self.last_join = max(self.last_join, t)
                 if w.role is Role.PREFILL:
                     w.gen = next(self._seq)
@@ -283,7 +175,7 @@ class FluidCluster:
         )
 
     # -- prefill ---------------------------------------------------------------------------------
-    def _close(self, w: _Worker) -> None:
+    def _close(self, w: FluidWorker) -> None:
         """The open step is final: its prompts' first tokens leave at its end."""
         w.closed.append((w.open_start, w.open_end, w.open_tokens))
         w.closed_tokens += w.open_tokens
@@ -292,7 +184,7 @@ class FluidCluster:
             r.first = w.end
             self._prefilled(r)
 
-    def _settle(self, w: _Worker, t: float) -> float:
+    def _settle(self, w: FluidWorker, t: float) -> float:
         """``w``'s key: when its queued prompts are done (its open step closed first if it has
         started or is full: nothing joins it any more). An idle worker's is its last step's
         end, in the past: the idle are all free now, in any order."""
@@ -300,7 +192,7 @@ class FluidCluster:
             self._close(w)
         return w.open_end if w.members else w.end
 
-    def _predict(self, w: _Worker, t: float, prompt: int) -> float:
+    def _predict(self, w: FluidWorker, t: float, prompt: int) -> float:
         """The TTFT the goodput router predicts on ``w`` (``GoodputPolicy._prefill_candidates``,
         before its correction): the work queued ahead and the prompt's own prefill; with tokens
         queued, at least as many full steps as they and the prompt fill, counted from when the
@@ -319,7 +211,7 @@ class FluidCluster:
         full = self._prefill_s(min(budget, queued + prompt))
         return max(max(0.0, free - t) + own, steps * full - (t - busy_since))
 
-    def _place(self, t: float, prompt: int) -> tuple[_Worker, float, float] | None:
+    def _place(self, t: float, prompt: int) -> tuple[FluidWorker, float, float] | None:
         """The prefill worker whose queued prompts are done first (the least work, as the
         goodput router balances it); (worker, the start of the step the request joins, its
         first-token time there). None: no prefill worker is serving."""
@@ -344,7 +236,7 @@ class FluidCluster:
         start = max(t, w.end)
         return w, start, start + self._prefill_s(prompt)
 
-    def _join_step(self, w: _Worker, start: float, first: float, r: _Req) -> None:
+    def _join_step(self, w: FluidWorker, start: float, first: float, r: FluidRequest) -> None:
         if not w.members:
             w.open_start = start
         w.open_lens.append(r.prompt)
@@ -359,7 +251,7 @@ class FluidCluster:
         t: float,
         prompt: int,
         output: int,
-        decoders: list[tuple[int, int, _Worker]],
+        decoders: list[tuple[int, int, FluidWorker]],
         batch: dict[int, tuple[int, float]],
     ) -> None:
         c = self.config
@@ -384,7 +276,7 @@ class FluidCluster:
                 self.rejected += 1
                 self._end(t, t, math.nan, math.nan, False)
                 return
-        r = _Req(t, prompt, output, w, d)
+        r = FluidRequest(t, prompt, output, w, d)
         r.predicted = raw
         d.held += 1
         if d.reserved + r.kv <= self.capacity and not d.waiting:
@@ -398,7 +290,7 @@ class FluidCluster:
         b, ctx = batch[d.index]
         batch[d.index] = (b + 1, ctx + prompt)
 
-    def _room_wait(self, d: _Worker, b: int, step: float, kv: int) -> float:
+    def _room_wait(self, d: FluidWorker, b: int, step: float, kv: int) -> float:
         """The router's predicted wait for KV room or a sequence slot on ``d`` (its batch ``b``
         finishing a request every ``mean output × step / b`` seconds, each giving back a
         request's worth of KV): it goes into the first token gap of the TPOT it checks."""
@@ -411,7 +303,7 @@ class FluidCluster:
             wait += (b - self.config.max_seqs + 1) * every
         return wait
 
-    def _prefilled(self, r: _Req) -> None:
+    def _prefilled(self, r: FluidRequest) -> None:
         if r.predicted > 0:
             ratio = min(1e4, max(1e-3, (r.first - r.arrival) / r.predicted))
             self.ttft_factor = ratio if not self._ttft_samples else 0.8 * self.ttft_factor + 0.2 * ratio
@@ -426,11 +318,11 @@ class FluidCluster:
         if not math.isnan(r.granted):
             self._joins(r)
 
-    def _joins(self, r: _Req) -> None:
+    def _joins(self, r: FluidRequest) -> None:
         at = max(r.first, r.granted) + self._transfer_s(r.prompt)
         heapq.heappush(self._joining, (at, next(self._seq), r))
 
-    def _release(self, r: _Req) -> None:
+    def _release(self, r: FluidRequest) -> None:
         d = r.decode
         d.held -= 1
         if math.isnan(r.granted):
@@ -440,18 +332,17 @@ class FluidCluster:
             d.reserved -= r.kv
 
     def _end(self, at: float, arrival: float, ttft: float, tpot: float, served: bool) -> None:
-        c = self.config
-        good = served and (not c.ttft_s or ttft <= c.ttft_s) and (not c.tpot_s or tpot <= c.tpot_s)
+        good = served and self.config.good(ttft, tpot)
         self.good += good
         self.ended += 1
         self._pending.append((at, ttft, tpot, good, arrival))
 
-    # -- decode ----------------------------------------------------------------------------------
+    # -- decode ---------------------------------------------------------------------------------
     def _decode(self, t0: float, t1: float) -> None:
-        run = self._run
-        joined: list[_Req] = []
+        n = len(self.workers)
+        joined: list[FluidRequest] = []
         joined_at: list[float] = []
-        count = np.bincount(run["w"], minlength=len(self.workers))
+        count = self.decoding.counts(n)
         later = []
         while self._joining and self._joining[0][0] < t1:
             at, seq, r = heapq.heappop(self._joining)
@@ -464,72 +355,20 @@ class FluidCluster:
             joined_at.append(at)
         for item in later:
             heapq.heappush(self._joining, item)
-        if joined:
-            new = {
-                "w": np.array([r.decode.index for r in joined], dtype=np.int64),
-                "left": np.array([r.output - 1 for r in joined], dtype=np.float64),
-                "ctx": np.array([r.prompt + 1 for r in joined], dtype=np.float64),
-                "first": np.array([r.first for r in joined]),
-                "arrival": np.array([r.arrival for r in joined]),
-                "output": np.array([r.output for r in joined], dtype=np.float64),
-                "since": np.array(joined_at),
-                "kv": np.array([r.kv for r in joined], dtype=np.float64),
-            }
-            for k in run:
-                run[k] = np.concatenate((run[k], new[k]))
-        if not len(run["w"]):
+        self.decoding.add(joined, joined_at)
+        finished = self.decoding.advance(t0, t1, n)
+        if finished is None:
             return
-        # A worker's step is that of the batch it runs over the tick: each request counted for
-        # the share of the tick it runs (joining late, or finishing early: a second pass, once
-        # the first has said who finishes when).
-        begin = np.maximum(run["since"], t0)
-        present = (t1 - begin) / (t1 - t0)
-        s = self._steps(present)
-        done = (t1 - begin) / s >= run["left"]
-        if done.any():
-            present = np.where(done, np.minimum(present, run["left"] * s / (t1 - t0)), present)
-            s = self._steps(present)
-        progress = (t1 - begin) / s
-        done = progress >= run["left"]
-        if done.any():
-            fin = begin[done] + run["left"][done] * s[done]
-            first, out = run["first"][done], run["output"][done]
-            ttft = first - run["arrival"][done]
-            tpot = (fin - first) / np.maximum(1.0, out - 1)
-            c = self.config
-            good = np.ones(len(fin), dtype=bool)
-            if c.ttft_s:
-                good &= ttft <= c.ttft_s
-            if c.tpot_s:
-                good &= tpot <= c.tpot_s
-            self.good += int(good.sum())
-            self.ended += len(fin)
-            self._ended.append(Ended(fin, ttft, tpot, good, run["arrival"][done]))
-            freed = np.bincount(run["w"][done], weights=run["kv"][done], minlength=len(self.workers))
-            gone = np.bincount(run["w"][done], minlength=len(self.workers))
-            for i in np.flatnonzero(gone):
-                w = self.workers[i]
-                w.reserved -= round(freed[i])
-                w.held -= int(gone[i])
-            keep = ~done
-            for k in run:
-                run[k] = run[k][keep]
-            progress, begin = progress[keep], begin[keep]
-        run["left"] -= progress
-        run["ctx"] += progress
-        run["since"] = np.full(len(run["w"]), t1)
-
-    def _steps(self, present: np.ndarray) -> np.ndarray:
-        """Each running request's step time: its worker's, for the batch weighted by ``present``."""
-        w, n = self._run["w"], len(self.workers)
-        batch = np.bincount(w, weights=present, minlength=n)
-        context = np.bincount(w, weights=present * self._run["ctx"], minlength=n)
-        step = np.ones(n)
-        for i in np.flatnonzero(batch):
-            b = max(1, round(batch[i]))
-            step[i] = self.model.decode_time(b, max(b, round(context[i])))
-        out: np.ndarray = step[w]
-        return out
+        ended = finished.ended
+        self.good += int(ended.good.sum())
+        self.ended += len(ended.end)
+        self._ended.append(ended)
+        freed = np.bincount(finished.worker, weights=finished.kv, minlength=n)
+        gone = np.bincount(finished.worker, minlength=n)
+        for i in np.flatnonzero(gone):
+            w = self.workers[i]
+            w.reserved -= round(freed[i])
+            w.held -= int(gone[i])
 
     def _grant(self, t: float) -> None:
         """Reservations waiting for room: granted in order while it lasts; failed past the
@@ -566,9 +405,9 @@ class FluidCluster:
         decoders = [(w.reserved + w.queued, w.index, w) for w in self.pool(Role.DECODE)]
         heapq.heapify(decoders)
         batch: dict[int, tuple[int, float]] = {}
-        if len(self._run["w"]):
-            b = np.bincount(self._run["w"], minlength=len(self.workers))
-            ctx = np.bincount(self._run["w"], weights=self._run["ctx"], minlength=len(self.workers))
+        if len(self.decoding):
+            b = self.decoding.counts(len(self.workers))
+            ctx = self.decoding.contexts(len(self.workers))
             batch = {w.index: (int(b[w.index]), float(ctx[w.index])) for _, _, w in decoders}
         else:
             batch = {w.index: (0, 0.0) for _, _, w in decoders}
@@ -595,7 +434,7 @@ class FluidCluster:
     def settle(self, switch_s: float) -> None:
         """Draining workers with nothing left stop or change pool."""
         for w in list(self.live):
-            if w.state is not _State.DRAINING:
+            if w.state is not WorkerState.DRAINING:
                 continue
             if w.role is Role.PREFILL and not w.members and not w.sending and w.end <= self.now:
                 self._drained(w, max(w.end, w.retired_at), switch_s)
@@ -604,7 +443,7 @@ class FluidCluster:
 
     @property
     def busy(self) -> bool:
-        return bool(self._joining or len(self._run["w"]) or any(w.members or w.held for w in self.live))
+        return bool(self._joining or len(self.decoding) or any(w.members or w.held for w in self.live))
 
     def request_state(self) -> dict[str, int]:
         """Per-request state still held anywhere: all zero once every request has ended."""
@@ -616,33 +455,9 @@ class FluidCluster:
             "kv_waiting": sum(len(w.waiting) + w.queued for w in self.workers),
             "kv_sending": sum(w.sending for w in self.workers),
             "joining": len(self._joining),
-            "running": len(self._run["w"]),
+            "running": len(self.decoding),
         }
 
     def take_ended(self) -> list[Ended]:
         out, self._ended = self._ended, []
         return out
-
-
-def ticks(arrivals: Iterable[Arrivals], tick_s: float) -> Iterator[tuple[float, Arrivals, bool]]:
-    """``(tick end, the arrivals before it, whether more are to come)`` from chunks of arrivals
-    in time order, one tick at a time; empty ticks go on once they run out (the caller stops)."""
-    chunks = iter(arrivals)
-    buf = Arrivals(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    more = True
-    for k in itertools.count(1):
-        end = k * tick_s
-        while more and (not len(buf.t) or buf.t[-1] < end):
-            nxt = next(chunks, None)
-            if nxt is None:
-                more = False
-                break
-            buf = Arrivals(
-                *(
-                    np.concatenate((a, b))
-                    for a, b in ((buf.t, nxt.t), (buf.prompt, nxt.prompt), (buf.output, nxt.output))
-                )
-            )
-        i = int(np.searchsorted(buf.t, end, side="left"))
-        yield end, Arrivals(buf.t[:i], buf.prompt[:i], buf.output[:i]), more or i < len(buf.t)
-        buf = Arrivals(buf.t[i:], buf.prompt[i:], buf.output[i:])

@@ -29,7 +29,8 @@ from pdserve.flags import planner_settings
 from pdserve.router.workload_window import Workload, kept, rank
 from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
+from pdserve.simulator.fluid import FluidCluster
+from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
 
 CHUNK = 200_000  # arrivals made at a time
 DRAIN_S = 3600.0

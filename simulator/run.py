@@ -34,8 +34,9 @@ from pdserve.router.slo import Admission, SloClass
 from pdserve.simulator.autoscale import AutoscaleConfig, SimAutoscaler
 from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.cluster import Cluster, SimRequest
+from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.early_stop import EarlyStop
+from pdserve.simulator.sim_request import SimRequest
 from pdserve.steptime.model import StepTimeModel
 
 

@@ -20,7 +20,8 @@ from pdserve.deploy.planner_data import Layout, PlannerConfig, moves
 from pdserve.router.workload_window import light_means, prompt_quantile
 from pdserve.simulator.autoscale import AutoscaleConfig
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.fluid import Arrivals, Ended, FluidCluster, FluidConfig, Role, ticks
+from pdserve.simulator.fluid import FluidCluster
+from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
 from pdserve.simulator.fluid_run import FluidAutoscaler, simulate_fluid, trace_arrivals, warp
 from pdserve.simulator.run import add_simulate_args, simulate, workload
 

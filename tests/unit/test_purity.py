@@ -22,6 +22,8 @@ PURE = (
     "pdserve.steptime.load",
     "pdserve.simulator.calibration",
     "pdserve.simulator.cluster",
+    "pdserve.simulator.sim_request",
+    "pdserve.simulator.sim_worker",
     "pdserve.flags",
     "pdserve.deploy.pools",
     "pdserve.deploy.planner",

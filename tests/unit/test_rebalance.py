@@ -17,7 +17,8 @@ from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.policy import Decision, Outcome, RouteRequest
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
-from pdserve.simulator.cluster import Cluster, SimRequest
+from pdserve.simulator.cluster import Cluster
+from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
 from pdserve.steptime.roofline import H100_LLAMA3_8B
 from pdserve.worker.messages import WorkerRole, WorkItem

@@ -1,0 +1,160 @@
+"""A simulated worker: the product's role engine on the virtual clock.
+
+Each simulated worker runs the product's own engine — ``PrefillEngine``, or ``DecodeEngine``
+as a decode or colocated worker — with the virtual ports of ``pdserve.simulator.virtual``: a
+runner that computes nothing, a transport that takes the profile's link time, and the clock.
+So reservations and their headroom, admission, chunked prefill, prefix caching, preemption,
+recompute and the hand-off are the service's code, not a copy of it. A worker steps whenever
+it has work or a transfer finished: the engine's ``step()`` moves its state at the step's
+start, the step-time model says how long the step takes, and what the step reports (tokens,
+first tokens, reservations granted) reaches the router at its end. Commands reach an engine
+when the router sends them.
+
+A deployment whose workers share one host (``shared_host``: a CPU, where the workers' cores
+share caches and memory and the router runs beside them) slows steps by the profile's
+measured co-activity (``pdserve.simulator.calibration``): the state at a step's start decides
+it. A profile that measured how its steps scatter (``HostCalibration.prefill_jitter`` /
+``decode_jitter`` / ``jitter_corr``) has each worker draw every step's factor from that
+distribution (``pdserve.simulator.jitter``), seeded by ``jitter_seed`` and the worker's id, so
+a run is reproducible and runs with other seeds show the spread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.scheduler.plan import SchedulerConfig
+from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.simulator.virtual import SimRuntime, SimTransport
+from pdserve.steptime.model import StepTimeModel, has_prefill
+from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+
+if TYPE_CHECKING:
+    from pdserve.simulator.cluster import Cluster
+
+
+class SimWorker:
+    """One worker: a real role engine, stepped on the clock."""
+
+    def __init__(
+        self, wid: str, role: WorkerRole, profile: StepTimeModel, config: SchedulerConfig,
+        block_size: int, cluster: Cluster,
+    ) -> None:  # fmt: skip
+        self.wid, self.profile, self.cluster = wid, profile, cluster
+        kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
+        self.rt = SimRuntime(kv, block_size, profile.max_model_len)
+        self.transport: SimTransport | None = None
+        if role is not WorkerRole.COLOCATED:
+            self.transport = SimTransport(wid, cluster.link, self.kick)
+        self.become(role, config)
+        self.retiring = False  # routed nothing new; leaves (or switches role) once idle
+        self.on_idle: Callable[[], None] | None = None
+        self.busy = False
+        self.prefilling = False  # the step in flight has prefill work
+        self._effects: list[Callable[[], None]] = []  # what the step in flight reports at its end
+        self._load: WorkerLoad | None = None  # cached until the worker's state changes
+        self.jitter = cluster.jitter_for(wid)
+
+    def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
+        """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
+        self.engine: PrefillEngine | DecodeEngine
+        if role is WorkerRole.PREFILL:
+            assert self.transport is not None
+            self.engine = PrefillEngine(self.rt, self.transport, config, self.wid)
+        else:
+            clock = self.cluster.clock
+            self.engine = DecodeEngine(self.rt, self.transport, config, self.wid, role, clock=clock)
+        self._load = None
+
+    @property
+    def role(self) -> WorkerRole:
+        """The role it runs now: its engine's."""
+        return self.engine.role
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.rt.kv
+
+    @property
+    def prefill(self) -> PrefillEngine:
+        assert isinstance(self.engine, PrefillEngine)
+        return self.engine
+
+    @property
+    def decode(self) -> DecodeEngine:
+        assert isinstance(self.engine, DecodeEngine)
+        return self.engine
+
+    # -- load, as the router's policy sees it --------------------------------------------------
+    def load(self) -> WorkerLoad:
+        if self._load is None:
+            self._load = self.engine.load()
+        return self._load
+
+    def changed(self) -> None:
+        self._load = None
+
+    def later(self, effect: Callable[[], None]) -> None:
+        """Run ``effect`` when the step in flight ends (now, if none is)."""
+        if self.busy:
+            self._effects.append(effect)
+        else:
+            effect()
+
+    # -- stepping --------------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Step if there is anything to step for."""
+        self._load = None  # every caller just changed this worker's state
+        if self.busy:
+            return
+        if self.transport is not None:
+            self.transport.start_queued(self.cluster.clock.now)  # pushes commands started
+        io = self.transport is not None and self.transport.has_completions
+        if not (self.engine.has_work or io):
+            return
+        self.busy = True
+        deltas = self.engine.step()
+        chunks = [(c.num_tokens, c.start_pos) for c in self.rt.runner.take()]
+        dur = self.profile.step_time(chunks) if chunks else 0.0
+        if dur > 0:
+            cluster = self.cluster
+            if cluster.shared_host or self.jitter is not None:  # the others skip classifying steps
+                self.prefilling = has_prefill(chunks)
+            if cluster.shared_host:  # only workers sharing a host read each other's step kind
+                dur *= cluster.coactivity(self)
+            if self.jitter is not None:
+                dur *= self.jitter.factor(self.prefilling)
+        end = self.cluster.clock.now + dur
+        if self.transport is not None:
+            self.transport.start_queued(end)  # pushes of the prompts this step completed
+        if dur > 0:
+            self.cluster.clock.at(end, lambda: self._done(deltas))
+        else:  # nothing to compute: only a command or a transfer can change that (they kick)
+            self._done(deltas, again=False)
+
+    def _done(self, deltas: list[TokenDelta], again: bool = True) -> None:
+        self.busy = self.prefilling = False
+        self._load = None
+        effects, self._effects = self._effects, []
+        for effect in effects:
+            effect()
+        for d in deltas:
+            self.cluster.on_delta(self, d)
+        if again:
+            self.kick()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.on_idle is not None and not self.busy and self.engine.idle:
+            fn, self.on_idle = self.on_idle, None
+            fn()
+
+    def command(self, fn: Callable[[], object]) -> None:
+        """A router command: it reaches the engine now (a push it starts begins now, or when
+        the step in flight ends)."""
+        fn()
+        self.kick()
+        self._check_idle()
