@@ -84,6 +84,9 @@ class Service:
         checkpoint = resolve_model(self.spec.engine.model)
         tokenizer = await asyncio.to_thread(_check_model, checkpoint)
         tls = load_tls(self.config.tls) if self.config.tls is not None else None
+        # The front ends' ports first: a taken port fails now, not after Ray and the workers
+        # started, and nothing those start can take it meanwhile.
+        self.frontends = frontends = Frontends(self.config, tls)
         if self.use_ray:
             from pdserve.deploy.ray_pools import Placement, keep_python_signal_handlers, start_ray
 
@@ -132,8 +135,7 @@ class Service:
             self.router, outputs, self._launch_one, first, self._joined, replace_lost=self.spec.replace_lost
         )
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
-        self.frontends = Frontends(self.router, self.config, tls)
-        await self.frontends.start()
+        await frontends.start(self.router)
         return self.endpoints
 
     def _launch(

@@ -237,49 +237,59 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The grpc.aio server with the inference, health and reflection services."""
+    """The grpc.aio server with the inference, health and reflection services. Its port is
+    bound (and listening) from construction; the services are added, and requests served, from
+    ``start``: connections made in between wait for it."""
 
     def __init__(
-        self, router: Router, host: str, port: int, api_key: str | None = None, tls: TlsMaterial | None = None
+        self,
+        host: str,
+        port: int,
+        max_message_bytes: int,
+        api_key: str | None = None,
+        tls: TlsMaterial | None = None,
     ) -> None:
-        limit = router.config.grpc_max_message_bytes
-        self.router = router
+        self.router: Router | None = None
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
             options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_InferenceServicer_to_server(InferenceService(router), self.server)
+        try:
+            if tls is None:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(tls.private_key, tls.cert_chain)],
+                    root_certificates=tls.client_ca,
+                    require_client_auth=tls.config.mutual,
+                )
+                self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError:  # grpc's way of saying the bind failed
+            self.port = 0
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}: in use, or not an address of this host")
         self.health = health.aio.HealthServicer()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self, router: Router) -> None:
+        self.router = router
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        if tls is None:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        else:
-            credentials = grpc.ssl_server_credentials(
-                [(tls.private_key, tls.cert_chain)],
-                root_certificates=tls.client_ca,
-                require_client_auth=tls.config.mutual,
-            )
-            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {host}:{port}")
-        self._watch: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
         await self.server.start()
-        self._watch = asyncio.create_task(self._watch_readiness())
+        self._watch = asyncio.create_task(self._watch_readiness(router))
 
-    async def _watch_readiness(self) -> None:
+    async def _watch_readiness(self, router: Router) -> None:
         last: bool | None = None
         while True:
-            ready = self.router.ready
+            ready = router.ready
             if ready != last:
                 hc = health_pb2.HealthCheckResponse
                 status = hc.SERVING if ready else hc.NOT_SERVING
@@ -289,7 +299,9 @@ class GrpcServer:
             await asyncio.sleep(0.2)
 
     async def stop(self, grace_s: float) -> None:
+        """Stop serving, or (never started) let the port go."""
         if self._watch is not None:
             self._watch.cancel()
-        await self.health.enter_graceful_shutdown()
+        if self.router is not None:
+            await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import ssl
 from collections.abc import Awaitable, Generator
 from typing import TypeVar
@@ -21,6 +22,7 @@ from pdserve.router.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+BACKLOG = 2048  # uvicorn's default: connections waiting to be accepted
 
 
 class _Uvicorn(uvicorn.Server):
@@ -40,36 +42,46 @@ def chat_summary(router: Router, template: ChatTemplate) -> str:
     return f"template from {template.origin.origin}"
 
 
+def listen_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"cannot bind HTTP to {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart past TIME_WAIT
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind HTTP to {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 class Frontends:
-    def __init__(self, router: Router, config: RouterConfig, tls: TlsMaterial | None = None) -> None:
-        self.router = router
+    """The HTTP and gRPC front ends. Both ports are bound and listening from construction,
+    before anything slow starts (Ray, the workers): a port taken fails the start at once, and
+    nothing started meanwhile (Ray's own listeners, a worker's) can take it. Requests are served
+    from ``start``; connections made before wait for it. ``stop`` lets the ports go, started
+    or not."""
+
+    chat_template: ChatTemplate  # the router's model's (set by ``start``)
+
+    def __init__(self, config: RouterConfig, tls: TlsMaterial | None = None) -> None:
         self.config = config
         self.tls = tls
-        self.chat_template = chat_template = ChatTemplate.of(router.tokenizer)
-        if router.tokenizer is not None and chat_template.is_default:
-            log.warning("the model ships no chat template: chat prompts use pdserve's built-in template")
-        self.app = build_http_app(router, chat_template, config.api_key)
-        self.grpc = GrpcServer(router, config.host, config.grpc_port, config.api_key, tls)
-        https: dict[str, object] = {}
-        if tls is not None:
-            https = dict(
-                ssl_certfile=tls.config.cert_file,
-                ssl_keyfile=tls.config.key_file,
-                ssl_ca_certs=tls.config.client_ca_file or None,
-                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.config.mutual else ssl.CERT_NONE,
+        self._http_socket = listen_tcp(config.host, config.http_port)
+        try:
+            self.grpc = GrpcServer(
+                config.host, config.grpc_port, config.grpc_max_message_bytes, config.api_key, tls
             )
-        self.http = _Uvicorn(
-            uvicorn.Config(
-                self.app,
-                host=config.host,
-                port=config.http_port,
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
-                timeout_graceful_shutdown=5,
-                **https,  # type: ignore[arg-type]
-            )
-        )
+        except BaseException:
+            self._http_socket.close()
+            raise
+        self.http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
 
     @property
@@ -82,21 +94,48 @@ class Frontends:
 
     @property
     def http_port(self) -> int:
-        return int(self.http.servers[0].sockets[0].getsockname()[1])
+        return int(self._http_socket.getsockname()[1])
 
-    async def start(self) -> None:
-        await self.grpc.start()
-        self._http_task = asyncio.create_task(self.http.serve())
+    async def start(self, router: Router) -> None:
+        chat_template = ChatTemplate.of(router.tokenizer)
+        if router.tokenizer is not None and chat_template.is_default:
+            log.warning("the model ships no chat template: chat prompts use pdserve's built-in template")
+        self.chat_template = chat_template
+        self.app = build_http_app(router, chat_template, self.config.api_key)
+        https: dict[str, object] = {}
+        if self.tls is not None:
+            tls = self.tls.config
+            https = dict(
+                ssl_certfile=tls.cert_file,
+                ssl_keyfile=tls.key_file,
+                ssl_ca_certs=tls.client_ca_file or None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE,
+            )
+        self.http = _Uvicorn(
+            uvicorn.Config(
+                self.app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=5,
+                backlog=BACKLOG,
+                **https,  # type: ignore[arg-type]
+            )
+        )
+        await self.grpc.start(router)
+        self._http_task = asyncio.create_task(self.http.serve(sockets=[self._http_socket]))
         while not self.http.started:
             if self._http_task.done():
                 await self._http_task
-                raise OSError(f"the HTTP server did not start on {self.config.host}:{self.config.http_port}")
+                raise OSError(f"the HTTP server did not start on {self.config.host}:{self.http_port}")
             await asyncio.sleep(0.01)
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        self.http.should_exit = True
+        if self.http is not None:
+            self.http.should_exit = True
         if self._http_task is not None:
             await asyncio.gather(self._http_task, return_exceptions=True)
+        self._http_socket.close()
         await self.grpc.stop(grace_s)
 
 
