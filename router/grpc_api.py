@@ -237,9 +237,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The grpc.aio server with the inference, health and reflection services. Its port is
-    bound (and listening) from construction; the services are added, and requests served, from
-    ``start``: connections made in between wait for it."""
+    """The grpc.aio server with the inference, health and reflection services: its port bound
+    from construction, the services added and served from ``start``."""
 
     def __init__(
         self,

@@ -42,22 +42,23 @@ def chat_summary(router: Router, template: ChatTemplate) -> str:
     return f"template from {template.origin.origin}"
 
 
-def listen_tcp(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks)."""
+def listen_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks);
+    ``what`` names it in the error."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as e:
-        raise OSError(f"cannot bind HTTP to {host}:{port}: {e.strerror or e}") from None
+        raise OSError(f"cannot bind {what} to {host}:{port}: {e.strerror or e}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart past TIME_WAIT
         sock.bind(addr)
         sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind HTTP to {host}:{port}: {e.strerror or e}") from None
+        raise OSError(f"cannot bind {what} to {host}:{port}: {e.strerror or e}") from None
     return sock
 
 
@@ -66,21 +67,25 @@ class Frontends:
     before anything slow starts (Ray, the workers): a port taken fails the start at once, and
     nothing started meanwhile (Ray's own listeners, a worker's) can take it. Requests are served
     from ``start``; connections made before wait for it. ``stop`` lets the ports go, started
-    or not."""
+    or not.
+
+    Until ``start`` the gRPC port is held by a plain socket, handed to the gRPC server there (a
+    close and a bind, back to back): a gRPC server made before Ray starts has threads running
+    while Ray forks its processes, which gRPC's fork handlers then skip, and say so on stderr."""
 
     chat_template: ChatTemplate  # the router's model's (set by ``start``)
 
     def __init__(self, config: RouterConfig, tls: TlsMaterial | None = None) -> None:
         self.config = config
         self.tls = tls
-        self._http_socket = listen_tcp(config.host, config.http_port)
+        self._http_socket = listen_tcp(config.host, config.http_port, "HTTP")
         try:
-            self.grpc = GrpcServer(
-                config.host, config.grpc_port, config.grpc_max_message_bytes, config.api_key, tls
-            )
+            self._grpc_hold: socket.socket | None = listen_tcp(config.host, config.grpc_port, "gRPC")
         except BaseException:
             self._http_socket.close()
             raise
+        self._grpc_port = int(self._grpc_hold.getsockname()[1])
+        self.grpc: GrpcServer | None = None
         self.http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
 
@@ -90,7 +95,7 @@ class Frontends:
 
     @property
     def grpc_port(self) -> int:
-        return self.grpc.port
+        return self._grpc_port
 
     @property
     def http_port(self) -> int:
@@ -122,6 +127,9 @@ class Frontends:
                 **https,  # type: ignore[arg-type]
             )
         )
+        self._release_grpc_hold()
+        c = self.config
+        self.grpc = GrpcServer(c.host, self._grpc_port, c.grpc_max_message_bytes, c.api_key, self.tls)
         await self.grpc.start(router)
         self._http_task = asyncio.create_task(self.http.serve(sockets=[self._http_socket]))
         while not self.http.started:
@@ -136,7 +144,14 @@ class Frontends:
         if self._http_task is not None:
             await asyncio.gather(self._http_task, return_exceptions=True)
         self._http_socket.close()
-        await self.grpc.stop(grace_s)
+        self._release_grpc_hold()
+        if self.grpc is not None:
+            await self.grpc.stop(grace_s)
+
+    def _release_grpc_hold(self) -> None:
+        if self._grpc_hold is not None:
+            self._grpc_hold.close()
+            self._grpc_hold = None
 
 
 class StopSignals:
