@@ -44,17 +44,12 @@ def chat_summary(router: Router, template: ChatTemplate) -> str:
 
 def listen_tcp(host: str, port: int, what: str) -> socket.socket:
     """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks);
-    ``what`` names it in the error."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise OSError(f"cannot bind {what} to {host}:{port}: {e.strerror or e}") from None
+    ``what`` names it in the error. IPv6 when ``host`` is an IPv6 address, else IPv4 (a name
+    such as ``localhost`` binds its IPv4 address, as uvicorn binds it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart past TIME_WAIT
-        sock.bind(addr)
+        sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
