@@ -65,8 +65,9 @@ class Frontends:
     or not.
 
     Until ``start`` the gRPC port is held by a plain socket, handed to the gRPC server there (a
-    close and a bind, back to back): a gRPC server made before Ray starts has threads running
-    while Ray forks its processes, which gRPC's fork handlers then skip, and say so on stderr."""
+    close and a bind, back to back; connections waiting on the plain socket are reset, and gRPC
+    clients reconnect): a gRPC server made before Ray starts has threads running while Ray forks
+    its processes, which gRPC's fork handlers then skip, and say so on stderr."""
 
     chat_template: ChatTemplate  # the router's model's (set by ``start``)
 
