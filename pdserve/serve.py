@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.deploy.autoscale import PoolAutoscaler
@@ -23,7 +24,7 @@ from pdserve.model_runtime.backend import OVERLAP_SETTINGS, step_sizes
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
-from pdserve.router.config import Caps, RouterConfig
+from pdserve.router.config import MIN_LIVENESS_S, Caps, RouterConfig
 from pdserve.router.server import StopSignals, chat_summary, first_of, serve_until_signal
 from pdserve.router.slo import Admission, SloBook, SloClass
 from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
@@ -44,14 +45,31 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: a free port), got {value}")
+    return value
+
+
+def _finite_seconds(least: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (value >= least and math.isfinite(value)):  # NaN too
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {least:g}, got {text}")
+        return value
+
+    return parse
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_layout(p)
     p.add_argument("--transport", choices=BACKENDS, default="auto", help="KV transfer backend")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a private one)")
     p.add_argument("--local", action="store_true", help="run workers as threads of this process (no Ray)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both APIs (default: loopback)")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=_port, default=50051)
+    p.add_argument("--http-port", type=_port, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -134,7 +152,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="each worker appends a JSON line per forward step (start, end, chunks) to DIR/<worker>.jsonl: "
         "what calibrates `pdserve simulate` against this service (off by default)",
     )
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="grace for in-flight requests")
+    p.add_argument(
+        "--drain-timeout", type=_finite_seconds(0.0), default=30.0, help="grace for in-flight requests"
+    )
     p.add_argument(
         "--worker-drain-timeout", type=_non_negative_float, default=30.0, metavar="S",
         help="a worker sent SIGTERM takes no new requests and lets its own finish for up to S seconds; "
@@ -154,7 +174,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "worker leaves it before the prompt started",
     )  # fmt: skip
     p.add_argument(
-        "--liveness-timeout", type=float, default=4.0, metavar="S",
+        "--liveness-timeout", type=_finite_seconds(MIN_LIVENESS_S), default=4.0, metavar="S",
         help="a worker that sends nothing (not even its heartbeat) for S seconds is lost: its streams move",
     )  # fmt: skip
     p.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,11 @@ class Caps:
             raise ValueError("max_prompt_tokens and max_logprobs must be >= 0")
 
 
+# The shortest liveness timeout: twice the heartbeat of an idle worker
+# (``pdserve.worker.push.HEARTBEAT_S``), so that a live worker is never taken for a lost one.
+MIN_LIVENESS_S = 1.0
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -69,3 +75,23 @@ class RouterConfig:
     rebalance_prefill: bool = True
     liveness_timeout_s: float = 4.0  # a worker silent this long (no heartbeat) is lost
     worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be 0-65535 (0: a free port), got {port}")
+        for name in ("reserve_timeout_s", "call_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not (self.drain_timeout_s >= 0 and math.isfinite(self.drain_timeout_s)):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
+        # NaN or 0 here had every worker declared lost at its first silence, and replaced, in a loop
+        if not (self.liveness_timeout_s >= MIN_LIVENESS_S and math.isfinite(self.liveness_timeout_s)):
+            raise ValueError(
+                f"liveness_timeout_s must be a finite number >= {MIN_LIVENESS_S:g} (twice the workers' "
+                f"heartbeat), got {self.liveness_timeout_s}"
+            )
+        if self.max_inflight < 1 or self.grpc_max_message_bytes < 1 or self.migration_limit < 0:
+            raise ValueError("max_inflight and grpc_max_message_bytes must be >= 1, migration_limit >= 0")

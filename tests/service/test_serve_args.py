@@ -102,3 +102,25 @@ def test_emulated_gpu_workers_batch_as_gpus_do() -> None:
     assert emu.engine.scheduler.max_num_batched_tokens == 8192 and emu.engine.scheduler.max_num_seqs == 256
     pinned = _spec("--compute", "emulated:h100-llama3-8b", "--max-num-seqs", "32")
     assert pinned.engine.scheduler.max_num_seqs == 32
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--http-port", "70000"),
+        ("--grpc-port", "-1"),
+        ("--drain-timeout", "nan"),
+        ("--drain-timeout", "-5"),
+        ("--drain-timeout", "inf"),
+        ("--liveness-timeout", "nan"),
+        ("--liveness-timeout", "0"),
+        ("--liveness-timeout", "1e-40"),
+        ("--liveness-timeout", "inf"),
+    ],
+)
+def test_absurd_router_settings_are_refused_by_name(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "tiny", flag, value])
+    assert f"argument {flag}: must be" in capsys.readouterr().err
