@@ -34,8 +34,9 @@ class SloClass:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("an SLO class needs a name")
-        if self.ttft_ms < 0 or self.tpot_ms < 0:
-            raise ValueError(f"SLO class {self.name!r}: targets must be >= 0 ms")
+        # NaN fails too: a NaN target was met by no request (every one judged a miss or refused)
+        if not (0 <= self.ttft_ms < math.inf and 0 <= self.tpot_ms < math.inf):
+            raise ValueError(f"SLO class {self.name!r}: targets must be finite and >= 0 ms (0: none)")
 
     @property
     def empty(self) -> bool:

@@ -3,6 +3,7 @@ RESOURCE_EXHAUSTED with a retry hint) and the SLO metrics (real servers and tran
 
 from __future__ import annotations
 
+import math
 import random
 
 import grpc
@@ -93,6 +94,24 @@ def test_rejected_by_slo_class_with_a_retry_hint(svc) -> None:
     body = {"model": MODEL, "prompt": [5], "max_tokens": 2}
     r = httpx.post(f"{svc.http}/v1/completions", timeout=30, json=body)
     assert r.status_code == 200
+
+
+def test_non_finite_request_targets_are_invalid_on_both_front_ends(svc) -> None:
+    for field in ("ttft_ms", "tpot_ms"):
+        for value in (math.nan, math.inf):
+            req = grpc_request([5, 6, 7], 4)
+            setattr(req.slo, field, value)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(svc).Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, value)
+            assert "finite" in (e.value.details() or "")
+    # JSON has no NaN; Python's encoder writes it anyway, and the model's ``ge=0`` refuses it,
+    # while a huge number parsed as inf is refused by the class's own rule
+    for raw in ('{"model": "%s", "prompt": [5], "max_tokens": 2, "slo_ttft_ms": NaN}',
+                '{"model": "%s", "prompt": [5], "max_tokens": 2, "slo_tpot_ms": 1e999}'):  # fmt: skip
+        r = httpx.post(f"{svc.http}/v1/completions", timeout=30, content=raw % MODEL,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 400, (raw, r.status_code, r.text)
 
 
 def test_slo_metrics_count_good_requests(svc) -> None:

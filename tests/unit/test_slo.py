@@ -17,9 +17,17 @@ def test_slo_class_parse_and_errors() -> None:
     assert SloClass.parse("batch:tpot=500").admission is Admission.NONE
     assert c.met(250, 100.5) == (True, False)
     assert SloClass("free").met(1e9, 1e9) == (True, True)
-    for bad in ("chat:ttft", "chat:ttft=abc", "chat:speed=3", ":ttft=3", "x:admission=maybe", "x:ttft=-1"):
+    bad_specs = ("chat:ttft", "chat:ttft=abc", "chat:speed=3", ":ttft=3", "x:admission=maybe", "x:ttft=-1",
+                 "x:ttft=nan", "x:tpot=NaN", "x:tpot=inf", "x:ttft=-inf")  # fmt: skip
+    for bad in bad_specs:
         with pytest.raises(ValueError):
             SloClass.parse(bad)
+    # a request's own targets (gRPC floats may carry them) are held to the same rule
+    book = SloBook.of(c)
+    assert book.resolve("chat", ttft_ms=1e-40).ttft_ms == 1e-40  # absurd, but a target nothing meets
+    for ttft, tpot in ((math.nan, 0.0), (0.0, math.inf), (math.inf, math.nan)):
+        with pytest.raises(ValueError, match="finite"):
+            book.resolve("chat", ttft_ms=ttft, tpot_ms=tpot)
 
 
 def test_book_resolves_classes_and_request_overrides() -> None:
