@@ -211,11 +211,23 @@ def _work_bound_rate(args: argparse.Namespace) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if Slo.parse(args.goodput).empty:
+    try:
+        slo = Slo.parse(args.goodput)
+    except ValueError as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    if slo.empty:
         print("pdserve plan: error: --goodput ttft:MS tpot:MS is required", file=sys.stderr)
         return 2
-    if args.gpus < 1:
-        print("pdserve plan: error: --gpus must be >= 1", file=sys.stderr)
+    if args.gpus < 1 or args.jobs < 1:
+        print("pdserve plan: error: --gpus and --jobs must be >= 1", file=sys.stderr)
+        return 2
+    if not (0 <= args.time_budget < math.inf and 0 < args.min_rate_per_gpu < math.inf):  # NaN too
+        print(
+            "pdserve plan: error: --time-budget must be a finite number >= 0 (0: none) and "
+            "--min-rate-per-gpu a finite number > 0",
+            file=sys.stderr,
+        )
         return 2
     if args.decode_max_num_batched_tokens or not args.local_prefill:
         # Each candidate sets these itself (static splits never prefill locally, conditional

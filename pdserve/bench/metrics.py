@@ -57,8 +57,8 @@ class Slo:
                 v = float(value)
             except ValueError:
                 raise ValueError(f"--goodput {name}: {value!r} is not a number of milliseconds") from None
-            if v <= 0:
-                raise ValueError(f"--goodput {name}: must be > 0 ms")
+            if not 0 < v < math.inf:  # NaN too
+                raise ValueError(f"--goodput {name}: must be a finite number > 0 ms, got {value}")
             values[f"{name}_ms"] = v
         return Slo(**values)
 

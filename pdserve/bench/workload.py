@@ -39,8 +39,10 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) ->
         raise WorkloadError("the number of requests must be >= 0")
     if math.isinf(rate):
         return [0.0] * n
-    if rate <= 0 or burstiness <= 0:
-        raise WorkloadError("request rate and burstiness must be > 0")
+    if not (rate > 0 and 0 < burstiness < math.inf):  # NaN too
+        raise WorkloadError(
+            f"request rate and burstiness must be > 0 (burstiness finite), got {rate} and {burstiness}"
+        )
     theta = 1.0 / (rate * burstiness)
     t, out = 0.0, []
     for _ in range(n):

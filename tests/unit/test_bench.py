@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_json_field_names_match_vllm_bench_serve() -> None:
 
 def test_goodput_flag_parsing() -> None:
     assert Slo.parse(["ttft:250", "tpot:100"]) == Slo(250.0, 100.0, 0.0)
-    for bad in (["ttft"], ["tbt:5"], ["ttft:fast"], ["tpot:0"]):
+    for bad in (["ttft"], ["tbt:5"], ["ttft:fast"], ["tpot:0"], ["ttft:nan"], ["tpot:inf"], ["e2el:-inf"]):
         with pytest.raises(ValueError):
             Slo.parse(bad)
 
@@ -99,8 +100,9 @@ def test_arrivals_have_the_asked_rate_and_burstiness(burstiness: float, cv: floa
     assert mean == pytest.approx(1 / 8.0, rel=0.05)
     assert statistics.pstdev(gaps) / mean == pytest.approx(cv, rel=0.08)
     assert arrival_times(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
-    with pytest.raises(WorkloadError):
-        arrival_times(3, 0.0, 1.0, random.Random(0))
+    for rate, shape in ((0.0, 1.0), (math.nan, 1.0), (8.0, math.nan), (8.0, math.inf), (-1.0, 1.0)):
+        with pytest.raises(WorkloadError):
+            arrival_times(3, rate, shape, random.Random(0))
 
 
 def test_random_lengths_stay_in_range() -> None:

@@ -79,6 +79,31 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
         del PROFILES[small.name]
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--jobs", "0"],
+        ["--time-budget", "nan"],
+        ["--time-budget", "-1"],
+        ["--min-rate-per-gpu", "nan"],
+        ["--min-rate-per-gpu", "0"],
+        ["--goodput", "ttft:nan", "tpot:100"],
+        ["--goodput", "ttft:abc", "tpot:100"],
+    ],
+)
+def test_plan_refuses_absurd_settings_before_it_simulates(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve.simulator.plan import add_plan_args, cmd_plan
+
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    a = p.parse_args(["--gpus", "2", "--goodput", "ttft:250", "tpot:100", *flags])
+    assert cmd_plan(a) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve plan: error:") and flags[0] in err
+
+
 def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
