@@ -56,6 +56,11 @@ class Cluster:
         reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
         rebalance_prefill: bool = RouterConfig.rebalance_prefill,
     ) -> None:
+        if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
+            raise ValueError(
+                f"the reservation deadline (--reserve-timeout-s) must be finite and > 0, "
+                f"got {reserve_timeout_s}"
+            )
         self.clock = Clock()
         # as the router: a request whose decode worker finds no KV room in this long fails
         # (RESOURCE_EXHAUSTED) rather than waiting on

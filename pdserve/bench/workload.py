@@ -63,6 +63,10 @@ def length_pairs_random(
     """Uniform lengths in [len·(1-r), len·(1+r)] (r = 0: fixed lengths), as vLLM's random set."""
     if not 0 <= range_ratio < 1:
         raise WorkloadError("--random-range-ratio must be in [0, 1)")
+    if input_len < 1 or output_len < 1:  # they were drawn as 1 token, silently
+        raise WorkloadError(
+            f"--random-input-len and --random-output-len must be >= 1, got {input_len}, {output_len}"
+        )
 
     def draw(x: int) -> int:
         lo, hi = max(1, int(x * (1 - range_ratio))), max(1, int(x * (1 + range_ratio)))
@@ -195,8 +199,8 @@ def trace_requests(
     """The first ``n`` rows as requests, arrivals relative to the first and sped up by
     ``time_scale``. ``prompts``: ``trace_prompts`` of those rows made earlier (they do not
     depend on the rate), else made here from ``rng``."""
-    if time_scale <= 0:
-        raise WorkloadError("--time-scale must be > 0")
+    if not time_scale > 0:  # NaN too
+        raise WorkloadError(f"--time-scale must be > 0, got {time_scale}")
     rows = list(rows[:n])
     if not rows:
         return []
@@ -290,6 +294,8 @@ def num_prompts(args: argparse.Namespace) -> int:
     """``--num-prompts``, or enough to cover ``--duration`` seconds of arrivals at the rate
     (along ``--rate-curve``, if given)."""
     duration = getattr(args, "duration", 0.0) or 0.0
+    if not 0 <= duration < math.inf:  # NaN too: it was ignored, the count taken instead
+        raise WorkloadError(f"--duration must be a finite number of seconds >= 0 (0: none), got {duration}")
     if duration > 0 and math.isfinite(args.request_rate):
         curve = rate_curve(args)
         seconds = curve.integral(duration) if curve else duration

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -19,6 +20,7 @@ from pdserve.bench.workload import (
     WorkloadError,
     arrival_times,
     length_pairs_random,
+    num_prompts,
     read_trace,
     trace_requests,
 )
@@ -109,6 +111,24 @@ def test_random_lengths_stay_in_range() -> None:
     pairs = length_pairs_random(500, 100, 20, 0.5, random.Random(0))
     assert all(50 <= i <= 150 and 10 <= o <= 30 for i, o in pairs)
     assert length_pairs_random(3, 7, 5, 0.0, random.Random(0)) == [(7, 5)] * 3
+    for lens in ((0, 5), (7, 0), (-5, 5)):  # these were drawn as 1-token lengths, silently
+        with pytest.raises(WorkloadError, match="must be >= 1"):
+            length_pairs_random(3, *lens, 0.0, random.Random(0))
+
+
+@pytest.mark.parametrize("duration", [math.nan, -1.0, math.inf])
+def test_a_duration_that_is_no_number_of_seconds_is_refused(duration: float) -> None:
+    args = argparse.Namespace(duration=duration, num_prompts=10, request_rate=5.0, rate_curve=None)
+    with pytest.raises(WorkloadError, match="--duration"):
+        num_prompts(args)
+    none = argparse.Namespace(duration=0.0, num_prompts=10, request_rate=5.0, rate_curve=None)
+    assert num_prompts(none) == 10
+
+
+@pytest.mark.parametrize("scale", [math.nan, 0.0, -2.0])
+def test_a_trace_replay_speed_must_be_positive(scale: float) -> None:
+    with pytest.raises(WorkloadError, match="--time-scale"):
+        trace_requests([], 1, scale, 256, 16, random.Random(0))
 
 
 def test_jsonl_trace_with_hash_ids_shares_prefix_blocks(tmp_path: Path) -> None:

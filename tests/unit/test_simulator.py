@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -102,6 +103,16 @@ def test_plan_refuses_absurd_settings_before_it_simulates(
     assert cmd_plan(a) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdserve plan: error:") and flags[0] in err
+
+
+@pytest.mark.parametrize("deadline", [math.nan, 0.0, -1.0, math.inf])
+def test_the_simulated_routers_reservation_deadline_must_be_finite_and_positive(deadline: float) -> None:
+    from pdserve.simulator.run import add_simulate_args, cmd_simulate
+
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    a = p.parse_args(["--num-prompts", "5", "--reserve-timeout-s", str(deadline)])
+    assert cmd_simulate(a) == 2
 
 
 def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
