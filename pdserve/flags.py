@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,50 @@ from typing import Any
 from pdserve.deploy.planner_data import CHECKS, Bounds, PlannerConfig
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
+
+
+# Value checks for ``type=``: argparse then names the flag in its error. Each states the range it
+# accepts, so NaN (which every comparison fails) is refused with the rest.
+def int_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_at_least(least: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not least <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {least:g}, got {text}")
+        return value
+
+    return parse
+
+
+def positive_finite(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """A share in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: a free port), got {value}")
+    return value
 
 
 def add_layout(p: argparse.ArgumentParser) -> None:
@@ -94,7 +139,12 @@ def add_model(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_temperature(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=finite_at_least(0.0),
+        default=0.0,
+        help="sampling temperature (default 0: greedy)",
+    )
 
 
 def add_goodput(p: argparse.ArgumentParser) -> None:
@@ -122,7 +172,7 @@ def save_result(args: argparse.Namespace, result: Any, default_name: str) -> Pat
 
 
 def add_sweep_steps(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sweep-steps", type=int, default=5, help="bisection steps after bracketing")
+    p.add_argument("--sweep-steps", type=int_at_least(0), default=5, help="bisection steps after bracketing")
 
 
 def add_autoscale(p: argparse.ArgumentParser) -> None:

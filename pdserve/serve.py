@@ -10,7 +10,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.deploy.autoscale import PoolAutoscaler
@@ -18,7 +17,16 @@ from pdserve.deploy.planner import Planner
 from pdserve.deploy.planner_data import PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
-from pdserve.flags import add_autoscale, add_layout, add_policy, colocated_count, planner_settings
+from pdserve.flags import (
+    add_autoscale,
+    add_layout,
+    add_policy,
+    colocated_count,
+    finite_at_least,
+    int_at_least,
+    planner_settings,
+    port,
+)
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
 from pdserve.model_runtime.backend import OVERLAP_SETTINGS, step_sizes
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
@@ -31,45 +39,14 @@ from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
 from pdserve.steptime.load import load_profile
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: a free port), got {value}")
-    return value
-
-
-def _finite_seconds(least: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = float(text)
-        if not (value >= least and math.isfinite(value)):  # NaN too
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {least:g}, got {text}")
-        return value
-
-    return parse
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_layout(p)
     p.add_argument("--transport", choices=BACKENDS, default="auto", help="KV transfer backend")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a private one)")
     p.add_argument("--local", action="store_true", help="run workers as threads of this process (no Ray)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of both APIs (default: loopback)")
-    p.add_argument("--grpc-port", type=_port, default=50051)
-    p.add_argument("--http-port", type=_port, default=8000)
+    p.add_argument("--grpc-port", type=port, default=50051)
+    p.add_argument("--http-port", type=port, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="or PDSERVE_API_KEY")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -153,10 +130,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "what calibrates `pdserve simulate` against this service (off by default)",
     )
     p.add_argument(
-        "--drain-timeout", type=_finite_seconds(0.0), default=30.0, help="grace for in-flight requests"
+        "--drain-timeout", type=finite_at_least(0.0), default=30.0, help="grace for in-flight requests"
     )
     p.add_argument(
-        "--worker-drain-timeout", type=_non_negative_float, default=30.0, metavar="S",
+        "--worker-drain-timeout", type=finite_at_least(0.0), default=30.0, metavar="S",
         help="a worker sent SIGTERM takes no new requests and lets its own finish for up to S seconds; "
         "the rest move to other workers",
     )  # fmt: skip
@@ -165,7 +142,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="do not start a fresh worker in place of one that was lost (pools shrink instead)",
     )  # fmt: skip
     p.add_argument(
-        "--migration-limit", type=_non_negative_int, default=3, metavar="N",
+        "--migration-limit", type=int_at_least(0), default=3, metavar="N",
         help="a stream whose decode worker is lost moves to another one at most N times (0: it fails)",
     )  # fmt: skip
     p.add_argument(
@@ -174,7 +151,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "worker leaves it before the prompt started",
     )  # fmt: skip
     p.add_argument(
-        "--liveness-timeout", type=_finite_seconds(MIN_LIVENESS_S), default=4.0, metavar="S",
+        "--liveness-timeout", type=finite_at_least(MIN_LIVENESS_S), default=4.0, metavar="S",
         help="a worker that sends nothing (not even its heartbeat) for S seconds is lost: its streams move",
     )  # fmt: skip
     p.add_argument(

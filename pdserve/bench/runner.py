@@ -31,7 +31,7 @@ from pdserve.bench.workload import (
     trace_prompts,
     trace_requests,
 )
-from pdserve.flags import add_goodput, add_result, add_temperature, save_result
+from pdserve.flags import add_goodput, add_result, add_temperature, int_at_least, save_result
 
 if TYPE_CHECKING:
     from pdserve.bench.client import Backend
@@ -90,7 +90,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="sharegpt lengths CSV or trace file")
     add_workload_args(p)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--max-concurrency",
+        type=int_at_least(1),
+        default=None,
+        help="requests in flight at most (default: no limit)",
+    )
     p.add_argument("--vocab-size", type=int, default=256, help="token ids of random prompts stay below this")
     p.add_argument("--block-size", type=int, default=16, help="tokens per hash id in JSONL traces")
     add_temperature(p)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.flags import add_sweep_steps
+from pdserve.flags import add_sweep_steps, int_at_least, positive_finite, share
 
 PointFn = Callable[[float, int], Awaitable[dict[str, Any]]]
 
@@ -126,11 +126,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep", action="store_true", help="bisect the rate for the goodput point (needs --goodput)"
     )
-    p.add_argument("--sweep-min-rate", type=float, default=0.5)
-    p.add_argument("--sweep-max-doublings", type=int, default=10)
+    p.add_argument("--sweep-min-rate", type=positive_finite, default=0.5)
+    p.add_argument("--sweep-max-doublings", type=int_at_least(0), default=10)
     add_sweep_steps(p)
-    p.add_argument("--sweep-seeds", type=int, default=2)
-    p.add_argument("--sweep-target", type=float, default=0.9, help="attainment that defines goodput")
+    p.add_argument("--sweep-seeds", type=int_at_least(1), default=2)
+    p.add_argument("--sweep-target", type=share, default=0.9, help="attainment that defines goodput")
     p.add_argument("--sweep-plot", type=Path, default=None, help="PNG path (default: next to the result)")
 
 
