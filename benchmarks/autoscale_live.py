@@ -169,7 +169,10 @@ MOVED = {
 def moved(url: str) -> dict[str, float]:
     """The router's counts of requests it moved (``MOVED``), from its metrics."""
     families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
-    return {MOVED[s.name]: s.value for f in families for s in f.samples if s.name in MOVED}
+    counts = dict.fromkeys(MOVED.values(), 0.0)
+    for s in (s for f in families for s in f.samples if s.name in MOVED):
+        counts[MOVED[s.name]] += s.value  # (summed over the labels: each cause of a move)
+    return counts
 
 
 def by_window(met: list[bool], times: list[float], interval: float) -> list[tuple[float, float, int]]:

@@ -7,7 +7,9 @@ product does by default; the test suite runs them on one deployment, whole again
 ``prefill_kill`` SIGKILL of a prefill worker with prompts queued (mid-prefill);
 ``prefill_push_kill`` SIGKILL of a prefill worker the moment the first stream has its first token
 (its KV pushes under way); ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term``
-SIGTERM of a decode worker mid-stream (it drains); ``kv_drop`` every KV connection to the decode
+SIGTERM of a decode worker mid-stream (it drains); ``shrink_then_crash`` the decode pool shrunk
+to one worker mid-stream (``Service.resize``, a 2 s drain) and the worker it keeps SIGKILLed
+0.3 s into the drain (the shrink must be given up); ``kv_drop`` every KV connection to the decode
 workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer is seen
 dropped (at most 10 s); ``router_term`` SIGTERM of the router (``pdserve serve --local`` in a
 child process; it drains).
@@ -29,6 +31,7 @@ The final JSON line totals ``failed``, ``tokens_lost``, ``tokens_duplicated`` an
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import random
@@ -40,15 +43,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import emit
 
 SCENARIOS = ("none", "decode_kill", "prefill_kill", "prefill_push_kill", "decode_stop", "decode_term",
-             "kv_drop", "router_term")  # fmt: skip
+             "shrink_then_crash", "kv_drop", "router_term")  # fmt: skip
 SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "prefill_push_kill": signal.SIGKILL,
-           "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM}  # fmt: skip
+           "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM,
+           "shrink_then_crash": signal.SIGKILL}  # fmt: skip
+MID_STREAM = ("decode_kill", "decode_stop", "decode_term", "shrink_then_crash")
 ENGINE_FLAGS = ["--block-size", "16", "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
 
 
@@ -246,12 +252,16 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             time.sleep(0.05)  # prompts queued, prefill under way
         elif name == "prefill_push_kill":
             wait_for(lambda: any(lg.tokens or lg.error for lg in logs), 60, "a first token")
-        elif name in ("decode_kill", "decode_stop", "decode_term"):  # mid-stream: every stream has tokens
+        elif name in MID_STREAM:  # every stream has tokens
             wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
-        # The victim: the worker of its pool holding the most requests (the lowest id of a tie),
-        # so that a fault mid-stream always has streams to move.
-        pool = sorted(w for w, h in handles.items() if h.role.value == name.split("_")[0])
-        victim = max(pool, key=lambda w: len(handles[w].inflight)) if name in SIGNALS else None
+        shrink: Future[Any] | None = None
+        if name == "shrink_then_crash":
+            shrink, victim = shrink_decode_pool(st, handles)
+        else:
+            # The victim: the worker of its pool holding the most requests (the lowest id of a
+            # tie), so that a fault mid-stream always has streams to move.
+            pool = sorted(w for w, h in handles.items() if h.role.value == name.split("_")[0])
+            victim = max(pool, key=lambda w: len(handles[w].inflight)) if name in SIGNALS else None
         t_fault = time.monotonic()
         detected = 0.0
         if victim is not None:
@@ -269,6 +279,10 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             reset_kv_connections(addresses, 1.5, lambda: kv_failed_since(st, kv_before) > 0)
         for t in threads + after_threads:
             t.join(180)
+        given_up = None
+        if shrink is not None:
+            [change] = shrink.result(60)
+            given_up = not change.done
         failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)
         moved = [lg for lg in logs + after_logs if lg.migrations]
         seen = t_fault + detected  # tokens before this may still be the lost worker's
@@ -282,13 +296,31 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
                 state_left += sum(state.values())
         kv_failed = kv_failed_since(st, kv_before)
-        return row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
-                   kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
+        r = row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
+                kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
+        if given_up is not None:
+            r["shrink_given_up"] = given_up
+        return r
     finally:
         if resume is not None:
             resume.join()  # the stopped process resumed (or already gone) before the next fault
         if deployment is None:
             st.stop()
+
+
+def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], str]:
+    """Start shrinking the decode pool to one worker (``Service.resize``, as the autoscaler does,
+    a 2 s drain), then, 0.3 s into the drain, pick the worker it keeps as the victim; returns
+    the resize (its ``PoolChange`` list) and the victim."""
+    from pdserve.worker.messages import WorkerRole
+
+    decode = [h for h in handles.values() if h.role is WorkerRole.DECODE]
+    shrink = asyncio.run_coroutine_threadsafe(st.service.resize(WorkerRole.DECODE, 1, drain_timeout_s=2.0),
+                                              st.loop)  # fmt: skip
+    wait_for(lambda: any(h.retiring for h in decode), 10, "a decode worker draining to retire")
+    time.sleep(0.3)
+    [kept] = [h for h in decode if not h.retiring]
+    return shrink, kept.worker_id
 
 
 def router_term(work: Work) -> dict[str, Any]:

@@ -166,7 +166,9 @@ class PoolAutoscaler:
                 if len(pool) <= (0 if src is WorkerRole.PREFILL else 1):
                     break
                 w = min(pool, key=lambda h: (len(h.inflight), h.worker_id))
-                if not await self.service.switch_role(w.worker_id, dst):
+                change = await self.service.switch_role(w.worker_id, dst)
+                if not change.done:  # given up (it became the last decode worker): no switch
+                    log.warning("planner: %s stays a %s worker: %s", w.worker_id, src.value, change.why_not)
                     break
                 self.joined[w.worker_id] = self.clock()
                 need[dst] -= 1
@@ -185,7 +187,9 @@ class PoolAutoscaler:
         live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
         resize = self.service.resize(role, len(live) + need)
         if need < 0:  # retiring: bounded by the drain timeout
-            await resize
+            for change in await resize:
+                if not change.done:  # the next decision tries again
+                    log.warning("planner: %s was not retired: %s", change.worker_id, change.why_not)
             return
         # Each pool its own wait: one that cannot be placed must not starve the other. A start
         # that fails on its own ends the wait with its error (the caller logs it); only the wait

@@ -24,6 +24,7 @@ from pdserve.model_runtime.model.loader import check_checkpoint
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.config import RouterConfig
+from pdserve.router.membership import PoolChange
 from pdserve.router.outputs import OutputListener
 from pdserve.router.server import Frontends
 from pdserve.router.service import Router
@@ -181,16 +182,19 @@ class Service:
         # Lost workers were stopped when the router let them go; their replacements take their place.
         self.handles = [h for h in self.handles if h.alive] + [worker]
 
-    async def resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None = None) -> None:
+    async def resize(
+        self, role: WorkerRole, count: int, drain_timeout_s: float | None = None
+    ) -> list[PoolChange]:
         """Grow or shrink pool ``role`` to ``count`` live workers. New workers take requests once
         they are ready; surplus ones (those holding the fewest requests) are retired: drained
         for ``drain_timeout_s`` (default: the pool's drain timeout), what is left moved, then
-        stopped, so no request fails. Raises ``ValueError`` for a size the deployment cannot
-        run with (no decode worker, or a role it has no pool for)."""
+        stopped, so no request fails. Returns each retirement's outcome (one given up leaves
+        the pool larger: see ``Router.retire``). Raises ``ValueError`` for a size the
+        deployment cannot run with (no decode worker, or a role it has no pool for)."""
         async with self._resizing[role]:
-            await self._resize(role, count, drain_timeout_s)
+            return await self._resize(role, count, drain_timeout_s)
 
-    async def _resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None) -> None:
+    async def _resize(self, role: WorkerRole, count: int, drain_timeout_s: float | None) -> list[PoolChange]:
         router, keeper = self.router, self.keeper
         assert router is not None and keeper is not None, "not started"
         roles = [r for r, _ in self.spec.roles]
@@ -201,11 +205,15 @@ class Service:
         live = [w for w in router.workers.values() if w.role is role and w.alive and not w.retiring]
         if count > len(live):
             await asyncio.gather(*(keeper.grow(role) for _ in range(count - len(live))))
-            return
+            return []
         surplus = sorted(live, key=lambda w: len(w.inflight))[: len(live) - count]
         timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
-        await asyncio.gather(*(router.retire(w.worker_id, timeout) for w in surplus))
-        self.handles = [h for h in self.handles if h not in surplus]
+        changes: list[PoolChange] = await asyncio.gather(
+            *(router.retire(w.worker_id, timeout) for w in surplus)
+        )
+        gone = {c.worker_id for c in changes if c.done}
+        self.handles = [h for h in self.handles if h.worker_id not in gone]
+        return changes
 
     def request_capacity(self, workers: int) -> None:
         """On a Ray cluster, ask its autoscaler for room for ``workers`` workers ahead of need
@@ -221,7 +229,7 @@ class Service:
 
     async def switch_role(
         self, worker_id: str, role: WorkerRole, drain_timeout_s: float | None = None
-    ) -> bool:
+    ) -> PoolChange:
         """Move one worker to pool ``role`` in place (``Router.switch_role``): it keeps its
         weights and KV pool, so this takes a drain and well under a second, not a new process."""
         assert self.router is not None, "not started"

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.model_runtime.validation import RequestLimits
@@ -31,14 +31,29 @@ from pdserve.router.policy import Decision, Dispatcher, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.stream import RequestStream
-from pdserve.router.workers import WorkerHandle
+from pdserve.router.workers import Leaving, WorkerHandle
 from pdserve.worker.commands import Withdraw
-from pdserve.worker.messages import WorkerRole, WorkItem
+from pdserve.worker.messages import WorkerHealth, WorkerRole, WorkItem
 
 if TYPE_CHECKING:
     from pdserve.router.service import ModelInfo
 
 log = logging.getLogger("pdserve.router.service")
+
+
+@dataclass(frozen=True)
+class PoolChange:
+    """What one planned change of a worker (``Router.retire``, ``Router.switch_role``) did."""
+
+    worker_id: str
+    done: bool  # it left its pool: retired, or serving in its new role
+    moved: int = 0  # requests it still held when its drain ran out, moved to other workers
+    why_not: str = ""  # (not done) why the change was given up
+
+    @property
+    def clean(self) -> bool:
+        """Done, and nothing had to move."""
+        return self.done and not self.moved
 
 
 class Membership:
@@ -116,8 +131,11 @@ class Membership:
         (told to stop: it takes nothing new)."""
         if worker.role is WorkerRole.PREFILL:
             self._spawn(self._rebalance_prefill())
+        else:
+            self._keep_a_decoder()
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+        self._keep_a_decoder()  # first: what the lost worker held may need the worker it keeps
         self._move_off(worker, f"worker {worker.worker_id} failed: {reason}")
         # Its channel is gone, but the process may live on (a broken connection, a wedged
         # pusher): stop it, or it keeps computing requests nobody collects.
@@ -125,8 +143,9 @@ class Membership:
         if self.on_worker_gone is not None and not worker.retiring:
             self.on_worker_gone(worker, reason)
 
-    def _move_off(self, worker: WorkerHandle, why: str) -> None:
-        """Whatever ``worker`` (lost, or retired) still held goes elsewhere or fails with ``why``."""
+    def _move_off(self, worker: WorkerHandle, why: str, planned: bool = False) -> None:
+        """Whatever ``worker`` (lost, or leaving by a planned change) still held goes elsewhere
+        or fails with ``why``."""
         self.dispatcher.on_worker_lost(worker.worker_id)
         for rid in list(worker.inflight):
             stream = self._streams.get(rid)
@@ -135,9 +154,9 @@ class Membership:
             if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
                 self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
                 continue
-            why_not = self._why_not_migrate(stream)
+            why_not = self._why_not_migrate(stream, planned)
             if why_not is None:
-                self._migrate(stream)  # decode lost, or prefill lost before the first token
+                self._migrate(stream, planned)  # decode lost, or prefill lost before the first token
                 continue
             stream.fail(RouterError(Code.UNAVAILABLE, f"{why}; {why_not}"))
         leftover, worker.inflight = worker.inflight, set()
@@ -145,38 +164,80 @@ class Membership:
             for rid in leftover:
                 self._spawn(self._abort_on(worker, rid))
 
+    # -- planned changes -----------------------------------------------------------------------
     async def _drain(self, worker_id: str, drain_timeout_s: float) -> WorkerHandle:
         """Route nothing more to the worker and wait up to ``drain_timeout_s`` (with migration
-        off: however long it takes) for the requests it holds to end. Raises ``ValueError`` for
-        an unknown or lost worker, or one already being taken out of service."""
+        off: however long it takes) for the requests it holds to end, or for the change to be
+        given up (``_keep_a_decoder``). Raises ``ValueError`` for an unknown or lost worker, or
+        one already being taken out of service."""
         w = self.workers.get(worker_id)
         if w is None or not w.alive or w.retiring:
             raise ValueError(f"no live worker {worker_id!r} in service")
-        w.retiring = True
+        w.leaving, w.kept_because = Leaving.DRAINING, ""
         if w.role is WorkerRole.PREFILL:  # its prompts that have not started go elsewhere now
             self._spawn(self._rebalance_prefill())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s
-        while w.inflight and w.alive and (loop.time() < deadline or self.config.migration_limit <= 0):
+        while (
+            w.inflight
+            and w.alive
+            and w.leaving is Leaving.DRAINING
+            and (loop.time() < deadline or self.config.migration_limit <= 0)
+        ):
             await asyncio.sleep(0.05)
         return w
 
-    async def switch_role(self, worker_id: str, role: WorkerRole, drain_timeout_s: float) -> bool:
+    def _keep_a_decoder(self) -> None:
+        """A planned change must not leave the deployment without a worker that decodes: when
+        no worker of that role takes requests and one is draining for a change (retired, or
+        switching to prefill), the change is given up and it takes requests again, so the
+        streams of a worker lost meanwhile move to it rather than fail. Checked whenever a
+        worker of that role is lost or stops taking requests, not only when the change begins."""
+        role = self._decode_role
+        if self._pool(role):
+            return
+        draining = [
+            w for w in self.workers.values()
+            if w.role is role and w.leaving is Leaving.DRAINING and w.health is WorkerHealth.HEALTHY
+            and w.channel is not None
+        ]  # fmt: skip
+        if not draining:
+            return
+        w = max(draining, key=lambda h: (len(h.inflight), h.worker_id))  # keeps the most where it is
+        w.leaving = Leaving.STAYING
+        w.kept_because = f"no other {role.value} worker takes requests"
+        log.warning("worker %s stays in the %s pool: %s", w.worker_id, role.value, w.kept_because)
+
+    def _given_up(self, w: WorkerHandle) -> PoolChange | None:
+        """The change of ``w`` when it was given up during its drain, or must be now (the last
+        worker that decodes); None when it goes on."""
+        if w.alive and w.leaving is Leaving.DRAINING:
+            self._keep_a_decoder()
+        if w.leaving is Leaving.STAYING:
+            return PoolChange(w.worker_id, done=False, why_not=w.kept_because)
+        return None
+
+    async def switch_role(self, worker_id: str, role: WorkerRole, drain_timeout_s: float) -> PoolChange:
         """Move a worker to the other pool in place (it keeps its weights and KV pool): route
         nothing more to it, let its requests finish for up to ``drain_timeout_s``, move what is
-        left to other workers, switch it, and route to it in its new role. True if nothing had
-        to move. Raises ``ValueError`` for a role this deployment has no pool for, or when the
-        worker is the last one that decodes."""
+        left to other workers, switch it, and route to it in its new role. The change is given
+        up (``done`` False) if, while it drains, it becomes the last worker that decodes.
+        Raises ``ValueError`` for a role this deployment has no pool for, or when the worker is
+        the last one that decodes."""
         w = self.workers.get(worker_id)
         if w is not None and (role not in self._roles or role is w.role):
             raise ValueError(f"worker {worker_id!r} cannot switch from {w.role.value} to {role.value} here")
         if w is not None and w.role is self._decode_role and self._pool(self._decode_role) == [w]:
             raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
         w = await self._drain(worker_id, drain_timeout_s)
+        kept = self._given_up(w)
+        if kept is not None:
+            return kept
+        moved = len(w.inflight)
+        w.leaving = Leaving.COMMITTED
         try:
-            clean = not w.inflight
             if w.alive:  # (its history in the old role goes with it: _move_off forgets it)
-                self._move_off(w, f"worker {worker_id} is switching role")
+                self._move_off(w, f"worker {worker_id} is switching role", planned=True)
             deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
             while True:  # the aborts of what moved may still be on their way
                 try:
@@ -189,28 +250,32 @@ class Membership:
             w.info, w.role = info, info.role
             w.load = replace(w.load, role=info.role, address=info.address)
         finally:
-            w.retiring = False
+            w.leaving = Leaving.STAYING
         if w.role is WorkerRole.PREFILL:
             self._spawn(self._rebalance_prefill())
-        moved = "" if clean else " (requests moved)"
-        log.info("worker %s is now a %s worker%s", worker_id, role.value, moved)
-        return clean
+        log.info("worker %s is now a %s worker%s", worker_id, role.value, _moved(moved))
+        return PoolChange(worker_id, done=True, moved=moved)
 
-    async def retire(self, worker_id: str, drain_timeout_s: float) -> bool:
+    async def retire(self, worker_id: str, drain_timeout_s: float) -> PoolChange:
         """Take a worker out of service without failing a request: route nothing more to it, let
         the requests it holds finish for up to ``drain_timeout_s``, move what is left to other
         workers (migration), then stop it (its process and, on Ray, its placement group go).
-        True if nothing had to move (see ``_drain`` for the errors)."""
+        The change is given up (``done`` False, the worker serves on) if, while it drains, it
+        becomes the last worker that decodes. See ``_drain`` for the errors."""
         w = await self._drain(worker_id, drain_timeout_s)
-        clean = not w.inflight
+        kept = self._given_up(w)
+        if kept is not None:
+            return kept
+        moved = len(w.inflight)
+        w.leaving = Leaving.COMMITTED
         if w.alive:  # (else it was lost meanwhile, and its requests moved then)
             w.mark_lost()  # its channel's end is no loss now: nothing to replace
-            self._move_off(w, f"worker {worker_id} was retired")
+            self._move_off(w, f"worker {worker_id} was retired", planned=True)
         if self.workers.get(worker_id) is w:
             del self.workers[worker_id]
         await self._stop_worker(w)
-        log.info("worker %s retired%s", worker_id, "" if clean else " (requests moved)")
-        return clean
+        log.info("worker %s retired%s", worker_id, _moved(moved))
+        return PoolChange(worker_id, done=True, moved=moved)
 
     # -- prompts that have not started ---------------------------------------------------------
     async def _rebalance_prefill(self) -> None:
@@ -256,21 +321,27 @@ class Membership:
             self._restart(stream, avoid=w.worker_id)
 
     # -- migration -----------------------------------------------------------------------------
-    def _why_not_migrate(self, stream: RequestStream) -> str | None:
-        """Why a stream whose decode worker was lost cannot move to another one (None: it can)."""
+    def _why_not_migrate(self, stream: RequestStream, planned: bool = False) -> str | None:
+        """Why a stream whose decode worker was lost (or, ``planned``, is leaving its pool by a
+        planned change) cannot move to another one (None: it can). Only moves caused by faults
+        count against ``--migration-limit``: planned ones are bounded by the planner's own rate."""
         limit = self.config.migration_limit
-        if limit <= 0:
+        if not planned and limit <= 0:
             return "request migration is off (--migration-limit 0)"
-        if stream.migrations >= limit:
-            return f"the stream already moved {stream.migrations} times (--migration-limit {limit})"
+        moves = stream.fault_migrations
+        if not planned and moves >= limit:
+            return f"the stream already moved {moves} times after faults (--migration-limit {limit})"
         if not self._pool(self._decode_role):
             return f"no healthy {self._decode_role.value} worker is left to move it to"
         return None
 
-    def _migrate(self, stream: RequestStream) -> None:
-        """Move a stream off a lost worker (``_restart``); it counts against the limit."""
+    def _migrate(self, stream: RequestStream, planned: bool = False) -> None:
+        """Move a stream to another worker (``_restart``); a move caused by a fault (not
+        ``planned``) counts against the limit."""
         stream.migrations += 1
-        self.metrics.migrations.inc()
+        if not planned:
+            stream.fault_migrations += 1
+        self.metrics.migrations.labels(cause="planned" if planned else "lost").inc()
         self._restart(stream)
 
     def _restart(self, stream: RequestStream, avoid: str = "") -> None:
@@ -325,6 +396,10 @@ class Membership:
             await asyncio.to_thread(worker.caller.kill)
         except Exception as e:  # already gone is the common case
             log.debug("stopping lost worker %s: %s", worker.worker_id, e)
+
+
+def _moved(n: int) -> str:
+    return f" ({n} request(s) moved)" if n else ""
 
 
 def _ttft_target(stream: RequestStream) -> float:

@@ -159,9 +159,13 @@ class RouterMetrics:
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
         self.migrations = Counter(
             P + "request_migrations",
-            "Streams moved to another decode worker after theirs was lost",
+            "Streams moved to another decode worker: theirs was lost (cause=lost), or left its "
+            "pool by a planned change whose drain ran out (cause=planned)",
+            ["cause"],
             registry=r,
         )
+        for cause in ("lost", "planned"):  # both series exist from the start, at 0
+            self.migrations.labels(cause=cause)
         self.rerouted = Counter(
             P + "prefill_rerouted",
             "Prompts taken back from a prefill worker before they started and routed again "

@@ -63,7 +63,7 @@ class Final:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     text: str | None
-    migrations: int = 0  # times the stream moved to another decode worker (a worker was lost)
+    migrations: int = 0  # times the stream moved to another decode worker (lost, or leaving its pool)
 
 
 Event = Chunk | Final
@@ -101,7 +101,8 @@ class RequestStream:
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
         self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
         self.reservation_settled = asyncio.Event()  # granted or not: the reservation is over
-        self.migrations = 0
+        self.migrations = 0  # every move to another worker (reported to the client)
+        self.fault_migrations = 0  # the moves a lost worker caused (bounded by --migration-limit)
         self.work: WorkItem | None = None  # what the workers were sent (a migration resends it)
         self.dispatch: asyncio.Task[None] | None = None
         self.reserved_at = 0.0  # when it did (perf_counter)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from typing import Any, Protocol
 
 from pdserve.model_runtime.errors import InvalidRequestError
@@ -45,6 +46,24 @@ class WorkerLost(Exception):
     """A worker stopped answering: its process died or its loop failed."""
 
 
+class Leaving(Enum):
+    """A worker's part in a planned change of the pools (``Router.retire``, ``Router.switch_role``)::
+
+        STAYING --change begins--> DRAINING --requests ended, or the drain ran out--> COMMITTED
+           ^                          |                                                |
+           |                          | the change would leave no worker to decode:    | retired, or
+           +--------------------------+ given up, it takes requests again              | serving in its
+           +-------------------------------------------------------------------------- + new role
+
+    A DRAINING worker is routed nothing new but keeps what it holds; a COMMITTED one is past
+    the point where the change can be given up (its requests are being moved off).
+    """
+
+    STAYING = "staying"
+    DRAINING = "draining"
+    COMMITTED = "committed"
+
+
 class CommandSender(Protocol):
     """The worker channel's command side (``pdserve.router.outputs.CommandChannel``)."""
 
@@ -68,12 +87,18 @@ class WorkerHandle:
         self.load = WorkerLoad(info.worker_id, info.role, info.address, 0, 0, blocks, blocks, 0)
         self.inflight: set[str] = set()
         self.channel: CommandSender | None = None  # set once its channel is authenticated
-        self.retiring = False  # the router is taking it out of service (``Router.retire``)
+        self.leaving = Leaving.STAYING
+        self.kept_because = ""  # why its last planned change was given up ("": it was not)
 
     @property
     def alive(self) -> bool:
         """It may still hold requests and take commands (healthy or draining)."""
         return self.health is not WorkerHealth.UNHEALTHY
+
+    @property
+    def retiring(self) -> bool:
+        """A planned change is taking it out of its pool (``Leaving``)."""
+        return self.leaving is not Leaving.STAYING
 
     @property
     def routable(self) -> bool:

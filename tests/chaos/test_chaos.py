@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 chaos = pytest.importorskip("benchmarks.chaos")
 
 DETECTION_S = {"decode_kill": 0.5, "prefill_kill": 0.5, "prefill_push_kill": 0.5, "decode_stop": 5.0,
-               "decode_term": 0.5}  # fmt: skip
+               "decode_term": 0.5, "shrink_then_crash": 0.5}  # fmt: skip
 
 
 def can_reset_connections() -> bool:
@@ -85,8 +85,10 @@ def test_scenario(name: str, work: Any, deployment: Any) -> None:
     assert (r["blocks_leaked"], r["state_left"]) == (0, 0), r
     if name in DETECTION_S:
         assert r["detection_s"] <= DETECTION_S[name], r
-    if name in ("decode_kill", "decode_stop"):
+    if name in ("decode_kill", "decode_stop", "shrink_then_crash"):
         assert r["migrated"] >= 1, r  # the victim held streams, and they moved
+    if name == "shrink_then_crash":
+        assert r["shrink_given_up"], r  # the draining worker stayed and took the victim's streams
     if name == "decode_term":
         assert r["migrated"] == 0, r  # drained: every stream finished where it was
     if name == "kv_drop":

@@ -15,6 +15,7 @@ import pytest
 
 from pdserve.deploy.autoscale import PoolAutoscaler
 from pdserve.deploy.planner_data import Layout
+from pdserve.router.membership import PoolChange
 from pdserve.worker.messages import WorkerRole
 
 
@@ -48,15 +49,21 @@ class FakeService:
         self.cancelled: set[WorkerRole] = set()
         self.asked: list[int] = []
         self.switches = 0
+        self.give_up = ""  # a switch given up with this reason (as the router's drain may)
 
     def request_capacity(self, workers: int) -> None:
         self.asked.append(workers)
 
-    async def switch_role(self, worker_id: str, role: WorkerRole) -> bool:
+    async def switch_role(self, worker_id: str, role: WorkerRole) -> PoolChange:
+        """As ``Router.switch_role``: done, moving what the worker still held, unless given up."""
         self.switches += 1
-        return False  # refused (as for a worker that does not drain in time)
+        if self.give_up:
+            return PoolChange(worker_id, done=False, why_not=self.give_up)
+        w = self.router.workers[worker_id]
+        moved, w.inflight, w.role = len(w.inflight), {}, role
+        return PoolChange(worker_id, done=True, moved=moved)
 
-    async def resize(self, role: WorkerRole, count: int) -> None:
+    async def resize(self, role: WorkerRole, count: int) -> list[PoolChange]:
         self.began[role] = time.monotonic()
         try:
             seconds = self.seconds[role]
@@ -72,6 +79,7 @@ class FakeService:
         for i in range(len(live), count):
             self.router.workers[f"{role.value}-new-{i}"] = FakeWorker(f"{role.value}-new-{i}", role)
         self.ended[role] = time.monotonic()
+        return [PoolChange(w.worker_id, done=True) for w in live[count:]]
 
 
 def scaler(service: FakeService, grow_wait_s: float = 5.0) -> PoolAutoscaler:
@@ -90,10 +98,24 @@ def test_both_pools_grow_at_once() -> None:
     assert took < 0.55, took  # one start-up, not two in a row
 
 
+def test_a_switch_that_moved_requests_is_a_switch() -> None:
+    """A worker that switched with its streams moved is switched: the change is not made again
+    by retiring and starting workers (which overshot 1P+3D -> 2P+2D to 3P+1D)."""
+    svc = FakeService(1, 3, {WorkerRole.PREFILL: 0.05, WorkerRole.DECODE: 0.05})
+    for w in svc.router.workers.values():
+        if w.role is WorkerRole.DECODE:
+            w.inflight = {f"{w.worker_id}-stream": object()}
+    a = scaler(svc)
+    asyncio.run(a.apply(Layout(2, 2)))
+    assert a.layout() == Layout(2, 2) and svc.switches == 1
+    assert not svc.began  # nothing retired, nothing started
+
+
 def test_a_drain_in_one_pool_does_not_hold_the_others_growth() -> None:
     svc = FakeService(3, 1, {WorkerRole.PREFILL: 0.5, WorkerRole.DECODE: 0.05})
+    svc.give_up = "no other decode worker takes requests"
     a = scaler(svc)
-    asyncio.run(a.apply(Layout(2, 2)))  # the switch is refused: one retired, one started
+    asyncio.run(a.apply(Layout(2, 2)))  # the switch is given up: one retired, one started
     assert a.layout() == Layout(2, 2) and svc.switches == 1
     assert svc.ended[WorkerRole.DECODE] < svc.ended[WorkerRole.PREFILL]
 

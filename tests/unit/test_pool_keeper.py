@@ -168,7 +168,7 @@ def test_a_retired_worker_is_not_replaced() -> None:
             return Worker(wid, role).handle
 
         PoolKeeper(router, outputs, launch, {P: 1, D: 2}, lambda h: None)  # type: ignore[arg-type]
-        assert await router.retire("decode-0", drain_timeout_s=1.0)  # nothing in flight: clean
+        assert (await router.retire("decode-0", drain_timeout_s=1.0)).clean  # nothing in flight
         assert "decode-0" not in router.workers and not ws["decode-0"].handle.alive
         with pytest.raises(ValueError, match="no live worker"):
             await router.retire("decode-0", drain_timeout_s=1.0)
