@@ -5,9 +5,11 @@ A replacement is a new worker (a new id, ``<role>-<n>`` counting on from the poo
 ones; a new process and, on Ray, a new placement group, so it may land on another node) that
 joins the running router: the router's output channel expects it, the router checks that it
 serves the same model and registers it, and it gets requests once its channel is up. The lost
-worker's requests do not wait for it: they have already moved (migration).
+worker's requests do not wait for it: they have already moved (migration). A worker that
+begins to drain after SIGTERM is replaced at once (``leaving``: a surge), while it still
+serves; its exit later starts nothing more.
 
-Per lost worker::
+Per lost (or draining) worker::
 
     LOST -> LAUNCHING -> JOINED
               |  ^
@@ -58,8 +60,11 @@ class PoolKeeper:
         self._starting: set[WorkerHandle] = set()
         self.replaced = 0  # workers that joined in place of a lost one
         self.failed_starts = 0
+        # Workers draining after SIGTERM whose replacement started when they began to drain.
+        self._surged: set[str] = set()
         if replace_lost:
             router.on_worker_gone = self.lost
+            router.on_worker_leaving = self.leaving
 
     @property
     def pending(self) -> int:
@@ -67,6 +72,24 @@ class PoolKeeper:
         return len(self._tasks)
 
     def lost(self, worker: WorkerHandle, reason: str) -> None:
+        if worker.worker_id in self._surged:
+            # Replaced since it began to drain: its entry in the router goes with it.
+            self._surged.discard(worker.worker_id)
+            if self.router.workers.get(worker.worker_id) is worker:
+                del self.router.workers[worker.worker_id]
+            return
+        self._start_replacing(worker)
+
+    def leaving(self, worker: WorkerHandle) -> None:
+        """``worker`` began to drain after SIGTERM: its replacement starts now (a surge), not
+        once it has left, so the pool is never short of it (the router routes to the draining
+        worker while it is the last of its role, until the replacement takes requests)."""
+        if worker.worker_id not in self._surged:
+            self._surged.add(worker.worker_id)
+            log.warning("worker %s is draining: starting its replacement", worker.worker_id)
+            self._start_replacing(worker)
+
+    def _start_replacing(self, worker: WorkerHandle) -> None:
         task = asyncio.ensure_future(self._replace(worker))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -31,8 +31,8 @@ from pdserve.router.policy import Decision, Dispatcher, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.stream import RequestStream
-from pdserve.router.workers import Leaving, WorkerHandle
-from pdserve.worker.commands import Withdraw
+from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
+from pdserve.worker.commands import Release, Withdraw
 from pdserve.worker.messages import WorkerHealth, WorkerRole, WorkItem
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class Membership:
     metrics: RouterMetrics
     dispatcher: Dispatcher
     on_worker_gone: Callable[[WorkerHandle, str], None] | None
+    on_worker_leaving: Callable[[WorkerHandle], None] | None
     _streams: dict[str, RequestStream]
     _client_ids: dict[str, str]
     _rebalancing: asyncio.Lock  # one rebalance at a time: each plans on the last one's outcome
@@ -76,6 +77,8 @@ class Membership:
 
         @property
         def _decode_role(self) -> WorkerRole: ...
+
+        def _decoders(self) -> list[WorkerHandle]: ...
 
         def _pool(self, role: WorkerRole) -> list[WorkerHandle]: ...
 
@@ -128,11 +131,31 @@ class Membership:
 
     def _on_pool_change(self, worker: WorkerHandle) -> None:
         """Whether ``worker`` takes requests changed: its channel came up, or it is draining
-        (told to stop: it takes nothing new)."""
+        (told to stop after SIGTERM: its replacement starts now, and it takes nothing new once
+        another worker of its role does)."""
+        if worker.held and self.on_worker_leaving is not None:
+            self.on_worker_leaving(worker)
+        self._release_drained()
         if worker.role is WorkerRole.PREFILL:
             self._spawn(self._rebalance_prefill())
         else:
             self._keep_a_decoder()
+
+    def _release_drained(self) -> None:
+        """Send ``Release`` to every worker draining after SIGTERM that new requests no longer
+        need: another worker of its role takes requests, its role is not the one that decodes
+        (decode workers prefill themselves), or no replacement is coming for it."""
+        for w in self.workers.values():
+            needed = w.role is self._decode_role and not self._pool(w.role) and self.on_worker_leaving
+            if w.held and not needed:
+                w.released = True
+                self._spawn(self._let_go(w))
+
+    async def _let_go(self, w: WorkerHandle) -> None:
+        try:
+            await w.command(Release(), self.config.call_timeout_s)
+        except (WorkerLost, asyncio.TimeoutError) as e:  # gone: nothing to release
+            log.debug("release of %s: %s", w.worker_id, e)
 
     async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self._keep_a_decoder()  # first: what the lost worker held may need the worker it keeps
@@ -331,7 +354,7 @@ class Membership:
         moves = stream.fault_migrations
         if not planned and moves >= limit:
             return f"the stream already moved {moves} times after faults (--migration-limit {limit})"
-        if not self._pool(self._decode_role):
+        if not self._decoders():
             return f"no healthy {self._decode_role.value} worker is left to move it to"
         return None
 

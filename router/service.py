@@ -125,6 +125,9 @@ class Router(RequestFlow, Membership):
         # Told of every worker the router lost, once its requests have moved (a pool keeper
         # replaces it).
         self.on_worker_gone: Callable[[WorkerHandle, str], None] | None = None
+        # Told of every worker that began to drain after SIGTERM (a pool keeper starts its
+        # replacement at once); None: no replacement comes, so none is waited for.
+        self.on_worker_leaving: Callable[[WorkerHandle], None] | None = None
         info = workers[0].info
         caps = config.caps
         decode_blocks = min(w.info.kv_blocks for w in workers if w.role is not WorkerRole.PREFILL)
@@ -175,15 +178,20 @@ class Router(RequestFlow, Membership):
     def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role is role and w.routable]
 
+    def _decoders(self) -> list[WorkerHandle]:
+        """The workers new requests are decoded on: those that take requests or, while none
+        does, those draining after SIGTERM that have not been released (``_release_drained``:
+        they serve until their replacement is up)."""
+        role = self._decode_role
+        return self._pool(role) or [w for w in self.workers.values() if w.role is role and w.held]
+
     @property
     def ready(self) -> bool:
         if self.draining:
             return False
-        if self.colocated:
-            return bool(self._pool(WorkerRole.COLOCATED))
         # With every prefill worker gone, decode workers prefill requests themselves (slower,
         # but served): the dispatchers fall back to local prefill.
-        return bool(self._pool(WorkerRole.DECODE))
+        return bool(self._decoders())
 
     def request_state(self) -> dict[str, int]:
         """Sizes of the router's per-request maps: all zero once no request is in flight (a
@@ -280,7 +288,7 @@ class Router(RequestFlow, Membership):
     def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision:
         """Where the request goes; ``remote_prefill=False``: only to a decode worker, which
         prefills it itself; ``avoid``: a prefill worker not to send it to."""
-        decode = [w.load for w in self._pool(self._decode_role)]
+        decode = [w.load for w in self._decoders()]
         if not decode:
             raise RouterError(Code.UNAVAILABLE, f"no healthy {self._decode_role.value} worker")
         remote = remote_prefill and not self.colocated

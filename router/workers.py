@@ -89,6 +89,7 @@ class WorkerHandle:
         self.channel: CommandSender | None = None  # set once its channel is authenticated
         self.leaving = Leaving.STAYING
         self.kept_because = ""  # why its last planned change was given up ("": it was not)
+        self.released = False  # draining after SIGTERM, it was sent ``Release``: it may go
 
     @property
     def alive(self) -> bool:
@@ -104,6 +105,17 @@ class WorkerHandle:
     def routable(self) -> bool:
         """New requests may go here: healthy, with its channel up, not being retired."""
         return self.health is WorkerHealth.HEALTHY and self.channel is not None and not self.retiring
+
+    @property
+    def held(self) -> bool:
+        """Draining after SIGTERM and not released yet: it still takes new requests while no
+        other worker of its role does (``Router._decoders``)."""
+        return (
+            self.health is WorkerHealth.DRAINING
+            and self.channel is not None
+            and not self.released
+            and not self.retiring
+        )
 
     def report(self, load: WorkerLoad) -> None:
         """The worker's latest load, and with it whether it is draining (lost is terminal)."""

@@ -13,8 +13,9 @@ nesting); anything else is a ``ChannelError`` and never reaches an engine.
 
 Who answers what: a prefill worker takes ``Prefill``, ``SetTarget``, ``Withdraw`` and
 ``Abort``; a decode worker ``QueueReservation``, ``AwaitReservation``, ``Start``, ``KvLost``,
-``AddLocal`` and ``Abort``. ``AwaitReservation`` is answered only once the reservation is settled (granted,
-expired or aborted); every other command as soon as the engine ran it between two steps.
+``AddLocal`` and ``Abort``; every worker ``Release``. ``AwaitReservation`` is answered only once
+the reservation is settled (granted, expired or aborted); every other command as soon as the
+engine ran it between two steps.
 """
 
 from __future__ import annotations
@@ -91,8 +92,24 @@ class Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class Release:
+    """The router routes nothing new to this worker, which drains after SIGTERM: it may exit
+    once idle. Until then a draining worker serves what it is sent (the last worker of its
+    role keeps taking requests while its replacement starts). Answered True."""
+
+
 Command = (
-    Prefill | SetTarget | Withdraw | QueueReservation | AwaitReservation | Start | KvLost | AddLocal | Abort
+    Prefill
+    | SetTarget
+    | Withdraw
+    | QueueReservation
+    | AwaitReservation
+    | Start
+    | KvLost
+    | AddLocal
+    | Abort
+    | Release
 )
 Answer = bool | KVTarget | None
 
@@ -253,6 +270,7 @@ _CODECS: dict[str, tuple[type, Any, Any]] = {
     "kv_lost": (KvLost, lambda c: [c.request_id], lambda a: KvLost(_id(a[0]))),
     "add_local": (AddLocal, lambda c: [_encode_work(c.work)], lambda a: AddLocal(_decode_work(a[0]))),
     "abort": (Abort, lambda c: [c.request_id], lambda a: Abort(_id(a[0]))),
+    "release": (Release, lambda c: [], lambda a: Release()),
 }
 _ARITY = {kind: len(dataclasses.fields(cls)) for kind, (cls, _, _) in _CODECS.items()}
 _KIND_OF = {cls: kind for kind, (cls, _, _) in _CODECS.items()}

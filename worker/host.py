@@ -9,8 +9,10 @@ Lifecycle: ``__init__`` loads the model and opens the transport -> ``info()`` (r
 commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
 
 SIGTERM (a worker process of a cluster, ``drain_on_sigterm``): the worker drains, then exits.
-Its loads say DRAINING from then on, so the router routes nothing new to it; the requests it
-holds get ``drain_timeout_s`` to finish; then it closes its channel and exits, and the router
+Its loads say DRAINING from then on, and the router starts its replacement at once (a surge);
+it keeps routing to the draining worker only while no other worker of its role takes
+requests, and says ``Release`` once one does. The worker serves until then, and then what it
+holds, within ``drain_timeout_s`` in all; then it closes its channel and exits, and the router
 moves whatever is left to other workers (migration), as for any lost worker.
 """
 
@@ -34,7 +36,7 @@ from pdserve.kvtransfer.emulated_link import EmulatedLink
 from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
-from pdserve.worker.commands import Abort, Answer, Command, UnsupportedCommand
+from pdserve.worker.commands import Abort, Answer, Command, Release, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
@@ -159,6 +161,7 @@ class WorkerHost:
             step_tokens=spec.engine.scheduler.max_num_batched_tokens,
         )
         self._terminating = threading.Event()
+        self._released = threading.Event()  # the router routes nothing new here (``Release``)
         if spec.drain_on_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -231,6 +234,11 @@ class WorkerHost:
         future holds its answer. Raises ``UnsupportedCommand`` for another role's command."""
         if isinstance(cmd, Abort):
             return self.loop.submit(self.engine.abort, cmd.request_id)
+        if isinstance(cmd, Release):
+            self._released.set()
+            done: Future[Answer] = Future()
+            done.set_result(True)
+            return done
         return self._execute_role(cmd)
 
     def _execute_role(self, cmd: Command) -> Future[Answer]:
@@ -266,11 +274,18 @@ class WorkerHost:
             time.sleep(0.01)
         return False
 
-    def drain(self, timeout_s: float) -> bool:
-        """Report DRAINING (the router routes nothing new here) and wait up to ``timeout_s`` for
-        the requests held to finish; True if none is left. The worker keeps serving."""
+    def drain(self, timeout_s: float, until_released: bool = False) -> bool:
+        """Report DRAINING (the router routes nothing new here once another worker of this
+        role takes requests) and wait up to ``timeout_s`` for the requests held to finish; True
+        if none is left. ``until_released``: first wait, within the same ``timeout_s``, for the
+        router's ``Release`` (the last worker of its role serves new requests until its
+        replacement is up: idle between two of them is no reason to leave). The worker keeps
+        serving."""
+        deadline = time.monotonic() + timeout_s
         self.loop.set_health(WorkerHealth.DRAINING)
-        return self.wait_idle(timeout_s)
+        if until_released:
+            self._released.wait(timeout_s)
+        return self.wait_idle(max(0.0, deadline - time.monotonic()))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # A signal handler must not block the thread it interrupts: drain on another one.
@@ -282,7 +297,7 @@ class WorkerHost:
         timeout = self.spec.drain_timeout_s
         log.warning("%s: SIGTERM: draining (up to %gs), then exiting", self.spec.worker_id, timeout)
         try:
-            clean = self.drain(timeout)
+            clean = self.drain(timeout, until_released=self.pusher is not None)
             outcome = "drained" if clean else "drain timed out (the router moves what is left)"
             log.warning("%s: %s; exiting", self.spec.worker_id, outcome)
             self.shutdown()

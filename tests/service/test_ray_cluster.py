@@ -242,6 +242,53 @@ def test_killed_decode_worker_streams_move_and_the_pool_replaces_it() -> None:
         st.stop()
 
 
+def test_sigterm_to_the_only_decode_worker_refuses_nothing() -> None:
+    """1P+1D (``make serve``'s layout): SIGTERM to the decode worker starts its replacement at
+    once, and the draining worker serves new requests until the replacement takes them, so no
+    request is refused meanwhile; its streams finish token-exact, then it exits."""
+    st, ep = start_service(use_ray=True, prefill=1, decode=1, replace_lost=True)
+    try:
+        s = stub(ep)
+        rng = random.Random(62)
+        ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(2)]
+        calls = []
+        for p in ps:
+            call = s.Generate(grpc_request(p, 200, stream=True))
+            calls.append((call, list(next(call).chunk.token_ids)))
+        victim = next(h for h in st.service.handles if h.worker_id == "decode-0")
+        router = st.service.router
+        assert router is not None
+        os.kill(victim.info.pid, signal.SIGTERM)
+        wait_for(lambda: victim.load.health.value == "draining", 5.0, "decode-0 reports draining")
+
+        def replaced() -> bool:
+            return any(w.routable and w.worker_id != "decode-0" for w in router.workers.values()
+                       if w.role.value == "decode")  # fmt: skip
+
+        served: list[str] = []
+        deadline = time.monotonic() + 90
+        while not replaced() and time.monotonic() < deadline:
+            [msg] = list(s.Generate(grpc_request([7, 8, 9], 4), timeout=30))  # UNAVAILABLE raises
+            served.append(msg.result.decode_worker)
+            time.sleep(0.2)
+        assert replaced() and "decode-0" in served, served  # served while its replacement started
+        [msg] = list(s.Generate(grpc_request([7, 8, 9], 4)))
+        assert msg.result.decode_worker == "decode-1"
+        for p, (call, tokens) in zip(ps, calls, strict=True):
+            tokens += [t for m in call for t in m.chunk.token_ids]
+            assert tokens == hf_reference(p, 200)
+
+        def health() -> dict[str, str]:
+            return {w["worker_id"]: w["health"] for w in status(ep)["workers"]}
+
+        want = {"prefill-0": "healthy", "decode-1": "healthy"}
+        wait_for(lambda: health() == want, 60, "decode-0 gone, decode-1 in its place", health)
+        wait_for(lambda: all_free(status(ep)), 5.0, "blocks freed", lambda: status(ep))
+        assert_no_request_state(st)
+    finally:
+        st.stop()
+
+
 def test_sigterm_drains_a_decode_worker_then_the_pool_replaces_it() -> None:
     """SIGTERM to a decode worker's process: it reports DRAINING, gets no new requests, finishes
     its streams where they are (none moves), exits, and a fresh worker takes its place."""

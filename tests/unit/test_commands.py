@@ -25,6 +25,7 @@ from pdserve.worker.commands import (
     KvLost,
     Prefill,
     QueueReservation,
+    Release,
     SetTarget,
     Start,
     Withdraw,
@@ -63,6 +64,7 @@ commands = st.one_of(
     st.builds(KvLost, ids),
     st.builds(AddLocal, works),
     st.builds(Abort, ids),
+    st.builds(Release),
 )
 
 

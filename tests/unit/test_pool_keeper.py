@@ -176,3 +176,81 @@ def test_a_retired_worker_is_not_replaced() -> None:
         assert launched == []  # a scale-down is not a loss
 
     asyncio.run(main())
+
+
+def test_a_sigterm_drain_of_the_only_decode_worker_surges_its_replacement_first() -> None:
+    """1P+1D, the decode worker drains after SIGTERM: its replacement starts at once; new
+    requests still go to it (not refused) until the replacement's channel is up; then it is
+    sent ``Release`` and new requests go to the replacement; its exit starts no second one."""
+
+    async def main() -> None:
+        router, ws = cluster([("prefill-0", P), ("decode-0", D)])
+        outputs = FakeOutputs()
+        router.outputs = outputs  # type: ignore[assignment]
+        launched: list[str] = []
+        gate = asyncio.Event()
+        channels: dict[str, Any] = {}
+
+        async def launch(role: WorkerRole, wid: str) -> WorkerHandle:
+            launched.append(wid)
+            await gate.wait()  # the replacement's start-up
+            ws[wid] = Worker(wid, role)
+            channels[wid], ws[wid].handle.channel = ws[wid].handle.channel, None  # connects later
+            return ws[wid].handle
+
+        keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 1}, lambda h: None)  # type: ignore[arg-type]
+        old = ws["decode-0"]
+        old.handle.report(replace(old.handle.load, health=WorkerHealth.DRAINING))
+        router._on_pool_change(old.handle)
+        await settle()
+        assert launched == ["decode-1"]  # at once, before it has left
+        for _ in range(3):  # while it is the last decode worker: served there, not refused
+            admitted = router.admit(GenerateInput([1, 2, 3], GREEDY))
+            assert admitted.decision.decode_worker == "decode-0"
+            router.discard(admitted)
+        assert router.ready and not [c for _, c in old.commands() if isinstance(c, C.Release)]
+        gate.set()
+        await settle()
+        new = ws["decode-1"]
+        new.handle.channel = channels["decode-1"]
+        router._on_pool_change(new.handle)  # its channel is up
+        await settle()
+        releases = [(i, c) for i, c in old.commands() if isinstance(c, C.Release)]
+        assert len(releases) == 1 and old.handle.released
+        old.answer(releases[0][0], True)
+        assert router.admit(GenerateInput([1, 2, 3], GREEDY)).decision.decode_worker == "decode-1"
+        await lose(router, old)  # it exits
+        await settle()
+        assert launched == ["decode-1"] and "decode-0" not in router.workers
+        assert not keeper._surged and keeper.pending == 0
+        await keeper.close()
+
+    asyncio.run(main())
+
+
+def test_a_draining_worker_with_another_in_its_pool_is_released_at_once() -> None:
+    """1P+2D: SIGTERM to decode-0 starts its replacement and releases it at once (decode-1 takes
+    requests), so new requests go to decode-1 and its drain ends when its own are done."""
+
+    async def main() -> None:
+        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
+        outputs = FakeOutputs()
+        router.outputs = outputs  # type: ignore[assignment]
+        launched: list[str] = []
+
+        async def launch(role: WorkerRole, wid: str) -> WorkerHandle:
+            launched.append(wid)
+            await asyncio.sleep(3600)
+            raise AssertionError
+
+        keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 2}, lambda h: None)  # type: ignore[arg-type]
+        old = ws["decode-0"].handle
+        old.report(replace(old.load, health=WorkerHealth.DRAINING))
+        router._on_pool_change(old)
+        await settle()
+        assert launched == ["decode-2"] and old.released
+        assert [type(c) for _, c in ws["decode-0"].commands()] == [C.Release]
+        assert router.admit(GenerateInput([1, 2, 3], GREEDY)).decision.decode_worker == "decode-1"
+        await keeper.close()
+
+    asyncio.run(main())
