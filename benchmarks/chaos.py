@@ -11,8 +11,11 @@ SIGTERM of a decode worker mid-stream (it drains); ``shrink_then_crash`` the dec
 to one worker mid-stream (``Service.resize``, a 2 s drain) and the worker it keeps SIGKILLed
 0.3 s into the drain (the shrink must be given up); ``kv_drop`` every KV connection to the decode
 workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer is seen
-dropped (at most 10 s); ``router_term`` SIGTERM of the router (``pdserve serve --local`` in a
-child process; it drains).
+dropped (at most 10 s); ``kv_listener_flood`` 300 idle connections that never authenticate
+held open to each decode worker's KV listener by another process, reopened as they close, for
+the whole run, the senders' connections from before it reset (``ss -K``) before the streams
+start, so that every hand-off connects through the flood (each must succeed); ``router_term``
+SIGTERM of the router (``pdserve serve --local`` in a child process; it drains).
 
 Per scenario: streams succeeded / failed, streams migrated, tokens lost (a stream shorter than
 its reference, or different from it) and duplicated (longer), KV blocks still in use after the
@@ -47,10 +50,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks import flood
 from benchmarks.common import emit
 
 SCENARIOS = ("none", "decode_kill", "prefill_kill", "prefill_push_kill", "decode_stop", "decode_term",
-             "shrink_then_crash", "kv_drop", "router_term")  # fmt: skip
+             "shrink_then_crash", "kv_drop", "kv_listener_flood", "router_term")  # fmt: skip
 SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "prefill_push_kill": signal.SIGKILL,
            "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM,
            "shrink_then_crash": signal.SIGKILL}  # fmt: skip
@@ -201,6 +205,14 @@ def kv_failures(st: Any) -> dict[str, int]:
     return {h.worker_id: sum(n for _, n in h.load.transfers.failures) for h in handles}
 
 
+def transfers_received(st: Any) -> int:
+    """KV transfers the live decode workers have received so far (fresh loads)."""
+    from pdserve.worker.messages import WorkerRole
+
+    decode = [h for h in st.service.handles if h.alive and h.role is WorkerRole.DECODE]
+    return sum(st.run(h.call("load", timeout_s=10)).transfers.count for h in decode)
+
+
 def kv_failed_since(st: Any, before: dict[str, int]) -> int:
     """KV transfers failed since ``kv_failures`` gave ``before``."""
     return sum(max(0, n - before.get(w, 0)) for w, n in kv_failures(st).items())
@@ -243,10 +255,21 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         return router_term(work)
     st, s = deployment if deployment is not None else start(prefill=2, decode=2)
     resume: threading.Timer | None = None
+    flooding: subprocess.Popen[str] | None = None
+    received_before = 0
     try:
         wait_for(lambda: whole(st, 2, 2), 120, "every pool whole (lost workers replaced)")
         kv_before = kv_failures(st)
         handles = {h.worker_id: h for h in st.service.handles if h.routable}
+        if name == "kv_listener_flood":
+            received_before = transfers_received(st)
+            listeners = [h.info.address for h in handles.values() if h.info.address]
+            # The senders' connections from before go (no transfer is in flight), so every
+            # hand-off of the run needs a new connection, through the flood.
+            reset_kv_connections(listeners, 0.05)
+            flooding = flood.start(listeners, 300, seconds=300.0)
+            flood.wait_ready(flooding)
+            time.sleep(1.0)  # under way: every slot it can take, taken
         logs, threads = launch(s, work.before)
         if name == "prefill_kill":
             time.sleep(0.05)  # prompts queued, prefill under way
@@ -279,6 +302,10 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             reset_kv_connections(addresses, 1.5, lambda: kv_failed_since(st, kv_before) > 0)
         for t in threads + after_threads:
             t.join(180)
+        extra: dict[str, Any] = {}
+        if flooding is not None:
+            extra["flood"] = flood.result(flooding)
+            extra["handoffs"] = transfers_received(st) - received_before
         given_up = None
         if shrink is not None:
             [change] = shrink.result(60)
@@ -300,8 +327,10 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
                 kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
         if given_up is not None:
             r["shrink_given_up"] = given_up
-        return r
+        return {**r, **extra}
     finally:
+        if flooding is not None and flooding.poll() is None:
+            flooding.kill()
         if resume is not None:
             resume.join()  # the stopped process resumed (or already gone) before the next fault
         if deployment is None:

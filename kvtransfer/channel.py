@@ -46,6 +46,7 @@ class Peering:
     io_timeout_s: float
     connect_timeout_s: float
     tls: InternalTls | None = None  # set: every connection runs over TLS (both ends must agree)
+    handshake_timeout_s: float = 2.0  # a connection's whole set-up, TLS included
 
 
 class ThreadGroup:
@@ -266,16 +267,18 @@ def server_handshake(
     layout: dict[str, Any],
     offers: dict[str, dict[str, Any]],
     tls: InternalTls | None = None,
+    deadline_s: float | None = None,
 ) -> dict[str, Any]:
     """Authenticate a client and check its layout and backend (one of ``offers``, each with the
     info a sender needs for it); returns its hello. Refuses, then raises, otherwise. With
     ``tls`` the TLS handshake comes first, under the same deadline.
 
-    The whole exchange has one deadline (the connection's I/O timeout): the per-read timeout
-    alone would let an unauthenticated peer that trickles a byte every few seconds hold a
-    connection slot for ever. Past it the connection is closed, which ends the read.
+    The whole exchange has one deadline (``deadline_s``, by default the connection's I/O
+    timeout): the per-read timeout alone would let an unauthenticated peer that trickles a byte
+    every few seconds hold a connection for ever. Past it the connection is closed, which ends
+    the read.
     """
-    timer = threading.Timer(conn.io_timeout_s, conn.close)
+    timer = threading.Timer(conn.io_timeout_s if deadline_s is None else deadline_s, conn.close)
     timer.daemon = True
     timer.start()
     try:

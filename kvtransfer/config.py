@@ -17,7 +17,8 @@ class TransportConfig:
     host: str = "127.0.0.1"  # never 0.0.0.0 unless asked
     port: int = 0
     io_timeout_s: float = 5.0  # any single socket operation
-    connect_timeout_s: float = 3.0
+    connect_timeout_s: float = 3.0  # sender: connecting (retried while refused or reset) and its set-up
+    handshake_timeout_s: float = 2.0  # receiver: an unauthenticated connection's whole set-up
     lease_s: float = 30.0  # receiver: how long reserved blocks wait for their transfer
     send_timeout_s: float = 30.0  # sender: whole-transfer deadline
     fence_grace_s: float = 2.0  # direct-write receiver: lease end + this bounds an unconfirmed writer

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.admission import PendingConnections
 from pdserve.kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
 from pdserve.kvtransfer.datapath import DataPath
 from pdserve.kvtransfer.states import (
@@ -40,8 +41,9 @@ from pdserve.kvtransfer.states import (
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 256  # senders per receiver; more are refused at accept
+MAX_CONNECTIONS = 256  # authenticated senders per receiver; more are closed once they authenticate
 FENCE_GRACE_S = 2.0
+LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 
 # What this receiver understands beyond the first protocol, offered in its ``welcome``: a sender
@@ -84,7 +86,8 @@ class Receiver(TransferTable[Incoming]):
         self.num_blocks = next(iter(paths.values())).cache.shape[1]
         self._lock: threading.Condition = threading.Condition()
         super().__init__(self._lock)
-        self._conns: set[Connection] = set()
+        self._conns: set[Connection] = set()  # every open one, authenticated or not
+        self._pending: PendingConnections[Connection] = PendingConnections()  # not authenticated yet
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
         self.address = ""
@@ -94,7 +97,9 @@ class Receiver(TransferTable[Incoming]):
     def listen(self, host: str, port: int) -> str:
         if self._listener is not None:
             return self.address
-        sock = socket.create_server((host, port), backlog=64)
+        # A deep accept queue: a burst of connections (a flood among them) must not drop a real
+        # sender's SYN before the accept loop has shed what has not authenticated.
+        sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
         self._listener = sock
         h, p = sock.getsockname()[:2]
         self.address = f"{h}:{p}"
@@ -235,25 +240,32 @@ class Receiver(TransferTable[Incoming]):
                 continue
             except OSError:
                 return
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-            if full:
-                sock.close()
-                continue
             try:
                 conn = Connection(sock, self.peering.io_timeout_s, f"{addr[0]}:{addr[1]}")
             except OSError:  # the peer reset it already
                 sock.close()
                 continue
             with self._lock:
+                shed = self._pending.admit(conn, addr[0])
                 self._conns.add(conn)
+            for old in shed:  # its handshake's read ends, and its thread with it
+                log.info("kv listener: %s had not authenticated; closed for a newer connection", old.peer)
+                old.close()
             self._threads.spawn(self._serve, conn, name=f"kv-recv-{addr[1]}")
 
     def _serve(self, conn: Connection) -> None:
         try:
             features = list(FEATURES)
             offers = {name: {**p.receiver_info(), "features": features} for name, p in self.paths.items()}
-            hello = server_handshake(conn, self.peering.secret, self.peering.layout, offers, self.peering.tls)
+            peering = self.peering
+            hello = server_handshake(
+                conn, peering.secret, peering.layout, offers, peering.tls, peering.handshake_timeout_s
+            )
+            with self._lock:
+                self._pending.settled(conn)
+                full = len(self._conns) - len(self._pending) > MAX_CONNECTIONS
+            if full:
+                raise TransferError(FailureCause.REJECTED, f"more than {MAX_CONNECTIONS} senders connected")
             path = self.paths[conn.backend]
             path.accept(conn, hello)
             while True:
@@ -272,6 +284,7 @@ class Receiver(TransferTable[Incoming]):
             path.detach(conn)
         with self._lock:
             self._conns.discard(conn)
+            self._pending.settled(conn)
             for t in self._transfers.values():
                 if t.conn is conn and not t.state.terminal:
                     self._finish(t, TransferState.FAILED, t.stopping or FailureCause.PEER_LOST)

@@ -53,6 +53,8 @@ from pdserve.kvtransfer.states import (
 log = logging.getLogger(__name__)
 
 PEER_IDLE_S = 60.0  # a peer with nothing in flight this long loses its thread and connection
+CONNECT_RETRY_S = 0.01  # the first wait before connecting again, doubling up to the next
+MAX_CONNECT_RETRY_S = 0.5
 
 
 def offered(conn: Connection) -> frozenset[str]:
@@ -248,7 +250,26 @@ class Sender(TransferTable[Outgoing]):
         conn.close()
 
     # -- threads -----------------------------------------------------------------------------
-    def _connect(self, p: _Peer) -> Connection:
+    def _connect(self, p: _Peer, t: Outgoing) -> Connection:
+        """A set-up connection to ``p``. A refused or reset attempt (a receiver shedding
+        connections that have not authenticated under a flood, one restarting) is made again,
+        backing off, within ``connect_timeout_s``, unless ``t`` ended meanwhile; a refusal by
+        the receiver itself (secret, layout, backend) is final."""
+        deadline = time.monotonic() + self.peering.connect_timeout_s
+        delay = CONNECT_RETRY_S
+        while True:
+            try:
+                return self._connect_once(p)
+            except TransferError as e:
+                again = e.cause in (FailureCause.UNREACHABLE, FailureCause.PEER_LOST, FailureCause.TIMEOUT)
+                if not again or time.monotonic() + delay > deadline or t.state.terminal:
+                    raise
+                log.debug("kv connection to %s: %s; again in %g s", p.address, e, delay)
+                self.stats.connect_retries += 1
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_CONNECT_RETRY_S)
+
+    def _connect_once(self, p: _Peer) -> Connection:
         host, _, port = p.address.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=self.peering.connect_timeout_s)
@@ -332,7 +353,7 @@ class Sender(TransferTable[Outgoing]):
         with p.conn_lock:
             conn = p.conn if p.conn is not None and not p.conn.closed.is_set() else None
         if conn is None:
-            conn = self._connect(p)
+            conn = self._connect(p, t)
             with p.conn_lock:
                 p.conn = conn
         with t.lock:

@@ -76,6 +76,7 @@ class TransferStats:
     receive_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
     ignored_frames: int = 0
+    connect_retries: int = 0  # sender: connections made again after a refusal or reset
     # Bytes by the backend that moved them (tcp, shm, ...): where a deployment's KV really goes.
     sent_by_backend: Counter[str] = field(default_factory=Counter)
     received_by_backend: Counter[str] = field(default_factory=Counter)

@@ -102,7 +102,14 @@ class KVTransport:
         receiver_paths = dict(self._paths)
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache
-        self._peering = Peering(self.layout, secret, config.io_timeout_s, config.connect_timeout_s, tls)
+        self._peering = Peering(
+            self.layout,
+            secret,
+            config.io_timeout_s,
+            config.connect_timeout_s,
+            tls,
+            handshake_timeout_s=config.handshake_timeout_s,
+        )
         self._receiver = Receiver(
             receiver_paths, self._peering, self._completions, self.stats, config.fence_grace_s
         )

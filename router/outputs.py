@@ -18,6 +18,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 
+from pdserve.kvtransfer.admission import PendingConnections
 from pdserve.kvtransfer.tls import InternalTls
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
@@ -43,8 +44,9 @@ log = logging.getLogger(__name__)
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
 OnPoolChange = Callable[[WorkerHandle], None]
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection's set-up (TLS, then the hello)
 REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
+MAX_CHANNELS = 4096  # authenticated workers connected at once; more are refused
 
 
 class CommandChannel:
@@ -118,7 +120,9 @@ class OutputListener:
         self._connected: dict[str, asyncio.Event] = {}
         self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
         self._closing = False
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._writers: set[asyncio.StreamWriter] = set()  # every open connection
+        # Connections that have not authenticated: bounded, the oldest shed for a new one.
+        self._pending: PendingConnections[asyncio.StreamWriter] = PendingConnections()
 
     async def start(self) -> str:
         context = self.tls.server_context() if self.tls is not None else None
@@ -170,11 +174,19 @@ class OutputListener:
         channel: CommandChannel | None = None
         reason = "output channel closed"
         self._writers.add(writer)
+        peer = writer.get_extra_info("peername")
+        for old in self._pending.admit(writer, str(peer[0]) if peer else "?"):
+            log.info("worker channel: %s had not authenticated; closed for a newer connection",
+                     old.get_extra_info("peername"))  # fmt: skip
+            old.close()  # its read of the hello ends
         try:
             challenge = os.urandom(CHALLENGE_BYTES)
             writer.write(challenge)
             body = await asyncio.wait_for(_read_frame(reader, MAX_HELLO_BYTES), HANDSHAKE_TIMEOUT_S)
             wid, nonce = decode_hello(body, self.secret, challenge)
+            self._pending.settled(writer)
+            if len(self._writers) - len(self._pending) > MAX_CHANNELS:
+                raise ChannelError(f"more than {MAX_CHANNELS} workers connected")
             writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
             if wid not in self._workers and wid in self._registered:
@@ -215,6 +227,7 @@ class OutputListener:
             log.warning("%s", reason)
         finally:
             self._writers.discard(writer)
+            self._pending.settled(writer)
             writer.close()
             if channel is not None:
                 channel.close(reason)

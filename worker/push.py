@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -134,16 +135,26 @@ class OutputPusher:
         self._thread.start()
 
     def _connect(self) -> Stream:
-        host, _, port = self.address.rpartition(":")
+        """The authenticated channel to the router. A refused connection, or one the router
+        closed or reset before the handshake was done (a router still starting, or shedding
+        connections that have not authenticated under a flood), is made again, backing off,
+        within ``CONNECT_TIMEOUT_S``; a router that cannot prove the secret is final."""
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        delay = 0.05
         while True:
             try:
-                raw = socket.create_connection((host, int(port)), timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline or self._stop.is_set():
+                return self._connect_once()
+            except OSError as e:  # (ConnectionError included: closed or reset mid-handshake)
+                refused_tls = isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError)
+                if refused_tls or time.monotonic() + delay > deadline or self._stop.is_set():
                     raise
-                time.sleep(0.1)
+                log.debug("worker channel to %s: %s; again in %g s", self.address, e, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+    def _connect_once(self) -> Stream:
+        host, _, port = self.address.rpartition(":")
+        raw = socket.create_connection((host, int(port)), timeout=5)
         sock: Stream = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

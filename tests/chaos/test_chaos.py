@@ -77,7 +77,7 @@ def test_router_term(work: Any) -> None:
 
 @pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n != "router_term"])
 def test_scenario(name: str, work: Any, deployment: Any) -> None:
-    if name == "kv_drop" and not can_reset_connections():
+    if name in ("kv_drop", "kv_listener_flood") and not can_reset_connections():
         pytest.skip("ss -K cannot reset TCP connections here")
     r = chaos.scenario(name, work, deployment)
     assert (r["failed"], r["tokens_lost"], r["tokens_duplicated"]) == (0, 0, 0), r
@@ -93,3 +93,6 @@ def test_scenario(name: str, work: Any, deployment: Any) -> None:
         assert r["migrated"] == 0, r  # drained: every stream finished where it was
     if name == "kv_drop":
         assert r["kv_failed"] > 0, r  # transfers were really dropped (and recomputed)
+    if name == "kv_listener_flood":  # every hand-off went through the flood, none recomputed
+        assert r["kv_failed"] == 0 and r["handoffs"] == 8 + 4, r
+        assert r["flood"]["closed_by_listener"] > 0, r  # the flood was really shed, and reopened

@@ -480,7 +480,7 @@ def test_oversized_hello_is_dropped_before_decoding() -> None:
 def test_trickling_unauthenticated_peer_is_cut_at_the_handshake_deadline() -> None:
     """One byte every 0.3 s never trips a 1 s per-read timeout; the handshake's own deadline
     must still close the connection (and free its slot) about 1 s after it opened."""
-    receiver = transport("tcp", io_timeout_s=1.0)
+    receiver = transport("tcp", io_timeout_s=5.0, handshake_timeout_s=1.0)
     pool = BlockPool(SHAPE[1])
     try:
         host, _, port = receiver.listen().rpartition(":")
@@ -509,6 +509,65 @@ def test_trickling_unauthenticated_peer_is_cut_at_the_handshake_deadline() -> No
         sock.close()
         assert closed_after is not None and closed_after < 2.0, closed_after
         serves_next(receiver, pool)
+        assert_empty(pool)
+    finally:
+        receiver.close()
+
+
+def test_transfers_go_through_a_flood_of_unauthenticated_connections() -> None:
+    """300 idle connections (more than the listener's 256 senders), reopened as they close,
+    must not keep real senders out: every transfer completes, byte-exact, while the flood
+    goes on, and the receiver holds at most its bound of unauthenticated connections."""
+    from benchmarks import flood
+    from pdserve.kvtransfer.admission import MAX_PENDING
+
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    proc = flood.start([receiver.listen()], 300, seconds=60.0)
+    try:
+        flood.wait_ready(proc)
+        for i in range(4):
+            serves_next(receiver, pool, "tcp", tid=f"flood-{i}")
+            pending = len(receiver._receiver._pending)  # type: ignore[attr-defined]
+            assert pending <= MAX_PENDING, pending
+        counts = flood.result(proc)
+        assert counts["opened"] > 300 and counts["closed_by_listener"] > 0, counts  # reopened what was shed
+        assert_empty(pool)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        receiver.close()
+
+
+def test_a_sender_connects_again_after_a_reset() -> None:
+    """A receiver that resets the first connection attempts (as one shedding unauthenticated
+    connections does) costs the sender a retry, not the transfer."""
+    receiver = transport("tcp")
+    pool = BlockPool(SHAPE[1])
+    try:
+        address = receiver.listen()
+        inner = receiver._receiver  # type: ignore[attr-defined]
+        real_serve, dropped = inner._serve, [0]
+
+        def drop_twice(conn: Connection) -> None:
+            if dropped[0] < 2:
+                dropped[0] += 1
+                conn.close()
+                inner._on_conn_lost(conn)
+                return
+            real_serve(conn)
+
+        inner._serve = drop_twice
+        sender = transport("tcp", seed=12)
+        try:
+            dst = pick(pool, 2, random.Random(5))
+            receiver.expect("again", dst)
+            sender.send("again", address, [1, 2], dst)
+            assert outcome(receiver, "again") == "received" and outcome(sender, "again") == "sent"
+            assert dropped[0] == 2 and sender.stats.connect_retries == 2
+            pool.free(dst)
+        finally:
+            sender.close()
         assert_empty(pool)
     finally:
         receiver.close()

@@ -38,6 +38,7 @@ PURE = (
     "pdserve.simulator.autoscale",
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
+    "pdserve.kvtransfer.admission",
     "pdserve.model_runtime.config",
     "pdserve.model_runtime.attention_tuning",
     "pdserve.worker.ports",
