@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SEED_MAX, SamplingParams
 from pdserve.router.auth import ApiKeyMiddleware
 from pdserve.router.chat import ChatMessage, ChatTemplate
 from pdserve.router.dashboard import PAGE_PATH, install_dashboard
@@ -144,9 +144,11 @@ def _check_model(router: Router, model: str) -> None:
 
 
 def params_for(params: SamplingParams, index: int, n: int) -> SamplingParams:
-    """The i-th of ``n`` sequences: a seeded request gets seed + i, so the n samples differ."""
+    """The i-th of ``n`` sequences: a seeded request gets seed + i, so the n samples differ
+    (modulo 2**64, as the sampler reads a seed: the last seed wraps round to 0)."""
     if n > 1 and params.seed is not None:
-        return replace(params, seed=params.seed + index)
+        seed = params.seed + index
+        return replace(params, seed=seed - 2**64 if seed > SEED_MAX else seed)
     return params
 
 

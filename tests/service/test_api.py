@@ -82,6 +82,27 @@ def test_grpc_matches_hf(svc) -> None:
         assert 0 < r.timing.ttft_ms <= r.timing.e2e_ms
 
 
+def test_seeds_cross_the_whole_documented_range(svc) -> None:
+    """A seed is any 64-bit value: the high half of uint64 reaches the sampler too, and a seed
+    and its value modulo 2**64 draw alike (HTTP and gRPC)."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    drawn = {}
+    for seed in (2**63, 2**64 - 1, -1):
+        r = complete(svc, seed=seed, **body)
+        assert r.status_code == 200, r.text
+        drawn[seed] = r.json()["choices"][0]["token_ids"]
+    assert drawn[2**64 - 1] == drawn[-1]
+    [resp] = list(stub(svc).Generate(grpc_request([5, 6, 7], 6, temperature=1.0, seed=2**64 - 1)))
+    assert list(resp.chunk.token_ids) == drawn[-1]
+    r = complete(svc, seed=2**64 - 1, n=2, **body)  # the second sample's seed wraps round to 0
+    assert r.status_code == 200, r.text
+    zero = complete(svc, seed=0, **body).json()["choices"][0]["token_ids"]
+    assert r.json()["choices"][1]["token_ids"] == zero
+    r = complete(svc, seed=2**64, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
 def test_grpc_streaming_in_order(svc) -> None:
     p = prompts(1, seed=3)[0]
     msgs = list(stub(svc).Generate(grpc_request(p, 20, stream=True)))
