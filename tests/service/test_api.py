@@ -242,6 +242,14 @@ def test_malformed_json_and_bad_chat(svc) -> None:
         f"{svc.http}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
+    body = b'{"model": "tiny",\n "prompt": "x", "max_tokens": 3,,}'
+    r = httpx.post(f"{svc.http}/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None, err
+    assert err["message"] == (
+        "body: not valid JSON: Expecting property name enclosed in double quotes at line 2, column 33 "
+        "(character 50)"
+    ), err
     r = httpx.post(f"{svc.http}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(
