@@ -1,4 +1,5 @@
-"""The gRPC front end: ``pdserve.v1.Inference`` plus standard health and reflection.
+"""The gRPC front end: ``pdserve.v1.Inference`` plus standard health and reflection (v1 and
+v1alpha, ``pdserve.router.reflection``).
 
 Status codes follow ``proto/pdserve/v1/inference.proto``. A cancelled call or an expired
 deadline cancels the handler, whose cleanup aborts the request on every worker (the
@@ -16,13 +17,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.auth import bearer_ok
 from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
+from pdserve.router.reflection import enable_reflection
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
 from pdserve.router.tls import TlsMaterial
@@ -278,10 +279,7 @@ class GrpcServer:
         self.router = router
         pb_grpc.add_InferenceServicer_to_server(InferenceService(router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
         await self.server.start()
         self._watch = asyncio.create_task(self._watch_readiness(router))
 

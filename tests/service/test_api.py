@@ -10,6 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -303,6 +304,22 @@ def test_grpc_health_and_reflection(svc) -> None:
     [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
     assert "pdserve.v1.Inference" in names and "grpc.health.v1.Health" in names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    # v1, which current clients (grpcurl) ask first: the same messages on the wire as v1alpha
+    v1 = ch.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    ask = reflection_pb2.ServerReflectionRequest
+    asks = [ask(list_services=""), ask(file_containing_symbol="pdserve.v1.Inference"),
+            ask(file_containing_symbol="grpc.reflection.v1.ServerReflection")]  # fmt: skip
+    listed, inference, itself = list(v1(iter(asks), timeout=10))
+    assert {s.name for s in listed.list_services_response.service} == names
+    fdp = descriptor_pb2.FileDescriptorProto
+    files = [fdp.FromString(r.file_descriptor_response.file_descriptor_proto[0]) for r in (inference, itself)]
+    assert [f.package for f in files] == ["pdserve.v1", "grpc.reflection.v1"]
+    assert files[1].service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_openapi_schema_lists_the_routes(svc) -> None:
