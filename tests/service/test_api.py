@@ -80,7 +80,15 @@ def test_grpc_matches_hf(svc) -> None:
         assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == 9
         assert list(r.prompt_token_ids) == p
         assert r.prefill_worker == "prefill-0" and r.decode_worker == "decode-0"
-        assert 0 < r.timing.ttft_ms <= r.timing.e2e_ms
+        assert 0 < r.timing.queue_ms <= r.timing.ttft_ms <= r.timing.e2e_ms
+
+
+def test_queue_time_ends_before_the_first_token(svc) -> None:
+    """queue_ms ends when prefill took the prompt in, never after the first token left."""
+    for i, p in enumerate(prompts(6, seed=9)):
+        [resp] = list(stub(svc).Generate(grpc_request(p, 2 + i % 3)))
+        t = resp.result.timing
+        assert 0 < t.queue_ms <= t.ttft_ms <= t.e2e_ms, t
 
 
 def test_seeds_cross_the_whole_documented_range(svc) -> None:
