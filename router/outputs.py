@@ -169,6 +169,9 @@ class OutputListener:
         worker: WorkerHandle | None = None
         channel: CommandChannel | None = None
         reason = "output channel closed"
+        peer = _peer(writer)
+        # What a timeout here means: what the channel was waiting for when it ran out.
+        waiting = f"no hello from {peer} within {HANDSHAKE_TIMEOUT_S:g} s"
         self._writers.add(writer)
         try:
             challenge = os.urandom(CHALLENGE_BYTES)
@@ -178,6 +181,7 @@ class OutputListener:
             writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
             if wid not in self._workers and wid in self._registered:
+                waiting = f"worker {wid!r} ({peer}) was not registered within {REGISTER_TIMEOUT_S:g} s"
                 await asyncio.wait_for(self._registered[wid].wait(), REGISTER_TIMEOUT_S)
             worker = self._workers.get(wid)
             if worker is None:
@@ -210,8 +214,11 @@ class OutputListener:
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as e:
             reason = f"output channel closed ({type(e).__name__})"
-        except (ChannelError, asyncio.TimeoutError) as e:  # (a timeout here: the handshake's)
-            reason = f"output channel refused: {e}"
+        except ChannelError as e:
+            reason = f"output channel from {peer} refused: {e}"
+            log.warning("%s", reason)
+        except asyncio.TimeoutError:  # (here: the handshake's, or the registration's)
+            reason = f"output channel refused: {waiting}"
             log.warning("%s", reason)
         finally:
             self._writers.discard(writer)
@@ -230,6 +237,12 @@ class OutputListener:
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """The connecting side's address, as ``host:port``."""
+    name = writer.get_extra_info("peername")
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else "an unknown peer"
 
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
