@@ -238,13 +238,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The grpc.aio server with the inference, health and reflection services: its port bound
-    from construction, the services added and served from ``start``."""
+    """The grpc.aio server with the inference, health and reflection services: its ``address``
+    (``host:port``, or ``unix:path`` behind a ``TlsFront``) bound from construction, the
+    services added and served from ``start``."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        address: str,
         max_message_bytes: int,
         api_key: str | None = None,
         tls: TlsMaterial | None = None,
@@ -260,18 +260,18 @@ class GrpcServer:
         )
         try:
             if tls is None:
-                self.port = self.server.add_insecure_port(f"{host}:{port}")
+                self.port = self.server.add_insecure_port(address)
             else:
                 credentials = grpc.ssl_server_credentials(
                     [(tls.private_key, tls.cert_chain)],
                     root_certificates=tls.client_ca,
                     require_client_auth=tls.config.mutual,
                 )
-                self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError:  # grpc's way of saying the bind failed
             self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {host}:{port}: in use, or not an address of this host")
+            raise OSError(f"cannot bind gRPC to {address}: in use, or not an address of this host")
         self.health = health.aio.HealthServicer()
         self._watch: asyncio.Task[None] | None = None
 

@@ -19,6 +19,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 
 from pdserve.kvtransfer.tls import InternalTls
+from pdserve.router.tls_front import peer_address
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
@@ -169,7 +170,7 @@ class OutputListener:
         worker: WorkerHandle | None = None
         channel: CommandChannel | None = None
         reason = "output channel closed"
-        peer = _peer(writer)
+        peer = peer_address(writer)
         # What a timeout here means: what the channel was waiting for when it ran out.
         waiting = f"no hello from {peer} within {HANDSHAKE_TIMEOUT_S:g} s"
         self._writers.add(writer)
@@ -237,12 +238,6 @@ class OutputListener:
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
-
-
-def _peer(writer: asyncio.StreamWriter) -> str:
-    """The connecting side's address, as ``host:port``."""
-    name = writer.get_extra_info("peername")
-    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else "an unknown peer"
 
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
