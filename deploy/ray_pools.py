@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.deploy.pools import PoolSpec, worker_class
+from pdserve.deploy.ray_token import check_cluster_token
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.spec import WorkerSpec
 
@@ -76,6 +77,7 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
         return False
     kwargs: dict[str, Any] = {"namespace": "pdserve", "log_to_driver": True}
     if address:
+        check_cluster_token(address)  # a refused token now, in words, not after 20 s of retries
         ray.init(address=address, **kwargs)
         return False
     # A token of its own for every private instance, in the environment its processes inherit:

@@ -50,8 +50,10 @@ RANGES = {
     "top_k": Range(-1, 2**31 - 1, integer=True, text="must be -1, 0 (disabled) or a positive int32"),
     "min_tokens": Range(0, integer=True),
 }
-# A seed seeds a 64-bit generator (either signedness, as torch takes it) and crosses the wire as one.
-SEED_RANGE = Range(-(2**63), 2**64 - 1, integer=True, text="must be a 64-bit integer: in [-2**63, 2**64 - 1]")
+# A seed seeds a 64-bit generator: either signedness, as torch takes it (the sampler reads it
+# modulo 2**64, so -1 and 2**64 - 1 draw alike), and every value crosses to the workers intact.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+SEED_RANGE = Range(SEED_MIN, SEED_MAX, integer=True, text="must be a 64-bit integer: in [-2**63, 2**64 - 1]")
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
 # (softmax then yields NaN), and a distribution that sharp is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5

@@ -1,4 +1,5 @@
-"""The gRPC front end: ``pdserve.v1.Inference`` plus standard health and reflection.
+"""The gRPC front end: ``pdserve.v1.Inference`` plus standard health and reflection (v1 and
+v1alpha, ``pdserve.router.reflection``).
 
 Status codes follow ``proto/pdserve/v1/inference.proto``. A cancelled call or an expired
 deadline cancels the handler, whose cleanup aborts the request on every worker (the
@@ -16,13 +17,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.auth import bearer_ok
 from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
+from pdserve.router.reflection import enable_reflection
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
 from pdserve.router.tls import TlsMaterial
@@ -237,13 +238,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The grpc.aio server with the inference, health and reflection services: its port bound
-    from construction, the services added and served from ``start``."""
+    """The grpc.aio server with the inference, health and reflection services: its ``address``
+    (``host:port``, or ``unix:path`` behind a ``TlsFront``) bound from construction, the
+    services added and served from ``start``."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        address: str,
         max_message_bytes: int,
         api_key: str | None = None,
         tls: TlsMaterial | None = None,
@@ -259,18 +260,18 @@ class GrpcServer:
         )
         try:
             if tls is None:
-                self.port = self.server.add_insecure_port(f"{host}:{port}")
+                self.port = self.server.add_insecure_port(address)
             else:
                 credentials = grpc.ssl_server_credentials(
                     [(tls.private_key, tls.cert_chain)],
                     root_certificates=tls.client_ca,
                     require_client_auth=tls.config.mutual,
                 )
-                self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError:  # grpc's way of saying the bind failed
             self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {host}:{port}: in use, or not an address of this host")
+            raise OSError(f"cannot bind gRPC to {address}: in use, or not an address of this host")
         self.health = health.aio.HealthServicer()
         self._watch: asyncio.Task[None] | None = None
 
@@ -278,10 +279,7 @@ class GrpcServer:
         self.router = router
         pb_grpc.add_InferenceServicer_to_server(InferenceService(router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.server)
         await self.server.start()
         self._watch = asyncio.create_task(self._watch_readiness(router))
 

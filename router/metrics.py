@@ -149,8 +149,8 @@ class RouterMetrics:
                               buckets=_with(TOKEN_BUCKETS, slo_tpot_s))  # fmt: skip
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end latency", registry=r,
                              buckets=E2E_BUCKETS)  # fmt: skip
-        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to dispatch", registry=r,
-                               buckets=TTFT_BUCKETS)  # fmt: skip
+        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival until prefill took the request in",
+                               registry=r, buckets=TTFT_BUCKETS)  # fmt: skip
         self.prompt = Histogram(
             P + "request_prompt_tokens", "Prompt tokens", registry=r, buckets=LENGTH_BUCKETS
         )

@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SEED_MAX, SamplingParams
 from pdserve.router.auth import ApiKeyMiddleware
 from pdserve.router.chat import ChatMessage, ChatTemplate
 from pdserve.router.dashboard import PAGE_PATH, install_dashboard
 from pdserve.router.errors import Code, RouterError
-from pdserve.router.openai_format import ChoiceBuilder, error_body, usage_json
+from pdserve.router.openai_format import ChoiceBuilder, error_body, invalid_request, usage_json
 from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.router.openapi_doc import install_openapi
 from pdserve.router.service import Admitted, GenerateInput, Router
@@ -62,16 +62,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        path = tuple(err.get("loc", ()))
-        path = path[1:] if path[:1] == ("body",) else path
-        loc: list[str] = []
-        for x in path:
-            if not (isinstance(x, int) or str(x).isidentifier()):
-                break  # a union member's tag ("constrained-str", "list[...]"): not a field
-            loc.append(str(x))
-        field = ".".join(loc) or "body"
-        msg = f"{field}: {err.get('msg', 'invalid')}"
-        return JSONResponse(error_body(RouterError(Code.INVALID_ARGUMENT, msg, field)), status_code=400)
+        return JSONResponse(error_body(invalid_request(err, e.body)), status_code=400)
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,9 +135,11 @@ def _check_model(router: Router, model: str) -> None:
 
 
 def params_for(params: SamplingParams, index: int, n: int) -> SamplingParams:
-    """The i-th of ``n`` sequences: a seeded request gets seed + i, so the n samples differ."""
+    """The i-th of ``n`` sequences: a seeded request gets seed + i, so the n samples differ
+    (modulo 2**64, as the sampler reads a seed: the last seed wraps round to 0)."""
     if n > 1 and params.seed is not None:
-        return replace(params, seed=params.seed + index)
+        seed = params.seed + index
+        return replace(params, seed=seed - 2**64 if seed > SEED_MAX else seed)
     return params
 
 

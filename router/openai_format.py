@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,34 @@ def error_body(e: RouterError) -> dict[str, Any]:
             "code": e.code.http,
         }
     }
+
+
+def invalid_request(err: Mapping[str, Any], body: Any) -> RouterError:
+    """A request the framework refused (one of pydantic's errors) as a 400 naming the field;
+    a body that is not JSON at all is told as such, with where the parser stopped."""
+    path = tuple(err.get("loc", ()))
+    path = path[1:] if path[:1] == ("body",) else path
+    if err.get("type") == "json_invalid":
+        offset = path[0] if path and isinstance(path[0], int) else 0
+        why = str(err.get("ctx", {}).get("error", "")) or "malformed"
+        return RouterError(Code.INVALID_ARGUMENT, f"body: not valid JSON: {why} at {_place(body, offset)}")
+    loc: list[str] = []
+    for x in path:
+        if not (isinstance(x, int) or str(x).isidentifier()):
+            break  # a union member's tag ("constrained-str", "list[...]"): not a field
+        loc.append(str(x))
+    field = ".".join(loc) or "body"
+    return RouterError(Code.INVALID_ARGUMENT, f"{field}: {err.get('msg', 'invalid')}", field)
+
+
+def _place(body: Any, offset: int) -> str:
+    """Where character ``offset`` of a request body is, as an editor shows it."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    if not isinstance(text, str):
+        return f"character {offset}"
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"line {line}, column {column} (character {offset})"
 
 
 def finish_reason(final: Final) -> str:

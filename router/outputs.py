@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from pdserve.kvtransfer.admission import PendingConnections
 from pdserve.kvtransfer.tls import InternalTls
+from pdserve.router.tls_front import peer_address
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.codec import (
     CHALLENGE_BYTES,
@@ -173,6 +174,9 @@ class OutputListener:
         worker: WorkerHandle | None = None
         channel: CommandChannel | None = None
         reason = "output channel closed"
+        peer = peer_address(writer)
+        # What a timeout here means: what the channel was waiting for when it ran out.
+        waiting = f"no hello from {peer} within {HANDSHAKE_TIMEOUT_S:g} s"
         self._writers.add(writer)
         peer = writer.get_extra_info("peername")
         for old in self._pending.admit(writer, str(peer[0]) if peer else "?"):
@@ -190,6 +194,7 @@ class OutputListener:
             writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
             if wid not in self._workers and wid in self._registered:
+                waiting = f"worker {wid!r} ({peer}) was not registered within {REGISTER_TIMEOUT_S:g} s"
                 await asyncio.wait_for(self._registered[wid].wait(), REGISTER_TIMEOUT_S)
             worker = self._workers.get(wid)
             if worker is None:
@@ -222,8 +227,11 @@ class OutputListener:
                     await asyncio.sleep(0)  # let streams send what arrived before reading on
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as e:
             reason = f"output channel closed ({type(e).__name__})"
-        except (ChannelError, asyncio.TimeoutError) as e:  # (a timeout here: the handshake's)
-            reason = f"output channel refused: {e}"
+        except ChannelError as e:
+            reason = f"output channel from {peer} refused: {e}"
+            log.warning("%s", reason)
+        except asyncio.TimeoutError:  # (here: the handshake's, or the registration's)
+            reason = f"output channel refused: {waiting}"
             log.warning("%s", reason)
         finally:
             self._writers.discard(writer)

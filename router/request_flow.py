@@ -79,6 +79,7 @@ class RequestFlow:
                 stream.decode_worker = decode.worker_id
                 decode.inflight.add(stream.request_id)
                 await decode.command(AddLocal(work), timeout)
+                stream.taken_in()
             else:
                 await self._dispatch_pair(stream, work, self.workers[decision.prefill_worker], decode)
         except WorkerLost as e:
@@ -93,8 +94,6 @@ class RequestFlow:
             raise RouterError(Code.UNAVAILABLE, "a worker did not answer in time") from None
         except (InvalidRequestError, ValueError) as e:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
-        if stream.dispatched is None:  # the first attempt's: queueing ends there, whatever moves later
-            stream.dispatched = time.perf_counter()
 
     async def _dispatch_pair(
         self, stream: RequestStream, work: WorkItem, prefill: WorkerHandle, decode: WorkerHandle
@@ -106,9 +105,14 @@ class RequestFlow:
         decode.inflight.add(rid)
         prefill.inflight.add(rid)
         wait = self.config.reserve_timeout_s
+
+        async def prefill_taken_in() -> None:
+            await prefill.command(Prefill(work), self.config.call_timeout_s)
+            stream.taken_in()
+
         # Prefill goes out first: its call is on the TTFT path, the reservation is not.
         outcomes: tuple[Any, Any] = await asyncio.gather(
-            prefill.command(Prefill(work), self.config.call_timeout_s),
+            prefill_taken_in(),
             self._reserve(stream, decode, work, wait),
             return_exceptions=True,
         )

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import socket
 import ssl
+import tempfile
 from collections.abc import Awaitable, Generator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -18,7 +21,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_api import GrpcServer
 from pdserve.router.openai_api import build_http_app
 from pdserve.router.service import Router
-from pdserve.router.tls import TlsMaterial
+from pdserve.router.tls import TlsConfig, TlsMaterial, mutual_context
+from pdserve.router.tls_front import TlsFront
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,6 +35,19 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+class _Https:
+    """The HTTP app behind a ``TlsFront``: it is reached over a unix socket, but its clients
+    speak https (the URLs it builds, such as redirects, say so)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "scheme": "https" if scope["type"] == "http" else "wss"}
+        await self.app(scope, receive, send)
 
 
 def chat_summary(router: Router, template: ChatTemplate) -> str:
@@ -67,7 +84,8 @@ class Frontends:
     Until ``start`` the gRPC port is held by a plain socket, handed to the gRPC server there (a
     close and a bind, back to back; connections waiting on the plain socket are reset, and gRPC
     clients reconnect): a gRPC server made before Ray starts has threads running while Ray forks
-    its processes, which gRPC's fork handlers then skip, and say so on stderr."""
+    its processes, which gRPC's fork handlers then skip, and say so on stderr. Under mutual TLS
+    both ports go to ``TlsFront``s instead (no gap), and the servers listen behind them."""
 
     chat_template: ChatTemplate  # the router's model's (set by ``start``)
 
@@ -83,6 +101,8 @@ class Frontends:
         self._grpc_port = int(self._grpc_hold.getsockname()[1])
         self.grpc: GrpcServer | None = None
         self.http: _Uvicorn | None = None
+        self._fronts: list[TlsFront] = []  # mutual TLS only
+        self._backends = ""  # their servers' unix sockets' directory
         self._http_task: asyncio.Task[None] | None = None
 
     @property
@@ -104,17 +124,12 @@ class Frontends:
         self.chat_template = chat_template
         self.app = build_http_app(router, chat_template, self.config.api_key)
         https: dict[str, object] = {}
-        if self.tls is not None:
-            tls = self.tls.config
-            https = dict(
-                ssl_certfile=tls.cert_file,
-                ssl_keyfile=tls.key_file,
-                ssl_ca_certs=tls.client_ca_file or None,
-                ssl_cert_reqs=ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE,
-            )
+        tls = self.tls.config if self.tls is not None else None
+        if tls is not None and not tls.mutual:
+            https = dict(ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file, ssl_cert_reqs=ssl.CERT_NONE)
         self.http = _Uvicorn(
             uvicorn.Config(
-                self.app,
+                _Https(self.app) if tls is not None and tls.mutual else self.app,
                 log_level="warning",
                 access_log=False,
                 lifespan="off",
@@ -123,18 +138,45 @@ class Frontends:
                 **https,  # type: ignore[arg-type]
             )
         )
-        self._release_grpc_hold()
         c = self.config
-        self.grpc = GrpcServer(c.host, self._grpc_port, c.grpc_max_message_bytes, c.api_key, self.tls)
+        if tls is not None and tls.mutual:
+            http_sockets, grpc_address = self._front_ends(tls)
+            self.grpc = GrpcServer(grpc_address, c.grpc_max_message_bytes, c.api_key)
+        else:
+            self._release_grpc_hold()
+            http_sockets = [self._http_socket]
+            address = f"{c.host}:{self._grpc_port}"
+            self.grpc = GrpcServer(address, c.grpc_max_message_bytes, c.api_key, self.tls)
         await self.grpc.start(router)
-        self._http_task = asyncio.create_task(self.http.serve(sockets=[self._http_socket]))
+        self._http_task = asyncio.create_task(self.http.serve(sockets=http_sockets))
         while not self.http.started:
             if self._http_task.done():
                 await self._http_task
                 raise OSError(f"the HTTP server did not start on {self.config.host}:{self.http_port}")
             await asyncio.sleep(0.01)
+        for front in self._fronts:
+            await front.start()
+
+    def _front_ends(self, tls: TlsConfig) -> tuple[list[socket.socket], str]:
+        """Mutual TLS: the public ports go to ``TlsFront``s (they send the alert a refused client
+        can report, and log why), the servers behind them listen on unix sockets in a directory
+        of their own. (The HTTP server's sockets, the gRPC server's address.)"""
+        self._backends = tempfile.mkdtemp(prefix="pdserve-front-")  # mode 0700: this user only
+        http_path, grpc_path = os.path.join(self._backends, "http"), os.path.join(self._backends, "grpc")
+        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        backend.bind(http_path)
+        backend.listen(BACKLOG)
+        assert self._grpc_hold is not None
+        self._fronts = [
+            TlsFront("HTTP", mutual_context(tls, "http/1.1"), self._http_socket, http_path),
+            TlsFront("gRPC", mutual_context(tls, "h2"), self._grpc_hold, grpc_path),
+        ]
+        self._grpc_hold = None  # the gRPC front serves it from now on
+        return [backend], f"unix:{grpc_path}"
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        for front in self._fronts:
+            await front.stop()
         if self.http is not None:
             self.http.should_exit = True
         if self._http_task is not None:
@@ -143,6 +185,8 @@ class Frontends:
         self._release_grpc_hold()
         if self.grpc is not None:
             await self.grpc.stop(grace_s)
+        if self._backends:
+            shutil.rmtree(self._backends, ignore_errors=True)
 
     def _release_grpc_hold(self) -> None:
         if self._grpc_hold is not None:

@@ -43,7 +43,10 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Timing:
-    """Milliseconds, measured at the router from the request's arrival."""
+    """Milliseconds, measured at the router from the request's arrival. ``queue_ms`` ends when
+    the worker that prefills the prompt took it in (its engine's queue holds it), or at the first
+    token if that is seen first, so ``queue_ms <= ttft_ms`` always; ``ttft_ms`` ends when the
+    first token leaves the router (``proto/pdserve/v1/inference.proto``, ``Timing``)."""
 
     queue_ms: float
     ttft_ms: float
@@ -86,7 +89,7 @@ class RequestStream:
         self.state = StreamState.DISPATCHING
         self.arrival = time.perf_counter()
         self.attempt_at = self.arrival  # when the current attempt was dispatched (a restart's)
-        self.dispatched: float | None = None
+        self.dispatched: float | None = None  # the first attempt's prompt was taken in (``taken_in``)
         self.first_token: float | None = None
         self.token_ids: list[int] = []
         self.cached_tokens = 0  # of the prompt (a migrated request's recompute may hit more)
@@ -119,6 +122,12 @@ class RequestStream:
         self.reserved_at = 0.0
         self.handed_off = False
         self.dispatch = None
+
+    def taken_in(self) -> None:
+        """The worker that prefills the prompt holds it: the router's part of queueing is over
+        (the first attempt's; whatever moves later, queueing ended there)."""
+        if self.dispatched is None:
+            self.dispatched = time.perf_counter()
 
     @property
     def done(self) -> bool:
@@ -172,7 +181,11 @@ class RequestStream:
     def final(self, reason: str, stop_reason: str | int | None) -> Final:
         now = time.perf_counter()
         e2e = (now - self.arrival) * 1000
-        ttft = ((self.first_token or now) - self.arrival) * 1000
+        first = self.first_token or now
+        ttft = (first - self.arrival) * 1000
+        # The answer that says the prompt was taken in and the first token travel apart (two
+        # threads on the worker, two tasks here): the token may be seen first.
+        queued_until = min(self.dispatched or first, first)
         n = len(self.token_ids)
         return Final(
             request_id=self.client_id,
@@ -180,7 +193,7 @@ class RequestStream:
             stop_reason=stop_reason,
             usage=Usage(len(self.prompt_ids), n, min(self.cached_tokens, len(self.prompt_ids))),
             timing=Timing(
-                queue_ms=((self.dispatched or now) - self.arrival) * 1000,
+                queue_ms=(queued_until - self.arrival) * 1000,
                 ttft_ms=ttft,
                 tpot_ms=(e2e - ttft) / (n - 1) if n > 1 else 0.0,
                 e2e_ms=e2e,

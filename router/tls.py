@@ -5,7 +5,8 @@ the CA whose certificates clients must present (mutual TLS).
 file, a key that does not match the certificate or a CA file holding no certificate fails
 ``pdserve serve`` with one line naming the flag, before any worker starts. Both servers then
 get the same bytes: gRPC takes PEM bytes (``grpc.ssl_server_credentials``), uvicorn takes the
-paths. Pure standard library.
+paths; under mutual TLS both are served through ``pdserve.router.tls_front`` instead, with
+``mutual_context``. Pure standard library.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def load_tls(config: TlsConfig) -> TlsMaterial:
             msg = f"--tls-client-ca {config.client_ca_file}: no usable CA certificate ({e})"
             raise TlsError(msg) from None
     return TlsMaterial(config, cert, key, ca)
+
+
+def mutual_context(config: TlsConfig, alpn: str) -> ssl.SSLContext:
+    """The server side of mutual TLS for a front end that speaks ``alpn`` ("h2" for gRPC,
+    "http/1.1" for HTTP): a client must present a certificate that the client CA signed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.cert_file, config.key_file)
+    context.load_verify_locations(cafile=config.client_ca_file)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols([alpn])
+    return context
 
 
 def tls_from_flags(cert: str | None, key: str | None, client_ca: str | None) -> TlsConfig | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.codec import MAX_FRAME_BYTES, VERSION, ChannelError, batch_from, frame, unpack
 from pdserve.worker.messages import KVTarget, OutputBatch, WorkItem
 
@@ -197,7 +197,12 @@ _FIELD_CHECKS: dict[str, Any] = {
     "tuple[str, ...]": lambda x: tuple(_str(s, MAX_STOP_CHARS) for s in _list(x)),
     "tuple[int, ...]": lambda x: tuple(_int(t, -_I64, _I64 - 1) for t in _list(x)),
 }
-_PARAM_FIELDS = [(f.name, _FIELD_CHECKS[str(f.type)]) for f in dataclasses.fields(SamplingParams)]
+# A seed is the one field wider than int64: any of the 64-bit values the API takes, of either sign.
+_NAMED_CHECKS: dict[str, Any] = {"seed": lambda x: None if x is None else _int(x, SEED_MIN, SEED_MAX)}
+_PARAM_FIELDS = [
+    (f.name, _NAMED_CHECKS.get(f.name) or _FIELD_CHECKS[str(f.type)])
+    for f in dataclasses.fields(SamplingParams)
+]
 
 
 def _encode_params(p: SamplingParams) -> list[Any]:

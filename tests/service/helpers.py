@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import httpx
+import psutil
 
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Endpoints, Service, ServiceThread
@@ -196,3 +197,25 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+def token_holders(token: str) -> Iterator[tuple[psutil.Process, dict[str, str]]]:
+    """Every process of a test's own Ray cluster (they all carry its auth token), and nothing
+    else, with its environment."""
+    for p in psutil.process_iter(["name"]):
+        try:
+            env = p.environ()
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        if env.get("RAY_AUTH_TOKEN") == token:
+            yield p, env
+
+
+def kill_token_holders(token: str) -> None:
+    """Stop a test's own Ray cluster (never ``ray stop``, which stops every Ray on the machine)."""
+    victims = []
+    for p, _ in token_holders(token):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+            victims.append(p)
+    psutil.wait_procs(victims, timeout=15)

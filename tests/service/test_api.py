@@ -10,6 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -79,7 +80,36 @@ def test_grpc_matches_hf(svc) -> None:
         assert r.usage.prompt_tokens == len(p) and r.usage.completion_tokens == 9
         assert list(r.prompt_token_ids) == p
         assert r.prefill_worker == "prefill-0" and r.decode_worker == "decode-0"
-        assert 0 < r.timing.ttft_ms <= r.timing.e2e_ms
+        assert 0 < r.timing.queue_ms <= r.timing.ttft_ms <= r.timing.e2e_ms
+
+
+def test_queue_time_ends_before_the_first_token(svc) -> None:
+    """queue_ms ends when prefill took the prompt in, never after the first token left."""
+    for i, p in enumerate(prompts(6, seed=9)):
+        [resp] = list(stub(svc).Generate(grpc_request(p, 2 + i % 3)))
+        t = resp.result.timing
+        assert 0 < t.queue_ms <= t.ttft_ms <= t.e2e_ms, t
+
+
+def test_seeds_cross_the_whole_documented_range(svc) -> None:
+    """A seed is any 64-bit value: the high half of uint64 reaches the sampler too, and a seed
+    and its value modulo 2**64 draw alike (HTTP and gRPC)."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    drawn = {}
+    for seed in (2**63, 2**64 - 1, -1):
+        r = complete(svc, seed=seed, **body)
+        assert r.status_code == 200, r.text
+        drawn[seed] = r.json()["choices"][0]["token_ids"]
+    assert drawn[2**64 - 1] == drawn[-1]
+    [resp] = list(stub(svc).Generate(grpc_request([5, 6, 7], 6, temperature=1.0, seed=2**64 - 1)))
+    assert list(resp.chunk.token_ids) == drawn[-1]
+    r = complete(svc, seed=2**64 - 1, n=2, **body)  # the second sample's seed wraps round to 0
+    assert r.status_code == 200, r.text
+    zero = complete(svc, seed=0, **body).json()["choices"][0]["token_ids"]
+    assert r.json()["choices"][1]["token_ids"] == zero
+    r = complete(svc, seed=2**64, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
 
 
 def test_grpc_streaming_in_order(svc) -> None:
@@ -221,6 +251,14 @@ def test_malformed_json_and_bad_chat(svc) -> None:
         f"{svc.http}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
+    body = b'{"model": "tiny",\n "prompt": "x", "max_tokens": 3,,}'
+    r = httpx.post(f"{svc.http}/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None, err
+    assert err["message"] == (
+        "body: not valid JSON: Expecting property name enclosed in double quotes at line 2, column 33 "
+        "(character 50)"
+    ), err
     r = httpx.post(f"{svc.http}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(
@@ -274,6 +312,22 @@ def test_grpc_health_and_reflection(svc) -> None:
     [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
     assert "pdserve.v1.Inference" in names and "grpc.health.v1.Health" in names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    # v1, which current clients (grpcurl) ask first: the same messages on the wire as v1alpha
+    v1 = ch.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    ask = reflection_pb2.ServerReflectionRequest
+    asks = [ask(list_services=""), ask(file_containing_symbol="pdserve.v1.Inference"),
+            ask(file_containing_symbol="grpc.reflection.v1.ServerReflection")]  # fmt: skip
+    listed, inference, itself = list(v1(iter(asks), timeout=10))
+    assert {s.name for s in listed.list_services_response.service} == names
+    fdp = descriptor_pb2.FileDescriptorProto
+    files = [fdp.FromString(r.file_descriptor_response.file_descriptor_proto[0]) for r in (inference, itself)]
+    assert [f.package for f in files] == ["pdserve.v1", "grpc.reflection.v1"]
+    assert files[1].service[0].method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_openapi_schema_lists_the_routes(svc) -> None:

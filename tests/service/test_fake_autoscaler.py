@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from benchmarks.client import free_port, wait_ready
-from tests.service.helpers import stop_process
+from tests.service.helpers import kill_token_holders, stop_process, token_holders
 
 pytestmark = pytest.mark.slow
 
@@ -78,27 +77,6 @@ worker_start_ray_commands: []
 """
 
 
-def _token_holders(token: str) -> Iterator[tuple[psutil.Process, dict[str, str]]]:
-    """Every process of this test's cluster (they all carry its auth token), and nothing else,
-    with its environment."""
-    for p in psutil.process_iter(["name"]):
-        try:
-            env = p.environ()
-        except psutil.Error:  # gone, or not ours to read
-            continue
-        if env.get("RAY_AUTH_TOKEN") == token:
-            yield p, env
-
-
-def _kill_token_holders(token: str) -> None:
-    victims = []
-    for p, _ in _token_holders(token):
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-            victims.append(p)
-    psutil.wait_procs(victims, timeout=15)
-
-
 class Cluster:
     def __init__(self, url: str, env: dict[str, str], log: Path) -> None:
         self.url, self.env, self.log = url, env, log
@@ -110,7 +88,7 @@ class Cluster:
         looked at every second it takes a core from the cluster under test."""
         return sum(
             p.info["name"] == "raylet" and env.get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") != HEAD_ID
-            for p, env in _token_holders(self.env["RAY_AUTH_TOKEN"])
+            for p, env in token_holders(self.env["RAY_AUTH_TOKEN"])
         )
 
     def status(self) -> dict[str, Any]:
@@ -163,7 +141,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         if proc is not None:
             stop_process(proc)
-        _kill_token_holders(token)
+        kill_token_holders(token)
         if current is not None:
             with contextlib.suppress(OSError):
                 CURRENT.write_text(current)

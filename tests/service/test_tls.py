@@ -4,6 +4,7 @@ the CA, without a client certificate (under mTLS) or speaking plaintext are refu
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,20 +114,30 @@ def test_plaintext_and_unknown_server_ca_are_refused(served: tuple[bool, Endpoin
 
 
 def test_mtls_refuses_clients_without_a_certificate_from_the_ca(
-    served: tuple[bool, Endpoints], pki: Pki
+    served: tuple[bool, Endpoints], pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A refused client gets the TLS alert that says why (it can report more than "Socket
+    closed"), and the server logs which client it refused and why."""
     mutual, ep = served
     if not mutual:
         with https_client(pki, None) as client:
             assert client.get(f"{ep.http}/health").status_code == 200
         return
-    for cert in (None, pki.stranger_pem):
-        with https_client(pki, cert) as client, pytest.raises(httpx.HTTPError):
+    caplog.set_level(logging.WARNING, logger="pdserve.router.tls_front")
+    for cert, alert in ((None, "CERTIFICATE_REQUIRED"), (pki.stranger_pem, "UNKNOWN_CA")):
+        with https_client(pki, cert) as client, pytest.raises(httpx.HTTPError, match=alert):
             client.get(f"{ep.http}/health")
     for key, crt in ((None, None), (pki.stranger_key, pki.stranger_cert)):
         with grpc_channel(ep, pki, key, crt) as channel, pytest.raises(grpc.RpcError) as e:
             pb_grpc.InferenceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Socket closed" not in e.value.details(), e.value.details()  # the alert arrived
+    said = [r.getMessage() for r in caplog.records]
+    refusals = [m for m in said if "refused the TLS client at 127.0.0.1:" in m]
+    for front in ("HTTP", "gRPC"):
+        mine = " | ".join(m for m in refusals if m.startswith(f"{front}: "))
+        assert "it sent no client certificate" in mine, refusals
+        assert "its certificate was not accepted: unable to get local issuer" in mine, refusals
     with https_client(pki, pki.client_pem) as client:
         assert client.get(f"{ep.http}/health").status_code == 200
 

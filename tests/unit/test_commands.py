@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.codec import LENGTH, VERSION, ChannelError
 from pdserve.worker.commands import (
     Abort,
@@ -44,7 +44,8 @@ params = st.builds(
     SamplingParams,
     max_tokens=i64, temperature=finite, top_k=i64, top_p=finite, min_p=finite,
     repetition_penalty=finite, frequency_penalty=finite, presence_penalty=finite,
-    seed=st.none() | i64, stop=st.lists(st.text(max_size=20), max_size=4).map(tuple),
+    seed=st.none() | st.integers(SEED_MIN, SEED_MAX),  # the whole range the APIs take, not just int64
+    stop=st.lists(st.text(max_size=20), max_size=4).map(tuple),
     stop_token_ids=st.lists(i64, max_size=4).map(tuple), include_stop_str_in_output=st.booleans(),
     ignore_eos=st.booleans(), min_tokens=i64, logprobs=st.none() | i64,
 )  # fmt: skip
@@ -66,6 +67,12 @@ commands = st.one_of(
     st.builds(Abort, ids),
     st.builds(Release),
 )
+
+
+def test_a_seed_crosses_intact_over_the_whole_range_the_api_takes() -> None:
+    for seed in (SEED_MIN, -1, 2**63 - 1, 2**63, SEED_MAX):
+        cmd = AddLocal(WorkItem("r", (1, 2), SamplingParams(seed=seed), 0, ()))
+        assert decode_command(body(encode_command(7, cmd))) == (7, cmd)
 
 
 def body(frame: bytes) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -58,6 +59,24 @@ def test_stream_collects_tokens_in_order_and_reports_usage() -> None:
     assert isinstance(final, Final) and final.finish_reason == "length"
     assert final.usage.completion_tokens == 3 and final.usage.cached_tokens == 2
     assert final.timing.ttft_ms <= final.timing.e2e_ms
+
+
+def test_queue_time_never_exceeds_ttft() -> None:
+    """The answer saying prefill took the prompt in can be seen after its first token (they
+    travel apart): queue_ms still ends no later than the first token."""
+    s = RequestStream("r", (1, 2), SamplingParams(max_tokens=2), tokenizer=None)
+    s.feed(TokenDelta("r", (7,), prefilled=True))
+    time.sleep(0.002)
+    s.taken_in()  # the Prefill command's answer, read after the token
+    s.feed(TokenDelta("r", (8,), finished=True, finish_reason="length"))
+    t = drain(s)[-1].timing  # type: ignore[union-attr]
+    assert 0 < t.queue_ms <= t.ttft_ms <= t.e2e_ms
+    s = RequestStream("r", (1, 2), SamplingParams(max_tokens=2), tokenizer=None)
+    s.taken_in()
+    time.sleep(0.002)
+    s.feed(TokenDelta("r", (7, 8), finished=True, finish_reason="length"))
+    t = drain(s)[-1].timing  # type: ignore[union-attr]
+    assert t.queue_ms < t.ttft_ms - 1  # taken in first: its own time
 
 
 def test_stream_failure_raises_for_the_reader() -> None:
