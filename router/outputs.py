@@ -178,10 +178,9 @@ class OutputListener:
         # What a timeout here means: what the channel was waiting for when it ran out.
         waiting = f"no hello from {peer} within {HANDSHAKE_TIMEOUT_S:g} s"
         self._writers.add(writer)
-        peer = writer.get_extra_info("peername")
-        for old in self._pending.admit(writer, str(peer[0]) if peer else "?"):
+        for old in self._pending.admit(writer, peer.rpartition(":")[0]):
             log.info("worker channel: %s had not authenticated; closed for a newer connection",
-                     old.get_extra_info("peername"))  # fmt: skip
+                     peer_address(old))  # fmt: skip
             old.close()  # its read of the hello ends
         try:
             challenge = os.urandom(CHALLENGE_BYTES)
