@@ -155,7 +155,7 @@ def add_goodput(p: argparse.ArgumentParser) -> None:
 
 def add_result(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", action="store_true", help="write the result as JSON")
-    p.add_argument("--result-dir", type=Path, default=Path("."))
+    p.add_argument("--result-dir", type=Path, default=Path("."), help="default: the working directory")
     p.add_argument("--result-filename", default=None, help="default: named after the run")
 
 
@@ -167,7 +167,7 @@ def save_result(args: argparse.Namespace, result: Any, default_name: str) -> Pat
     path: Path = args.result_dir / (args.result_filename or default_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
-    print(f"saved {path}")
+    print(f"saved {path.resolve()}")
     return path
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 import httpx
@@ -20,10 +20,35 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
 
+class ServerError(Exception):
+    """The server could not be asked what it serves: nothing can be measured."""
+
+
 class Backend(Protocol):
+    where: str  # what the models were asked of, for messages
+    model: str | None  # sent with each request (OpenAI); the result's model_id
+
+    async def served_models(self) -> list[str]: ...
+
     async def send(self, spec: RequestSpec) -> RequestResult: ...
 
     async def close(self) -> None: ...
+
+
+def http_error(status: int, body: bytes) -> str:
+    """``HTTP <status>: <message>``: the OpenAI error body's message where there is one (so
+    equal causes read equal in the failure summary), else the start of the body."""
+    text = body.decode(errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        detail = err.get("message") if isinstance(err, dict) else err or data.get("detail")
+        if isinstance(detail, str) and detail:
+            text = detail
+    return f"HTTP {status}: {' '.join(text.split())[:300]}"
 
 
 def _stamp(result: RequestResult, t0: float, last: float | None, now: float) -> float:
@@ -36,16 +61,34 @@ def _stamp(result: RequestResult, t0: float, last: float | None, now: float) -> 
 
 class OpenAIBackend:
     def __init__(
-        self, base_url: str, endpoint: str, model: str, api_key: str | None, temperature: float
+        self, base_url: str, endpoint: str, model: str | None, api_key: str | None, temperature: float
     ) -> None:
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits, headers=headers)
         self.endpoint = endpoint
-        self.model = model
+        self.model = model  # None: ask the server (``served_models``) before sending
         self.temperature = temperature
+        # The model list sits beside the endpoint (/v1/completions -> /v1/models), as vLLM's is.
+        self.models_path = endpoint.rsplit("/", 1)[0] + "/models"
+        self.where = f"GET {base_url.rstrip('/')}{self.models_path}"
+
+    async def served_models(self) -> list[str]:
+        """The ids ``GET /v1/models`` lists."""
+        try:
+            resp = await self.client.get(self.models_path, timeout=30)
+        except httpx.HTTPError as e:
+            raise ServerError(f"{self.where}: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise ServerError(f"{self.where}: {http_error(resp.status_code, resp.content)}")
+        try:
+            data = resp.json()["data"]
+            return [str(m["id"]) for m in data]
+        except (ValueError, KeyError, TypeError):
+            raise ServerError(f"{self.where}: not an OpenAI model list: {resp.text[:200]!r}") from None
 
     async def send(self, spec: RequestSpec) -> RequestResult:
+        assert self.model is not None, "choose the model (served_models) before sending"
         body = {
             "model": self.model,
             "prompt": list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt,
@@ -62,8 +105,7 @@ class OpenAIBackend:
         try:
             async with self.client.stream("POST", self.endpoint, json=body) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")[:300]
-                    r.error = f"HTTP {resp.status_code}: {text}"
+                    r.error = http_error(resp.status_code, await resp.aread())
                     r.rejected = resp.status_code == 429
                     return r
                 async for line in resp.aiter_lines():
@@ -101,9 +143,16 @@ class PdserveGrpcBackend:
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.temperature = temperature
+        self.model: str | None = None  # the gRPC API names no model: only the result records it
+        self.where = f"GetModelInfo at {address}"
 
-    async def model_info(self) -> Any:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+    async def served_models(self) -> list[str]:
+        """The one model a pdserve deployment serves (the gRPC API names none in requests)."""
+        try:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=30)
+        except grpc.aio.AioRpcError as e:
+            raise ServerError(f"{self.where}: {e.code().name}: {e.details()}") from None
+        return [info.model_id]
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         req = pb.GenerateRequest(stream=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,3 +133,9 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
     out["itls"] = [r.itls for r in results]
     out["errors"] = [r.error for r in results]
     return out
+
+
+def failure_causes(errors: Sequence[str]) -> list[tuple[str, int]]:
+    """Each distinct error with the requests that failed with it, the most frequent first (ties
+    in order of first appearance): what went wrong, counted, rather than the first error alone."""
+    return Counter(e for e in errors if e).most_common()

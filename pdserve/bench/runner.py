@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.metrics import RequestResult, Slo, summarize
+from pdserve.bench.metrics import RequestResult, Slo, failure_causes, summarize
 from pdserve.bench.sweep import add_sweep_args, plot, save, sweep
 from pdserve.bench.workload import (
     RequestSpec,
@@ -85,7 +85,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default: 8000 (openai), 50051 (grpc)")
     p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", default="tiny", help="model id sent to OpenAI-compatible servers")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model id sent to OpenAI-compatible servers (default: the one the server's /v1/models lists; "
+        "with several listed, give one)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="sharegpt lengths CSV or trace file")
@@ -167,6 +172,27 @@ def _constant_rate_workload(args: argparse.Namespace) -> list[RequestSpec]:
     return synthetic_requests(lengths, arrivals, args.vocab_size, rng)
 
 
+class ModelChoiceError(ValueError):
+    """The server offers no model, or several, and ``--model`` did not choose."""
+
+
+def choose_model(offered: list[str], where: str) -> str:
+    """The model to send when ``--model`` is not given: the server's only one."""
+    if len(offered) == 1:
+        return offered[0]
+    if not offered:
+        raise ModelChoiceError(f"{where} lists no model: give --model")
+    names = ", ".join(offered)
+    raise ModelChoiceError(f"{where} lists {len(offered)} models ({names}): choose one with --model")
+
+
+async def resolve_model(backend: Backend, given: str | None) -> str:
+    """``--model``, else what the server says it serves (one request, before any load)."""
+    model = given or choose_model(await backend.served_models(), backend.where)
+    backend.model = model
+    return model
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
     from pdserve.bench.client import OpenAIBackend, PdserveGrpcBackend
 
@@ -239,6 +265,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     specs = build_workload(args)
     backend = make_backend(args)
     try:
+        model = await resolve_model(backend, args.model)
         results, duration = await run(specs, backend, args.max_concurrency, not args.disable_tqdm)
     finally:
         await backend.close()
@@ -247,31 +274,78 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         {
             "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
             "backend": args.backend,
-            "model_id": args.model,
+            "model_id": model,
             "num_prompts": len(specs),
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency,
             "goodput_slo": {k: v for k, v in vars(slo).items() if v},
+            "failure_causes": dict(failure_causes(m["errors"])),
         }
     )
     return m
 
 
+MAX_CAUSES = 5  # the summary's lines; the result's "errors" has every request's
+
+
+def print_failures(errors: list[str]) -> None:
+    """Failed requests by cause (status and message), counted, the most frequent first."""
+    causes = failure_causes(errors)
+    if not causes:
+        return
+    failed = sum(n for _, n in causes)
+    print(f"{failed} of {len(errors)} requests failed:", file=sys.stderr)
+    for cause, n in causes[:MAX_CAUSES]:
+        print(f"  {n:>6}  {cause}", file=sys.stderr)
+    rest = causes[MAX_CAUSES:]
+    if rest:
+        print(f"  {sum(n for _, n in rest):>6}  ({len(rest)} other causes)", file=sys.stderr)
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """``--model`` or the server's model, asked once (a sweep's points then send it unasked)."""
+
+    async def ask() -> str:
+        backend = make_backend(args)
+        try:
+            return await resolve_model(backend, args.model)
+        finally:
+            await backend.close()
+
+    return asyncio.run(ask())
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from pdserve.bench.client import ServerError
+
     if Slo.parse(args.goodput).empty:
         print("pdserve bench: error: --sweep needs --goodput (the SLO that defines goodput)", file=sys.stderr)
         return 2
 
+    errors: list[str] = []
+
     async def point(rate: float, seed: int) -> dict[str, Any]:
-        ns = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": seed, "disable_tqdm": True})
-        return await bench(ns)
+        ns = argparse.Namespace(
+            **{**vars(args), "request_rate": rate, "seed": seed, "disable_tqdm": True, "model": model}
+        )
+        m = await bench(ns)
+        errors.extend(m["errors"])
+        return m
 
     try:
+        model = _served_model(args)
         result = asyncio.run(sweep(point, args))
+    except ServerError as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 1
     except (WorkloadError, ValueError, OSError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    if errors and all(errors):  # every request of every point failed: there is no curve to report
+        print_failures(errors)
+        print("pdserve bench: error: no request succeeded at any rate; no result saved", file=sys.stderr)
+        return 1
     result["goodput_slo"] = {k: v for k, v in vars(Slo.parse(args.goodput)).items() if v}
     result["num_prompts_per_point"] = args.num_prompts
     result["duration_s_per_point"] = args.duration
@@ -281,21 +355,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     path = save(result, args)
     png = args.sweep_plot or path.with_suffix(".png")
     plot(result, png, f"{args.backend} {' '.join(args.goodput)}")
-    print(f"saved {path} and {png}")
+    print(f"saved {path.resolve()} and {png.resolve()}")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.sweep:
         return cmd_sweep(args)
+    from pdserve.bench.client import ServerError
+
     try:
         m = asyncio.run(bench(args))
+    except ServerError as e:
+        print(f"pdserve bench: error: {e}", file=sys.stderr)
+        return 1
     except (WorkloadError, ValueError, OSError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    if m["failed"] and not m["completed"]:  # nothing measured: no table of zeros, no result file
+        print_failures(m["errors"])
+        print("pdserve bench: error: no request succeeded; no result saved", file=sys.stderr)
+        return 1
     print_summary(m, Slo.parse(args.goodput))
-    errors = [e for e in m["errors"] if e]
-    if errors:
-        print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
+    print_failures(m["errors"])
     save_result(args, m, f"{args.backend}-{m['request_rate']}qps-{m['date']}.json")
     return 0

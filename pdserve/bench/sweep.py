@@ -204,5 +204,6 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
 def save(result: dict[str, Any], args: argparse.Namespace) -> Path:
     name = args.result_filename or f"sweep-{args.backend}.json"
     path: Path = args.result_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return path
