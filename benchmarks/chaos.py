@@ -15,7 +15,10 @@ dropped (at most 10 s); ``kv_listener_flood`` 300 idle connections that never au
 held open to each decode worker's KV listener by another process, reopened as they close, for
 the whole run, the senders' connections from before it reset (``ss -K``) before the streams
 start, so that every hand-off connects through the flood (each must succeed); ``router_term``
-SIGTERM of the router (``pdserve serve --local`` in a child process; it drains).
+SIGTERM of the router (``pdserve serve --local`` in a child process; it drains);
+``group_sigterm`` SIGTERM to the process group of a ``pdserve serve`` on its own private Ray
+instance (``kill -TERM -- -PGID``: Ray's processes must not get it; it drains and stops in
+order, leaving no process of its session behind).
 
 Per scenario: streams succeeded / failed, streams migrated, tokens lost (a stream shorter than
 its reference, or different from it) and duplicated (longer), KV blocks still in use after the
@@ -54,7 +57,8 @@ from benchmarks import flood
 from benchmarks.common import emit
 
 SCENARIOS = ("none", "decode_kill", "prefill_kill", "prefill_push_kill", "decode_stop", "decode_term",
-             "shrink_then_crash", "kv_drop", "kv_listener_flood", "router_term")  # fmt: skip
+             "shrink_then_crash", "kv_drop", "kv_listener_flood", "router_term", "group_sigterm")  # fmt: skip
+SERVE_ALONE = ("router_term", "group_sigterm")  # a ``pdserve serve`` of their own
 SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "prefill_push_kill": signal.SIGKILL,
            "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM,
            "shrink_then_crash": signal.SIGKILL}  # fmt: skip
@@ -251,8 +255,8 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
     """One fault on a fresh 2P+2D deployment, or on ``deployment`` (``start(2, 2)``'s, kept
     running: the scenario first waits for it to be whole again, and counts only its own KV
     failures)."""
-    if name == "router_term":
-        return router_term(work)
+    if name in SERVE_ALONE:
+        return router_term(work, group=name == "group_sigterm")
     st, s = deployment if deployment is not None else start(prefill=2, decode=2)
     resume: threading.Timer | None = None
     flooding: subprocess.Popen[str] | None = None
@@ -352,18 +356,23 @@ def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], s
     return shrink, kept.worker_id
 
 
-def router_term(work: Work) -> dict[str, Any]:
+def router_term(work: Work, group: bool = False) -> dict[str, Any]:
     """``pdserve serve --local`` in a child process, SIGTERM once every stream has tokens: the
-    streams must finish, the wave after it be refused (UNAVAILABLE), the process exit cleanly."""
+    streams must finish, the wave after it be refused (UNAVAILABLE), the process exit cleanly.
+    ``group``: ``pdserve serve`` on a private Ray instance, in a session of its own, and the
+    SIGTERM to its whole process group; no process of that session may outlive it."""
     import grpc
+    import psutil
 
     from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
     ports = [_free_port(), _free_port()]
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--local", "--model", "tiny", "--prefill", "2",
-           "--decode", "2", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--no-local-prefill",
-           *ENGINE_FLAGS]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "pdserve", "serve", *([] if group else ["--local"]), "--model", "tiny",
+           "--prefill", "2", "--decode", "2", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+           "--no-local-prefill", *ENGINE_FLAGS]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=group
+    )
     out: list[str] = []
     ready = threading.Event()
 
@@ -375,29 +384,48 @@ def router_term(work: Work) -> dict[str, Any]:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
+    exit_s = 0.0
     try:
         if not ready.wait(180):
             raise RuntimeError("pdserve serve did not start:\n" + "".join(out[-20:]))
         s = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{ports[1]}"))
         logs, threads = launch(s, work.before)
         wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
-        proc.send_signal(signal.SIGTERM)
+        t_signal = time.monotonic()
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         wait_for(lambda: any("draining" in line for line in out), 10, "the router draining")
         after_logs, after_threads = launch(s, work.after)
         for t in threads + after_threads:
             t.join(180)
         code = proc.wait(120)
+        exit_s = time.monotonic() - t_signal
     finally:
         if proc.poll() is None:
             proc.kill()
+    left = [p.pid for p in psutil.process_iter(["pid"]) if _session(p) == proc.pid] if group else []
     failed, lost, dup = tally(logs, work.refs_before)
     refused = sum(lg.code == "UNAVAILABLE" and not lg.tokens for lg in after_logs)
     clean = code == 0 and any(line.strip() == "pdserve: stopped" for line in out)
-    r = row("router_term", logs, failed, lost, dup, None, None, 0.0, 0.0, 0, percentiles(logs), (None, None),
+    if not clean:
+        print(f"pdserve serve exited {code}:\n" + "".join(out[-30:]), file=sys.stderr)
+    name = "group_sigterm" if group else "router_term"
+    r = row(name, logs, failed, lost, dup, None, None, 0.0, 0.0, 0, percentiles(logs), (None, None),
             0)  # fmt: skip
-    r.update(refused_after=refused, after=len(after_logs), clean_exit=clean)
+    r.update(refused_after=refused, after=len(after_logs), clean_exit=clean, exit_s=round(exit_s, 2))
+    if group:
+        r["processes_left"] = len(left)
     r["failed"] += len(after_logs) - refused  # a request after the signal must be refused, at once
     return r
+
+
+def _session(p: Any) -> int:
+    try:
+        return os.getsid(p.pid)
+    except OSError:  # gone meanwhile
+        return -1
 
 
 def row(name: str, logs: list[StreamLog], failed: int, lost: int, dup: int, leaked: int | None,
@@ -426,16 +454,16 @@ def _cont(pid: int) -> None:
 
 
 def run(names: list[str], streams: int, after: int, seed: int) -> list[dict[str, Any]]:
-    from pdserve.deploy.ray_pools import start_ray
+    from pdserve.deploy.ray_instance import start_ray
 
     work = make_work(seed, streams, after)
     rows = []
-    if "router_term" in names:  # before this process starts Ray: the child runs without it
-        rows.append(scenario("router_term", work))
+    for name in [n for n in names if n in SERVE_ALONE]:  # before this process starts Ray
+        rows.append(scenario(name, work))
         print(rows[-1], file=sys.stderr)
     start_ray(None, 16)
     for name in names:
-        if name != "router_term":
+        if name not in SERVE_ALONE:
             print(f"scenario {name} ...", file=sys.stderr)
             rows.append(scenario(name, work))
             print(rows[-1], file=sys.stderr)

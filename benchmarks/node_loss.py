@@ -1,5 +1,5 @@
 """Node loss: how long Ray's control plane takes to declare a dead node dead, with the node
-health checks ``pdserve.deploy.ray_pools.NODE_HEALTH`` sets (``--default`` for Ray's own).
+health checks ``pdserve.deploy.ray_instance.NODE_HEALTH`` sets (``--default`` for Ray's own).
 
 A head node and a second node (separate raylets on this host, ``ray.cluster_utils``); the
 second node's raylet is SIGKILLed (what a crashed or unplugged machine looks like to the
@@ -30,7 +30,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from pdserve.deploy.ray_pools import NODE_HEALTH
+    from pdserve.deploy.ray_instance import NODE_HEALTH
 
     system = {} if args.default else dict(NODE_HEALTH)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": system})

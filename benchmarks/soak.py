@@ -149,7 +149,7 @@ def main() -> None:
     if args.minutes < 2.5:
         ap.error("--minutes must be >= 2.5 (growth is measured from minute 2)")
 
-    from pdserve.deploy.ray_pools import start_ray
+    from pdserve.deploy.ray_instance import start_ray
 
     start_ray(None, 16)
     st, stub = start(prefill=2, decode=2)

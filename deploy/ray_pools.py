@@ -5,20 +5,13 @@ group of its own, one bundle: one GPU on GPU nodes, CPUs otherwise. Workers come
 at a time (a lost worker's replacement, a pool that grows), and Ray's autoscaler can add or
 remove a node for one worker. Removing a worker removes its placement group with it.
 
-A private instance (``start_ray`` without an address) keeps its dashboard off and token auth
-on, and tunes the control plane's node health checks (``NODE_HEALTH``) so that a dead node is
-declared dead within seconds, not Ray's default half minute; clusters started with
-``ray start`` get the same through ``RAY_health_check_*`` variables (``deploy/README.md``).
+Starting, joining and stopping the Ray instance itself: ``pdserve.deploy.ray_instance``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import secrets
-import signal
 import sys
 import threading
 import time
@@ -27,21 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.deploy.pools import PoolSpec, worker_class
-from pdserve.deploy.ray_token import check_cluster_token
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 64
-# The GCS pings every raylet each period; a node that misses `threshold` pings in a row (each
-# given `timeout`) is dead: about initial delay + period * threshold after it stopped.
-NODE_HEALTH = {
-    "health_check_initial_delay_ms": 1000,
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 1000,
-    "health_check_failure_threshold": 3,
-}
 
 
 class RayCaller:
@@ -66,66 +50,6 @@ class RayCaller:
             if self.placement is not None:
                 remove_placement_group(self.placement)
                 self.placement = None
-
-
-def start_ray(address: str | None, num_cpus: int) -> bool:
-    """Join ``address`` or start a private local instance sized for ``num_cpus`` logical CPUs.
-    True when this call started (and so owns) the Ray instance."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"namespace": "pdserve", "log_to_driver": True}
-    if address:
-        check_cluster_token(address)  # a refused token now, in words, not after 20 s of retries
-        ray.init(address=address, **kwargs)
-        return False
-    # A token of its own for every private instance, in the environment its processes inherit:
-    # never Ray's shared ~/.ray/auth_token, which another deployment on this host would read or
-    # rewrite.
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    try:  # Ray's native side reads both once per process; a second private instance re-reads
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError) as e:  # a Ray without token auth: nothing cached
-        log.debug("Ray token auth not reloaded: %s", e)
-    for attempt in (1, 2):
-        try:
-            ray.init(
-                # "local": a new private instance, always; never whatever RAY_ADDRESS or the last
-                # `ray start` on this machine points at.
-                address="local",
-                num_cpus=max(num_cpus, os.cpu_count() or 1),
-                include_dashboard=False,
-                object_store_memory=256 << 20,
-                _system_config=dict(NODE_HEALTH),
-                **kwargs,
-            )
-            return True
-        except Exception as e:
-            # Ray picks its ports by probing for free ones, so two instances starting at once on
-            # one host can pick the same; the second try picks again.
-            ray.shutdown()
-            if attempt == 2:
-                raise
-            log.warning("the private Ray instance did not start (%s); trying once more", e)
-    raise AssertionError("unreachable")
-
-
-def keep_python_signal_handlers() -> None:
-    """Ray's native runtime installs its own SIGINT/SIGTERM handlers when it starts in a process
-    (they abort it); put back the process's Python-level ones, which an event loop's draining
-    shutdown relies on. Only the main thread can (elsewhere this does nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if handler is not None:
-            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -242,30 +166,6 @@ def launch_workers(
                 log.debug("cleaning up a failed launch: %s", e)
         raise
     return [WorkerHandle(infos[i], callers[i]) for i in range(len(placed))]
-
-
-def shutdown_ray(grace_s: float = 2.0) -> None:
-    """Stop the private Ray instance this process started, and then any of its processes that
-    outlive it: Ray's agents linger for a minute when the instance stops while they start (a
-    Ctrl-C during start-up)."""
-    import psutil
-    import ray
-
-    def ray_processes() -> list[psutil.Process]:
-        found = []
-        for p in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "ray" in " ".join(p.cmdline()):
-                    found.append(p)
-        return found
-
-    started = ray_processes()
-    ray.shutdown()
-    _, alive = psutil.wait_procs(started, timeout=grace_s)
-    for p in alive:
-        log.warning("killing Ray process %d (%s), still running after the shutdown", p.pid, p.name())
-        with contextlib.suppress(psutil.Error):
-            p.kill()
 
 
 def request_capacity(spec: PoolSpec, workers: int) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,10 +35,12 @@ from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
 
 if TYPE_CHECKING:
+    from pdserve.deploy.ray_instance import RayWatch
     from pdserve.deploy.ray_pools import Placement
 
 
 log = logging.getLogger(__name__)
+LOST_STEP_S = 2.0  # each step of a stop whose Ray instance is gone
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class Service:
         # change side by side, so one pool's growth never waits out the other's start or drain.
         self._resizing = {role: asyncio.Lock() for role in WorkerRole}
         self._outputs: OutputListener | None = None
+        self.ray_lost = ""  # why the Ray instance went away under the deployment ("": it did not)
+        self.on_ray_lost: Callable[[str], None] | None = None  # told once, with why
+        self._ray_watch: RayWatch | None = None
+        self._ray_lost_event = asyncio.Event()
 
     @property
     def channel_address(self) -> str:
@@ -89,7 +96,13 @@ class Service:
         # started, and nothing those start can take it meanwhile.
         self.frontends = frontends = Frontends(self.config, tls)
         if self.use_ray:
-            from pdserve.deploy.ray_pools import Placement, keep_python_signal_handlers, start_ray
+            from pdserve.deploy.ray_instance import (
+                RayWatch,
+                control_plane,
+                keep_python_signal_handlers,
+                start_ray,
+            )
+            from pdserve.deploy.ray_pools import Placement
 
             starting = asyncio.ensure_future(
                 asyncio.to_thread(start_ray, self.ray_address, self.spec.capacity * self.spec.cpus_per_worker)
@@ -103,6 +116,11 @@ class Service:
             finally:
                 keep_python_signal_handlers()
             self._placement = Placement.of(self.spec)
+            loop = asyncio.get_running_loop()
+            self._ray_watch = RayWatch(
+                control_plane(), lambda why: loop.call_soon_threadsafe(self._ray_gone, why)
+            )
+            self._ray_watch.start()
         channel_host = self.config.worker_channel_host
         if channel_host == NODE_ADDRESS:  # where workers on other nodes reach the router
             from pdserve.deploy.pool_worker import node_address
@@ -178,6 +196,15 @@ class Service:
             raise
         return handle
 
+    def _ray_gone(self, why: str) -> None:
+        if self._ray_watch is not None and self._ray_watch.stopped:
+            return  # (a look that ended just as the stop began: Ray is being stopped on purpose)
+        self.ray_lost = why
+        self._ray_lost_event.set()
+        log.error("%s", why)
+        if self.on_ray_lost is not None:
+            self.on_ray_lost(why)
+
     def _joined(self, worker: WorkerHandle) -> None:
         # Lost workers were stopped when the router let them go; their replacements take their place.
         self.handles = [h for h in self.handles if h.alive] + [worker]
@@ -249,7 +276,26 @@ class Service:
         return Endpoints(http, f"{host}:{self.frontends.grpc_port}")
 
     async def stop(self) -> None:
+        """Stop everything this deployment started. Its Ray instance found gone before or while
+        it stops (``_ray_gone``), the rest is stopped without Ray (``_stop_without_ray``)."""
         self._stopping.set()
+        try:
+            if not self.ray_lost:
+                stopping = asyncio.ensure_future(self._stop_with_ray())
+                lost = asyncio.ensure_future(self._ray_lost_event.wait())
+                await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
+                lost.cancel()
+                if stopping.done():
+                    stopping.result()
+                    return
+                stopping.cancel()  # it waits on Ray, which is gone
+                await asyncio.gather(stopping, return_exceptions=True)
+            await self._stop_without_ray()
+        finally:
+            if self._ray_watch is not None:
+                self._ray_watch.stop()
+
+    async def _stop_with_ray(self) -> None:
         if self.keeper is not None:
             await self.keeper.close()
         if self.frontends is not None:
@@ -264,10 +310,37 @@ class Service:
             if self.use_ray:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(h.caller.kill)
+        if self._ray_watch is not None:
+            self._ray_watch.stop()  # what goes from here on is stopped on purpose
         if self._owns_ray:
-            from pdserve.deploy.ray_pools import shutdown_ray
+            from pdserve.deploy.ray_instance import shutdown_ray
 
             await asyncio.to_thread(shutdown_ray)
+            self._owns_ray = False
+
+    async def _stop_without_ray(self) -> None:
+        """Ray's control plane is gone (``ray_lost``): whatever waits on it would wait out its
+        timeout (a worker's start, an actor call, Ray's own shutdown), and the event loop's
+        executor may be full of such calls. Each step here is bounded, nothing is asked of Ray,
+        and the instance's processes, if this process started them, are stopped directly, on
+        this thread."""
+        steps = [
+            self.keeper.close() if self.keeper is not None else None,
+            self.frontends.stop() if self.frontends is not None else None,
+            self.router.stop()
+            if self.router is not None
+            else self._outputs.close()
+            if self._outputs
+            else None,
+        ]
+        for step in steps:
+            if step is not None:
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(step, LOST_STEP_S)
+        if self._owns_ray:
+            from pdserve.deploy.ray_instance import shutdown_ray
+
+            shutdown_ray(gone=True)
             self._owns_ray = False
 
 

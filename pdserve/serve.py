@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -285,10 +286,20 @@ async def _run(
     where = "in-process" if not service.use_ray else f"Ray {service.ray_address or '(local)'}"
     print(f"pdserve: starting {shape} workers on {where} with model {spec.engine.model!r}...", flush=True)
     signals = StopSignals()
+    service.on_ray_lost = signals.stop_now
     try:
-        return await _serve(service, started, plan, (interval_s, start_wait_s), signals)
+        clean = await _serve(service, started, plan, (interval_s, start_wait_s), signals)
     finally:
         signals.close()
+    if service.ray_lost:
+        # Everything this process started is stopped; what is left are threads waiting on the
+        # GCS that is gone (a worker's start, Ray's own exit hook), which would hold the exit
+        # for a minute, then abort it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
+    return clean
 
 
 async def _serve(

@@ -217,6 +217,12 @@ class StopSignals:
             print(f"pdserve: second stop signal ({sig.name}): stopping now, aborting what runs", flush=True)
             self.now.set()
 
+    def stop_now(self, why: str) -> None:
+        """Stop at once, as a second signal does, saying ``why`` (the workers cannot go on)."""
+        print(f"pdserve: {why}: stopping now", flush=True)
+        self.drain.set()
+        self.now.set()
+
     def close(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.remove_signal_handler(sig)

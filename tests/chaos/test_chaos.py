@@ -58,7 +58,7 @@ def work() -> Any:
 def deployment(work: Any) -> Any:
     """One 2P+2D deployment for every scenario (each waits for it to be whole again: a worker
     lost or drained by the one before is replaced, as the product does)."""
-    from pdserve.deploy.ray_pools import start_ray
+    from pdserve.deploy.ray_instance import start_ray
 
     start_ray(None, 16)
     st, s = chaos.start(prefill=2, decode=2)
@@ -75,7 +75,19 @@ def test_router_term(work: Any) -> None:
     assert r["refused_after"] == r["after"] and r["clean_exit"], r
 
 
-@pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n != "router_term"])
+def test_group_sigterm(work: Any) -> None:
+    """Before the shared deployment starts too: ``pdserve serve`` on its own private Ray instance,
+    in a session of its own, with SIGTERM to its whole process group (``kill -TERM -- -PGID``,
+    a supervisor's stop): Ray's processes must not get it, so the router drains, refuses the
+    wave after it, and stops Ray in order, leaving no process of its session behind."""
+    r = chaos.scenario("group_sigterm", work)
+    assert (r["failed"], r["tokens_lost"], r["tokens_duplicated"]) == (0, 0, 0), r
+    assert r["succeeded"] == 8, r
+    assert r["refused_after"] == r["after"] and r["clean_exit"], r
+    assert r["processes_left"] == 0 and r["exit_s"] < 30, r
+
+
+@pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n not in chaos.SERVE_ALONE])
 def test_scenario(name: str, work: Any, deployment: Any) -> None:
     if name in ("kv_drop", "kv_listener_flood") and not can_reset_connections():
         pytest.skip("ss -K cannot reset TCP connections here")

@@ -71,7 +71,7 @@ def start_service(
         local_prefill=local_prefill, slo_classes=slo_classes, migration_limit=migration_limit,
     )  # fmt: skip
     if use_ray:
-        from pdserve.deploy.ray_pools import start_ray
+        from pdserve.deploy.ray_instance import start_ray
 
         start_ray(None, 16)  # logical CPUs: room for several small deployments at once
     st = ServiceThread(Service(spec, config, use_ray=use_ray))

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import ray
-from pdserve.deploy.ray_pools import start_ray
+from pdserve.deploy.ray_instance import start_ray
 assert start_ray(None, 1) is True
 print("gcs", ray.get_runtime_context().gcs_address)
 ray.shutdown()

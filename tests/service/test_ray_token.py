@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 JOIN = """
 import sys
-from pdserve.deploy.ray_pools import start_ray
+from pdserve.deploy.ray_instance import start_ray
 start_ray(sys.argv[1], 1)
 print("joined")
 """

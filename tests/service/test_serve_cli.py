@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -200,3 +202,45 @@ def test_a_signal_during_start_up_stops_cleanly() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stop_signalled_to_every_process_ends_pdserve_in_seconds() -> None:
+    """As systemd's default ``KillMode=control-group`` does: SIGTERM to every process of the
+    session, Ray's GCS and raylet included. pdserve notices its Ray is gone within seconds, says
+    so, stops what is left and exits (it used to hang for a minute, then abort), leaving no
+    process of its session behind."""
+    import psutil
+
+    hp, gp = free_port(), free_port()
+    exe = str(Path(sys.executable).with_name("pdserve"))
+    cmd = [exe, "serve", "--model", "tiny", "--http-port", str(hp), "--grpc-port", str(gp)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+    def session() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(p.pid) == proc.pid:
+                    found.append(p)
+        return found
+
+    try:
+        wait_ready(f"http://127.0.0.1:{hp}/health", proc, timeout_s=120)
+        members = session()
+        assert {"gcs_server", "raylet"} <= {p.name() for p in members}
+        t0 = time.monotonic()
+        for p in members:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 20, (took, out[-3000:])
+    assert proc.returncode == 1 and "is gone" in out and "KillMode=mixed" in out, out[-3000:]
+    time.sleep(1.0)
+    assert not [p for p in session() if p.status() != psutil.STATUS_ZOMBIE], out[-3000:]
