@@ -8,7 +8,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pdserve.flags import DEFAULT_MODEL, add_block_size, add_model, add_scheduler, add_temperature
+from pdserve.flags import (
+    DEFAULT_MODEL,
+    add_block_size,
+    add_model,
+    add_scheduler,
+    add_temperature,
+    int_at_least,
+)
 from pdserve.model_runtime.errors import PdserveError
 
 DEMO_PROMPTS = (
@@ -50,13 +57,16 @@ def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.model_runtime.platform import use_threads
     from pdserve.model_runtime.sampling_params import SamplingParams
 
+    threads = use_threads(args.threads)
     t0 = time.perf_counter()
     engine = _build_engine(args)
     print(
         f"loaded {args.model} in {time.perf_counter() - t0:.2f}s "
-        f"({engine.model_config.architecture}, {engine.model_config.num_parameters() / 1e6:.1f}M params)"
+        f"({engine.model_config.architecture}, {engine.model_config.num_parameters() / 1e6:.1f}M params, "
+        f"{threads} thread{'s' if threads > 1 else ''})"
     )
     prompts: list[str | list[int]] = list(args.prompt or DEMO_PROMPTS)
     if args.token_ids:
@@ -104,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
+    g.add_argument(
+        "--threads",
+        type=int_at_least(0),
+        default=1,
+        help="torch threads: 1 (default) as a serving worker gets (--cpus-per-worker); 0: every CPU "
+        "this process may use (its affinity and cgroup quota); more threads than idle cores make "
+        "each step wait on the busiest",
+    )
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="run the cluster: router (gRPC + OpenAI HTTP) and worker pools")
     _engine_args(s)

@@ -318,9 +318,10 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape
     from pdserve.model_runtime.model.loader import resolve_dtype
+    from pdserve.model_runtime.platform import use_threads
     from pdserve.steptime.fitted import FittedProfile
 
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     dtype_bytes = torch.finfo(dtype).bits // 8
     b_max, c_max = max(args.decode_batches), max(args.decode_contexts)

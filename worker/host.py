@@ -36,6 +36,7 @@ from pdserve.kvtransfer.emulated_link import EmulatedLink
 from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
+from pdserve.model_runtime.platform import use_threads
 from pdserve.worker.commands import Abort, Answer, Command, Release, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
@@ -114,8 +115,7 @@ class WorkerHost:
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.role not in self.ROLES:
             raise ValueError(f"{type(self).__name__} cannot run a {spec.role.value} worker")
-        if spec.num_threads > 0:
-            torch.set_num_threads(spec.num_threads)
+        use_threads(spec.num_threads)
         self.spec = spec
         allocator, shm_paths = _shared_cache_allocator(spec, any(r.listens for r in self.ROLES.values()))
         self.rt: Runtime = build_runtime(spec.engine, allocator)

@@ -20,7 +20,7 @@ class WorkerSpec:
     transport: TransportConfig = field(default_factory=TransportConfig)
     secret: bytes = b""  # cluster secret (>= 16 bytes): KV transport and output channel
     internal_tls: InternalTls | None = None  # set: the KV and worker channels run over TLS
-    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    num_threads: int = 0  # torch intra-op threads: its placement's CPUs; 0: its process's allotment
     router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
     drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish
     drain_on_sigterm: bool = False  # install the SIGTERM drain (own worker processes only)
