@@ -242,6 +242,18 @@ def test_killed_decode_worker_streams_move_and_the_pool_replaces_it() -> None:
         st.stop()
 
 
+def open_streams(s: Any, seed: int, n: int) -> tuple[list[list[int]], list[tuple[Any, list[int]]]]:
+    """``n`` greedy 200-token streams of random short prompts, each read to its first token:
+    (prompts, (call, tokens so far) each)."""
+    rng = random.Random(seed)
+    ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
+    calls = []
+    for p in ps:
+        call = s.Generate(grpc_request(p, 200, stream=True))
+        calls.append((call, list(next(call).chunk.token_ids)))
+    return ps, calls
+
+
 def test_sigterm_to_the_only_decode_worker_refuses_nothing() -> None:
     """1P+1D (``make serve``'s layout): SIGTERM to the decode worker starts its replacement at
     once, and the draining worker serves new requests until the replacement takes them, so no
@@ -249,12 +261,7 @@ def test_sigterm_to_the_only_decode_worker_refuses_nothing() -> None:
     st, ep = start_service(use_ray=True, prefill=1, decode=1, replace_lost=True)
     try:
         s = stub(ep)
-        rng = random.Random(62)
-        ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(2)]
-        calls = []
-        for p in ps:
-            call = s.Generate(grpc_request(p, 200, stream=True))
-            calls.append((call, list(next(call).chunk.token_ids)))
+        ps, calls = open_streams(s, seed=62, n=2)
         victim = next(h for h in st.service.handles if h.worker_id == "decode-0")
         router = st.service.router
         assert router is not None
@@ -295,13 +302,7 @@ def test_sigterm_drains_a_decode_worker_then_the_pool_replaces_it() -> None:
     st, ep = start_service(use_ray=True, prefill=1, decode=2, replace_lost=True)
     try:
         s = stub(ep)
-        rng = random.Random(61)
-        ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
-        calls = []
-        for p in ps:
-            call = s.Generate(grpc_request(p, 200, stream=True))
-            first = list(next(call).chunk.token_ids)
-            calls.append((call, first))
+        ps, calls = open_streams(s, seed=61, n=4)
         victim = next(h for h in st.service.handles if h.worker_id == "decode-0")
         os.kill(victim.info.pid, signal.SIGTERM)
         wait_for(lambda: victim.load.health.value == "draining", 5.0, "decode-0 reports draining")
