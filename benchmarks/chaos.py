@@ -3,19 +3,19 @@ checked token by token against HF transformers, one fault per scenario; what a c
 
 Scenarios (each on a fresh deployment on a local Ray instance, lost workers replaced as the
 product does by default; the test suite runs them on one deployment, whole again before each):
-``none``; ``decode_kill`` SIGKILL of a decode worker mid-stream;
-``prefill_kill`` SIGKILL of a prefill worker with prompts queued (mid-prefill);
-``prefill_push_kill`` SIGKILL of a prefill worker the moment the first stream has its first token
-(its KV pushes under way); ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term``
-SIGTERM of a decode worker mid-stream (it drains); ``shrink_then_crash`` the decode pool shrunk
-to one worker mid-stream (``Service.resize``, a 2 s drain) and the worker it keeps SIGKILLed
-0.3 s into the drain (the shrink must be given up); ``kv_drop`` every KV connection to the decode
-workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer is seen
-dropped (at most 10 s); ``kv_listener_flood`` 300 idle connections that never authenticate
-held open to each decode worker's KV listener by another process, reopened as they close, for
-the whole run, the senders' connections from before it reset (``ss -K``) before the streams
-start, so that every hand-off connects through the flood (each must succeed); ``router_term``
-SIGTERM of the router (``pdserve serve --local`` in a child process; it drains);
+``none``; ``decode_kill`` SIGKILL of a decode worker mid-stream; ``prefill_kill`` SIGKILL of a
+prefill worker with prompts queued (mid-prefill); ``prefill_push_kill`` SIGKILL of a prefill
+worker the moment the first stream has its first token (its KV pushes under way);
+``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term`` SIGTERM of a decode worker
+mid-stream (it drains); ``shrink_then_crash`` the decode worker holding more streams retired
+mid-stream (``Router.retire``, as ``Service.resize`` does; a 2 s drain) and the other SIGKILLed
+0.3 s into the drain (the retirement must be given up); ``kv_drop`` every KV connection to the
+decode workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer
+is seen dropped (at most 10 s); ``kv_listener_flood`` 300 idle connections that never
+authenticate held open to each decode worker's KV listener by another process, reopened as they
+close, for the whole run, the senders' connections from before it reset (``ss -K``) before the
+streams start, so that every hand-off connects through the flood (each must succeed);
+``router_term`` SIGTERM of the router (``pdserve serve --local`` in a child process; it drains);
 ``group_sigterm`` SIGTERM to the process group of a ``pdserve serve`` on its own private Ray
 instance (``kill -TERM -- -PGID``: Ray's processes must not get it; it drains and stops in
 order, leaving no process of its session behind).
@@ -282,8 +282,9 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         elif name in MID_STREAM:  # every stream has tokens
             wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
         shrink: Future[Any] | None = None
+        held: dict[str, int] = {}
         if name == "shrink_then_crash":
-            shrink, victim = shrink_decode_pool(st, handles)
+            shrink, victim, held = shrink_decode_pool(st, handles)
         else:
             # The victim: the worker of its pool holding the most requests (the lowest id of a
             # tie), so that a fault mid-stream always has streams to move.
@@ -306,14 +307,16 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             reset_kv_connections(addresses, 1.5, lambda: kv_failed_since(st, kv_before) > 0)
         for t in threads + after_threads:
             t.join(180)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"held_at_shrink": held, "victim": victim} if held else {}
         if flooding is not None:
             extra["flood"] = flood.result(flooding)
             extra["handoffs"] = transfers_received(st) - received_before
         given_up = None
         if shrink is not None:
-            [change] = shrink.result(60)
+            change = shrink.result(60)
             given_up = not change.done
+            if change.done:
+                restore_decode_pool(st, 2)
         failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)
         moved = [lg for lg in logs + after_logs if lg.migrations]
         seen = t_fault + detected  # tokens before this may still be the lost worker's
@@ -341,19 +344,33 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             st.stop()
 
 
-def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], str]:
-    """Start shrinking the decode pool to one worker (``Service.resize``, as the autoscaler does,
-    a 2 s drain), then, 0.3 s into the drain, pick the worker it keeps as the victim; returns
-    the resize (its ``PoolChange`` list) and the victim."""
+def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], str, dict[str, int]]:
+    """Retire one of the two decode workers with a 2 s drain (``Router.retire``, what
+    ``Service.resize`` does for the autoscaler), the one holding more streams, so that it is
+    still draining when, 0.3 s in, the other one (the victim) is killed; the victim's streams,
+    if the router placed any there, must move to it. Returns the retirement (its
+    ``PoolChange``), the victim, and the streams each worker held."""
     from pdserve.worker.messages import WorkerRole
 
     decode = [h for h in handles.values() if h.role is WorkerRole.DECODE]
-    shrink = asyncio.run_coroutine_threadsafe(st.service.resize(WorkerRole.DECODE, 1, drain_timeout_s=2.0),
-                                              st.loop)  # fmt: skip
-    wait_for(lambda: any(h.retiring for h in decode), 10, "a decode worker draining to retire")
+    held = {h.worker_id: len(h.inflight) for h in decode}
+    leaving = max(decode, key=lambda h: (len(h.inflight), h.worker_id))
+    if not leaving.inflight:
+        raise RuntimeError(f"shrink_then_crash needs streams on a decode worker, held: {held}")
+    router = st.service.router
+    shrink = asyncio.run_coroutine_threadsafe(router.retire(leaving.worker_id, 2.0), st.loop)
+    wait_for(lambda: leaving.retiring, 10, "a decode worker draining to retire")
     time.sleep(0.3)
-    [kept] = [h for h in decode if not h.retiring]
-    return shrink, kept.worker_id
+    [kept] = [h for h in decode if h is not leaving]
+    return shrink, kept.worker_id, held
+
+
+def restore_decode_pool(st: Any, size: int) -> None:
+    """After a retirement that was not given up: the decode pool back to ``size``."""
+    from pdserve.worker.messages import WorkerRole
+
+    st.service.handles = [h for h in st.service.handles if h.worker_id in st.service.router.workers]
+    asyncio.run_coroutine_threadsafe(st.service.resize(WorkerRole.DECODE, size), st.loop).result(120)
 
 
 def router_term(work: Work, group: bool = False) -> dict[str, Any]:
