@@ -259,6 +259,10 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
             # Without CUDA the graphs' fixed-shape inputs still run (eagerly): what tests check.
             graphs = GraphSettings(config.scheduler.max_num_seqs, max_len, capture=device.type == "cuda")
         runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs)
+        if device.type == "cpu":  # oneDNN's per-shape state, all made now: memory flat from here
+            t1 = time.perf_counter()
+            ran = model.warm_up(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+            log.debug("warmed up %d linear products in %.2fs", ran, time.perf_counter() - t1)
     rt = Runtime(
         config=config,
         checkpoint=checkpoint,

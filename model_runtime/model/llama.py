@@ -17,7 +17,7 @@ from pdserve.model_runtime.backend import Backend
 from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.model.attention import AttentionMetadata
 from pdserve.model_runtime.model.layers import Rotary
-from pdserve.model_runtime.model.linear import Linear
+from pdserve.model_runtime.model.linear import Linear, warm_up
 from pdserve.model_runtime.model.ops import LayerOps, PagedMetadata, PagedOps, TorchOps
 
 
@@ -58,6 +58,13 @@ class LlamaModel:
         self.rotary = Rotary(config.head_dim, max_positions, config.rope, self.device, self.dtype)
         self.backend = backend
         self.ops: LayerOps = (PagedOps if backend is Backend.PAGED else TorchOps)(config, self.rotary)
+
+    def warm_up(self, max_step_tokens: int, max_step_rows: int) -> int:
+        """Create up front the per-shape state of the layers' products for steps of up to
+        ``max_step_tokens`` tokens and of the head's for up to ``max_step_rows`` sampled rows
+        (``linear.warm_up``); returns the number of products run."""
+        layer_linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+        return warm_up(layer_linears, max_step_tokens) + warm_up([self.lm_head], max_step_rows)
 
     @torch.inference_mode()
     def forward(
