@@ -129,8 +129,8 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def start(prefill: int, decode: int) -> tuple[Any, Any]:
-    """A deployment on the running Ray instance, with its gRPC stub."""
+def start(prefill: int, decode: int, model: str = "tiny") -> tuple[Any, Any]:
+    """A deployment of ``model`` on the running Ray instance, with its gRPC stub."""
     import grpc
 
     from pdserve.deploy.pools import PoolSpec
@@ -140,11 +140,11 @@ def start(prefill: int, decode: int) -> tuple[Any, Any]:
     from pdserve.router.config import Caps, RouterConfig
     from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
-    engine = EngineConfig(model="tiny", cache=CacheConfig(block_size=16, num_blocks=512),
+    engine = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=512),
                           scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32))  # fmt: skip
     spec = PoolSpec(prefill=prefill, decode=decode, engine=engine)
     config = RouterConfig(
-        http_port=0, grpc_port=0, caps=Caps(max_tokens=2048), model_name="tiny", local_prefill=False
+        http_port=0, grpc_port=0, caps=Caps(max_tokens=2048), model_name=model, local_prefill=False
     )
     st = ServiceThread(Service(spec, config, use_ray=True))
     ep = st.start()

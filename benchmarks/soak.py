@@ -2,19 +2,23 @@
 ``--minutes`` (default 10), one worker SIGKILLed a minute (the pool replaces it), while every
 process is sampled; does anything grow?
 
-Load: ``--clients`` threads, each sending one gRPC stream after another: prompts of 5-600
-tokens, 16-160 output tokens, greedy or seeded; one stream in five is cancelled by the client
-after a few tokens; request ids are re-used (each client cycles through four). Faults: at every
-full minute (``--kill-every``) a worker is SIGKILLed, decode and prefill in turn.
+Load: ``--clients`` threads, each sending one gRPC stream after another: prompts of 5, 40,
+120, 300 or 600 tokens (``--random-lengths``: any length from 1 to 600, so that almost every
+prefill step has a size of its own), 16-160 output tokens, greedy or seeded; one stream in five
+is cancelled by the client after a few tokens; request ids are re-used (each client cycles
+through four). Faults: at every full minute (``--kill-every``) a worker is SIGKILLed, decode
+and prefill in turn.
 
 Samples every ``--sample-s`` seconds (Linux ``/proc``): the router's process (this one) and
 every live worker's RSS, open file descriptors and threads; KV blocks in use; the sizes of
 every per-request map on every worker and in the router. Growth: the median of the last minute
-minus the median of minute 2 (after warm-up), summed over the workers present. After the load
-stops, blocks in use and per-request state must be zero.
+minus the median of minute 2 (after warm-up), summed over the workers present, and
+(``worker_rss_growth_mib``) for each worker present in both. After the load stops, blocks in
+use and per-request state must be zero.
 
     .venv/bin/python -m benchmarks.soak                 # 10 minutes of load
     .venv/bin/python -m benchmarks.soak --minutes 3     # a quicker look
+    .venv/bin/python -m benchmarks.soak --kill-every 0 --model smollm2-135m --random-lengths
 
 The final JSON line has ``rss_growth_mib``, ``fd_growth``, ``threads_growth``,
 ``blocks_in_use_growth``, ``per_request_state_growth`` (router and workers), the same for the
@@ -52,6 +56,7 @@ class Sample:
     router_rss_mib: float
     router_fds: int
     router_state: int
+    worker_rss_mib: tuple[tuple[str, float, float], ...] = ()  # (worker id, RSS, anonymous RSS) each
 
 
 def proc(pid: int) -> tuple[float, float, int, int]:
@@ -67,6 +72,7 @@ def proc(pid: int) -> tuple[float, float, int, int]:
 
 def sample(st: Any, t0: float) -> Sample:
     rss = anon = fds = threads = blocks = state = 0.0
+    each: list[tuple[str, float, float]] = []
     for h in list(st.service.handles):
         if not h.alive:
             continue
@@ -77,13 +83,16 @@ def sample(st: Any, t0: float) -> Sample:
             continue
         r, a, f, n = proc(h.info.pid)
         rss, anon, fds, threads = rss + r, anon + a, fds + f, threads + n
+        each.append((h.worker_id, r, a))
         blocks += load.kv_total - load.kv_free
         state += sum(req.values())
     me = proc(os.getpid())
     router = st.service.router
     rs = sum(st.run(_call(router.request_state)).values())
     t = time.monotonic() - t0
-    return Sample(t, rss, anon, int(fds), int(threads), int(blocks), int(state), me[0], me[2], rs)
+    return Sample(
+        t, rss, anon, int(fds), int(threads), int(blocks), int(state), me[0], me[2], rs, tuple(each)
+    )
 
 
 def describe(s: Sample, outcomes: Counter[str]) -> str:
@@ -98,7 +107,14 @@ async def _call(fn: Any) -> Any:
     return fn()  # on the service's loop: the router's maps are that loop's
 
 
-def client(stub: Any, idx: int, stop: threading.Event, outcomes: Counter[str], seed: int) -> None:
+def client(
+    stub: Any,
+    idx: int,
+    stop: threading.Event,
+    outcomes: Counter[str],
+    seed: int,
+    random_lengths: bool = False,
+) -> None:
     import grpc
 
     from pdserve.v1 import inference_pb2 as pb
@@ -107,7 +123,8 @@ def client(stub: Any, idx: int, stop: threading.Event, outcomes: Counter[str], s
     i = 0
     while not stop.is_set():
         req = pb.GenerateRequest(stream=True, request_id=f"client-{idx}-{i % 4}")
-        req.token_ids.ids.extend(rng.randrange(3, 256) for _ in range(rng.choice([5, 40, 120, 300, 600])))
+        length = rng.randint(1, 600) if random_lengths else rng.choice([5, 40, 120, 300, 600])
+        req.token_ids.ids.extend(rng.randrange(3, 256) for _ in range(length))
         req.sampling.max_tokens = rng.randrange(16, 161)
         req.sampling.ignore_eos = True
         if rng.random() < 0.5:
@@ -132,9 +149,27 @@ def client(stub: Any, idx: int, stop: threading.Event, outcomes: Counter[str], s
 
 
 def growth(samples: list[Sample], key: str, end_s: float) -> float:
-    early = [getattr(s, key) for s in samples if 60 <= s.t < 120]
-    late = [getattr(s, key) for s in samples if end_s - 60 <= s.t <= end_s] or [getattr(samples[-1], key)]
-    return float(statistics.median(late) - statistics.median(early)) if early else 0.0
+    return _growth([(s.t, getattr(s, key)) for s in samples], end_s)
+
+
+def _growth(points: list[tuple[float, float]], end_s: float) -> float:
+    """The median of the last minute minus the median of minute 2 (0 when either is empty)."""
+    early = [v for t, v in points if 60 <= t < 120]
+    late = [v for t, v in points if end_s - 60 <= t <= end_s]
+    return float(statistics.median(late) - statistics.median(early)) if early and late else 0.0
+
+
+def worker_growth(samples: list[Sample], end_s: float, anon: bool = False) -> dict[str, float]:
+    """RSS growth (MiB; ``anon``: of anonymous memory) of each worker sampled both in minute 2
+    and in the last minute."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for s in samples:
+        for wid, rss, anon_rss in s.worker_rss_mib:
+            series.setdefault(wid, []).append((s.t, anon_rss if anon else rss))
+    grown = {wid: _growth(points, end_s) for wid, points in series.items()}
+    both = {wid for wid, pts in series.items() if any(60 <= t < 120 for t, _ in pts)
+            and any(end_s - 60 <= t <= end_s for t, _ in pts)}  # fmt: skip
+    return {wid: round(g, 1) for wid, g in sorted(grown.items()) if wid in both}
 
 
 def main() -> None:
@@ -145,6 +180,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill-every", type=float, default=60.0, metavar="S",
                     help="SIGKILL a worker every S seconds (0: never)")  # fmt: skip
+    ap.add_argument("--model", default="tiny", help="the workers' model (default: the tiny test model)")
+    ap.add_argument("--random-lengths", action="store_true", help="prompts of any length from 1 to 600")
     args = ap.parse_args()
     if args.minutes < 2.5:
         ap.error("--minutes must be >= 2.5 (growth is measured from minute 2)")
@@ -152,11 +189,13 @@ def main() -> None:
     from pdserve.deploy.ray_instance import start_ray
 
     start_ray(None, 16)
-    st, stub = start(prefill=2, decode=2)
+    st, stub = start(prefill=2, decode=2, model=args.model)
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
     clients = [
-        threading.Thread(target=client, args=(stub, i, stop, outcomes, args.seed), daemon=True)
+        threading.Thread(
+            target=client, args=(stub, i, stop, outcomes, args.seed, args.random_lengths), daemon=True
+        )
         for i in range(args.clients)
     ]
     samples: list[Sample] = []
@@ -192,12 +231,16 @@ def main() -> None:
         keeper = st.service.keeper
         result = {
             "minutes": args.minutes,
+            "model": args.model,
+            "random_lengths": args.random_lengths,
             "clients": args.clients,
             "kills": kills,
             "replaced": keeper.replaced if keeper else 0,
             "outcomes": dict(outcomes),
             "rss_growth_mib": round(growth(samples, "rss_mib", end), 1),
             "anon_rss_growth_mib": round(growth(samples, "anon_mib", end), 1),
+            "worker_rss_growth_mib": worker_growth(samples, end),
+            "worker_anon_rss_growth_mib": worker_growth(samples, end, anon=True),
             "fd_growth": growth(samples, "fds", end),
             "threads_growth": growth(samples, "threads", end),
             "blocks_in_use_growth": growth(samples, "blocks", end),
