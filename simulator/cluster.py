@@ -26,12 +26,12 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
-from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.early_stop import EarlyStop
 from pdserve.simulator.jitter import StepJitter
+from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.sim_worker import SimWorker
 from pdserve.simulator.virtual import Clock, Link
@@ -183,7 +183,7 @@ class Cluster:
         sr.dispatched = self.clock.now
         route = RouteRequest(
             sr.num_prompt_tokens, work.params.max_tokens, request_id=rid,
-            block_keys=block_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
+            block_keys=prompt_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
         )  # fmt: skip
         prefill = [w.load() for w in self.prefillers if w is not avoid]
         decision = self.dispatcher.decide(route, prefill, [w.load() for w in self.decoders], self.clock.now)

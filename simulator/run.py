@@ -36,6 +36,7 @@ from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.early_stop import EarlyStop
+from pdserve.simulator.prompt_memo import checked
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.steptime.model import StepTimeModel
 
@@ -157,7 +158,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     tracked = []
     submitted: list[RequestSpec] = []  # as the cluster sees them: the work bound's workload
     for i, s in enumerate(specs):
-        prompt = s.prompt if isinstance(s.prompt, tuple) else tuple(range(s.prompt_len))
+        prompt = checked(s.prompt if isinstance(s.prompt, tuple) else tuple(range(s.prompt_len)))
         if s.prompt_len + s.output_len > min(profile.max_model_len, capacity):
             results.append(RequestResult(s.prompt_len, error="INVALID_ARGUMENT: exceeds the context"))
             continue

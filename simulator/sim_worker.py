@@ -28,6 +28,7 @@ from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
@@ -44,7 +45,11 @@ class SimWorker:
         block_size: int, cluster: Cluster,
     ) -> None:  # fmt: skip
         self.wid, self.profile, self.cluster = wid, profile, cluster
-        kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
+        kv = KVCacheManager(
+            max(1, profile.kv_capacity_tokens // block_size),
+            block_size,
+            prompt_keys=lambda prompt: prompt_keys(prompt, block_size),
+        )
         self.rt = SimRuntime(kv, block_size, profile.max_model_len)
         self.transport: SimTransport | None = None
         if role is not WorkerRole.COLOCATED:

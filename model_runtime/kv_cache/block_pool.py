@@ -75,7 +75,7 @@ class BlockPool:
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._by_key: dict[BlockKey, int] = {}
         # Insertion order is LRU order: popitem(last=False) takes the least recently freed block.
-        self._free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached_free = 0  # blocks in the free queue that still hold a key (stats in O(1))
         self.num_evictions = 0
         self.num_queries = 0
