@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
+from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import RouterConfig
@@ -55,6 +56,7 @@ class Cluster:
         jitter_seed: int = 0,
         reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
         rebalance_prefill: bool = RouterConfig.rebalance_prefill,
+        fast_steps: bool = True,
     ) -> None:
         if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
             raise ValueError(
@@ -62,6 +64,9 @@ class Cluster:
                 f"got {reserve_timeout_s}"
             )
         self.clock = Clock()
+        # decode-only steps applied to the engines' state directly (simulator/fast_step.py):
+        # the same run, several times faster; False steps every engine itself (the reference)
+        self.fast_steps = fast_steps
         # as the router: a request whose decode worker finds no KV room in this long fails
         # (RESOURCE_EXHAUSTED) rather than waiting on
         self.reserve_timeout_s = reserve_timeout_s
@@ -277,9 +282,7 @@ class Cluster:
                 decoder.command(lambda: decoder.decode.kv_lost(rid))
                 return
             sr.token_times.append(now)  # the first token leaves now (TTFT)
-            sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
-            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
+            self._first_token(sr, delta.num_cached_tokens)
             if delta.finished:  # that token was the last: decode gives its reservation back
                 decoder.command(lambda: decoder.decode.abort(rid))
                 self.finish(sr)
@@ -293,11 +296,30 @@ class Cluster:
         first = not sr.token_times
         sr.token_times.extend([now] * len(delta.token_ids))
         if first and sr.token_times:  # prefilled locally: that was the first token
-            sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
-            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
+            self._first_token(sr, delta.num_cached_tokens)
         if delta.finished:
             self.finish(sr)
+
+    def on_tokens(self, w: SimWorker, rows: list[Request]) -> None:
+        """A decode-only step's tokens, one per row (``pdserve.simulator.fast_step``): what
+        ``on_delta`` does with each row's one-token, unfinished delta."""
+        now = self.clock.now
+        for req in rows:
+            sr = self.requests.get(req.request_id)
+            if sr is None:
+                continue
+            first = not sr.token_times
+            sr.token_times.append(now)
+            if first:  # prefilled locally: that was the first token
+                self._first_token(sr, req.num_cached_tokens)
+
+    def _first_token(self, sr: SimRequest, cached: int) -> None:
+        """``sr``'s first token left now: the router's feedback, and the early stop's verdict."""
+        now = self.clock.now
+        rid = sr.work.request_id
+        sr.cached = cached
+        self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
+        self._judge(lambda es: es.first_token(rid, now - sr.arrival))
 
     def _rebalance_prefill(self) -> None:
         """As the router does when the prefill pool changes: take back the prompts that have not

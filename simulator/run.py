@@ -89,6 +89,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         help="how long a request waits for KV room on its decode worker before it fails "
         "RESOURCE_EXHAUSTED (the router's deadline)",
     )
+    p.add_argument(
+        "--no-fast-steps",
+        dest="fast_steps",
+        action="store_false",
+        help="step every engine through its own step(), decode-only steps too (the reference the "
+        "fast path is checked against: the same run, slower)",
+    )
     add_goodput(p)
     add_result(p)
     add_autoscale(p)
@@ -152,6 +159,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         slo_class, shared_host=getattr(args, "shared_host", False),
         jitter_seed=getattr(args, "jitter_seed", 0),
         reserve_timeout_s=getattr(args, "reserve_timeout_s", RouterConfig.reserve_timeout_s),
+        fast_steps=getattr(args, "fast_steps", True),
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
+from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.simulator.fast_step import decode_step
 from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
@@ -62,6 +64,7 @@ class SimWorker:
         self._effects: list[Callable[[], None]] = []  # what the step in flight reports at its end
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
         self.jitter = cluster.jitter_for(wid)
+        self.fast = cluster.fast_steps  # decode-only steps without the engine's machinery
 
     def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
         """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
@@ -121,8 +124,29 @@ class SimWorker:
         if not (self.engine.has_work or io):
             return
         self.busy = True
+        fast = (
+            None
+            if io or not self.fast or not isinstance(self.engine, DecodeEngine)
+            else decode_step(self.engine)
+        )
+        if fast is not None:  # decode only: the same step without the engine's machinery
+            chunks, rows = fast
+            end = self.cluster.clock.now + self._duration(chunks)
+            self.cluster.clock.at(end, lambda: self._done_fast(rows))
+            return
         deltas = self.engine.step()
         chunks = [(c.num_tokens, c.start_pos) for c in self.rt.runner.take()]
+        dur = self._duration(chunks)
+        end = self.cluster.clock.now + dur
+        if self.transport is not None:
+            self.transport.start_queued(end)  # pushes of the prompts this step completed
+        if dur > 0:
+            self.cluster.clock.at(end, lambda: self._done(deltas))
+        else:  # nothing to compute: only a command or a transfer can change that (they kick)
+            self._done(deltas, again=False)
+
+    def _duration(self, chunks: list[tuple[int, int]]) -> float:
+        """How long a step of ``chunks`` takes on this worker now."""
         dur = self.profile.step_time(chunks) if chunks else 0.0
         if dur > 0:
             cluster = self.cluster
@@ -132,13 +156,19 @@ class SimWorker:
                 dur *= cluster.coactivity(self)
             if self.jitter is not None:
                 dur *= self.jitter.factor(self.prefilling)
-        end = self.cluster.clock.now + dur
-        if self.transport is not None:
-            self.transport.start_queued(end)  # pushes of the prompts this step completed
-        if dur > 0:
-            self.cluster.clock.at(end, lambda: self._done(deltas))
-        else:  # nothing to compute: only a command or a transfer can change that (they kick)
-            self._done(deltas, again=False)
+        return dur
+
+    def _done_fast(self, rows: list[Request]) -> None:
+        """A decode-only step (``pdserve.simulator.fast_step``) ended: as ``_done``, each row's
+        token reported as its one-token delta would be."""
+        self.busy = self.prefilling = False
+        self._load = None
+        effects, self._effects = self._effects, []
+        for effect in effects:
+            effect()
+        self.cluster.on_tokens(self, rows)
+        self.kick()
+        self._check_idle()
 
     def _done(self, deltas: list[TokenDelta], again: bool = True) -> None:
         self.busy = self.prefilling = False
