@@ -39,6 +39,8 @@ from pdserve.simulator.virtual import Clock, Link
 from pdserve.steptime.model import StepTimeModel
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 
+_RECHECK_S = 1e-9  # a deadline is judged this long after it falls, clear of rounding
+
 
 class Cluster:
     def __init__(
@@ -316,10 +318,56 @@ class Cluster:
     def _first_token(self, sr: SimRequest, cached: int) -> None:
         """``sr``'s first token left now: the router's feedback, and the early stop's verdict."""
         now = self.clock.now
-        rid = sr.work.request_id
         sr.cached = cached
-        self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
-        self._judge(lambda es: es.first_token(rid, now - sr.arrival))
+        self.dispatcher.on_first_token(sr.work.request_id, now, now - sr.dispatched)
+        self._judge(lambda es: es.first_token(sr.key, now - sr.arrival))
+        es = self.early_stop
+        params = sr.work.params
+        ends_at_length = params.ignore_eos and not params.stop_token_ids  # all its tokens come
+        if es is not None and es.slo.tpot_ms and params.max_tokens >= 2 and ends_at_length:
+            # its TPOT, (last token - first) / (tokens - 1), passes the target once even a last
+            # token at once would leave it over: the verdict need not wait for the last token
+            n, t1 = params.max_tokens - 1, sr.token_times[0]
+            self._due(t1 + es.slo.tpot_ms / 1000 * n, sr, es.slo.tpot_ms, ttft=t1 - sr.arrival, per=n)
+
+    def watch_deadlines(self, tracked: list[SimRequest]) -> None:
+        """With an early stop: judge a request as soon as it certainly misses, not only when its
+        first or last token comes: once it has waited past the TTFT target without a first token
+        (or past the end-to-end target unfinished), and once its TPOT is past the target however
+        soon the rest of its tokens come. Each verdict is the one its tokens would give: a TTFT,
+        TPOT or latency computed as ``RequestResult`` computes it, with now in place of a token
+        time still to come (later, so never smaller)."""
+        es = self.early_stop
+        assert es is not None
+        slo = es.slo
+        for sr in tracked:
+            if slo.ttft_ms:
+                self._due(sr.arrival + slo.ttft_ms / 1000, sr, slo.ttft_ms, first=True)
+            if slo.e2el_ms:
+                self._due(sr.arrival + slo.e2el_ms / 1000, sr, slo.e2el_ms)
+
+    def _due(
+        self,
+        at: float,
+        sr: SimRequest,
+        target_ms: float,
+        first: bool = False,
+        ttft: float = 0.0,
+        per: int = 1,
+    ) -> None:
+        """At ``at`` (or just after: until it is past ``target_ms``), count ``sr`` a miss unless
+        it has finished (or, ``first``, has its first token): its latency so far, less ``ttft``,
+        over ``per`` tokens (a TTFT or latency: 0 and 1; a TPOT: the TTFT and tokens - 1)."""
+
+        def check() -> None:
+            if sr.done or (first and sr.token_times):
+                return
+            if ((self.clock.now - sr.arrival) - ttft) / per * 1000 > target_ms:
+                self._judge(lambda es: es.missed(sr.key))
+            else:  # rounding landed it a hair short of the target: look again a moment later
+                self.clock.at(self.clock.now + _RECHECK_S, check)
+
+        self.clock.at(at + _RECHECK_S, check)
 
     def _rebalance_prefill(self) -> None:
         """As the router does when the prefill pool changes: take back the prompts that have not
@@ -371,8 +419,7 @@ class Cluster:
 
     def finish(self, sr: SimRequest) -> None:
         sr.done = True
-        rid = sr.work.request_id
-        self._judge(lambda es: es.failed(rid) if sr.rejected else es.finished(rid, sr.result()))
+        self._judge(lambda es: es.failed(sr.key) if sr.rejected else es.finished(sr.key, sr.result()))
         self.requests.pop(sr.work.request_id, None)
         self.link.tokens.pop(sr.transfer_id, None)
         self.finished.append(sr)

@@ -178,6 +178,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         cluster.early_stop = EarlyStop(
             slo, len(specs), stop_below, len(results), on_pass=getattr(args, "stop_on_pass", True)
         )
+        cluster.watch_deadlines(tracked)
     t0 = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - t0

@@ -32,6 +32,12 @@ class SimRequest:
     attempts: int = 0  # times it was routed again (a prompt taken back from a prefill worker)
 
     @property
+    def key(self) -> str:
+        """Its id as first routed (a prompt routed again gets ``id~attempt``): the early
+        stop's name for it."""
+        return self.work.request_id.split("~", 1)[0]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.work.prompt_token_ids)
 
