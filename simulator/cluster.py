@@ -302,9 +302,9 @@ class Cluster:
         if delta.finished:
             self.finish(sr)
 
-    def on_tokens(self, w: SimWorker, rows: list[Request]) -> None:
-        """A decode-only step's tokens, one per row (``pdserve.simulator.fast_step``): what
-        ``on_delta`` does with each row's one-token, unfinished delta."""
+    def on_tokens(self, w: SimWorker, rows: list[Request], finished: list[Request]) -> None:
+        """A steady step's tokens, one per row (``pdserve.simulator.fast_step``), those of
+        ``finished`` their last: what ``on_delta`` does with each row's one-token delta."""
         now = self.clock.now
         for req in rows:
             sr = self.requests.get(req.request_id)
@@ -314,6 +314,8 @@ class Cluster:
             sr.token_times.append(now)
             if first:  # prefilled locally: that was the first token
                 self._first_token(sr, req.num_cached_tokens)
+            if finished and req in finished:
+                self.finish(sr)
 
     def _first_token(self, sr: SimRequest, cached: int) -> None:
         """``sr``'s first token left now: the router's feedback, and the early stop's verdict."""

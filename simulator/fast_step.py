@@ -20,91 +20,154 @@ usual. The tests compare whole runs with and without it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pdserve.decode_worker.engine import DecodeEngine
-from pdserve.model_runtime.kv_cache.manager import blocks_needed
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager, blocks_needed
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
+from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
+from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.simulator.virtual import TOKEN
 
 
-def _continues(req: Request) -> bool:
-    """The token this step samples (always ``TOKEN``) does not end ``req``: the rules of
-    ``Request.check_token_stop``."""
-    p = req.params
-    n = len(req.output_token_ids) + 1
-    if n >= p.max_tokens:
-        return False
-    stops = TOKEN in p.stop_token_ids or (not p.ignore_eos and TOKEN in req.eos_token_ids)
-    return not (stops and n >= p.min_tokens)
+class Steady(NamedTuple):
+    """A step run here: its chunks for the step-time model (new tokens, start position, in the
+    plan's order), the requests that got a token, and those of them it ended."""
+
+    chunks: list[tuple[int, int]]
+    rows: list[Request]
+    finished: list[Request]
 
 
-def decode_step(engine: DecodeEngine) -> tuple[list[tuple[int, int]], list[Request]] | None:
-    """Run ``engine``'s next step here if it is steady (see the module docstring):
-    ``(chunks as (new tokens, start position), the requests that got a token)``; ``None``, and
-    nothing changed, when the engine must step itself. The caller has checked that no transfer
-    completion waits to be polled."""
-    if engine.overlap or engine._launched is not None or engine._pending:
+def _chunk(
+    prefill: PrefillScheduler, kv: KVCacheManager, budget: int, seqs: int, cap: int
+) -> tuple[Request | None, int, int] | None:
+    """What ``PrefillScheduler.schedule(budget, seqs)`` does this step, if it is steady:
+    ``(prompt, tokens, blocks to allocate)`` — the oldest prompt part-way takes a chunk that is
+    not its last, and nothing behind it is looked at (the budget or the sequences are spent, or
+    nothing else waits or runs); ``(None, 0, 0)`` when nothing is scheduled and nothing looked
+    at; ``None`` otherwise (a prompt starts or ends: the engine steps)."""
+    if budget <= 0 or seqs <= 0:
+        return None, 0, 0
+    if not prefill.running:
+        return None if prefill.num_waiting else (None, 0, 0)
+    prompt = prefill.running[0]
+    left = prompt.num_uncomputed_tokens
+    take = min(left, budget, cap) if cap else min(left, budget)
+    if take >= left:
+        return None  # its last chunk: it samples the first token
+    others = len(prefill.running) > 1 or prefill.num_waiting
+    if others and budget - take > 0 and seqs - 1 > 0:
+        return None  # what is left of the step goes to the next prompt
+    have = len(kv.block_table(prompt.request_id))
+    return prompt, take, max(0, blocks_needed(prompt.num_computed_tokens + take, kv.block_size) - have)
+
+
+def _compute(kv: KVCacheManager, prompt: Request | None, take: int) -> None:
+    """A chunk of ``prompt`` computed (no token: not its last), its full blocks published."""
+    if prompt is not None and take:
+        prompt.num_computed_tokens += take
+        kv.cache_computed_blocks(prompt)
+
+
+def prefill_step(engine: PrefillEngine) -> Steady | None:
+    """A prefill worker's next step here if it is steady: a chunk of its oldest prompt, not the
+    last (no request gets a token). The caller has checked that no transfer completion waits
+    to be reaped."""
+    if engine._pending_errors:
         return None
     sched = engine.scheduler
     config = sched.config
-    prefill = sched.prefill
-    if prefill.num_waiting or prefill.num_running > 1:
+    kv = engine.kv
+    got = _chunk(sched, kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_prefill_chunk)
+    if got is None or got[0] is None or got[2] > kv.num_free_blocks:
         return None
-    rows = sched.decode.running
+    prompt, take, _ = got
+    start = prompt.num_computed_tokens
+    ok = kv.allocate_slots(prompt, take)
+    assert ok, "counted the free blocks above"
+    _compute(kv, prompt, take)
+    return Steady([(take, start)], [], [])
+
+
+def decode_step(engine: DecodeEngine) -> Steady | None:
+    """Run ``engine``'s next step here if it is steady (see the module docstring); ``None``
+    when the engine must step itself. Either way it first does what ``step()`` does first (take
+    in the transfers that landed, grant waiting reservations): idempotent, so ``step()`` doing
+    it again finds nothing more to do."""
+    if engine.overlap or engine._launched is not None:
+        return None
+    engine._poll_transfers()
+    if engine._pending:
+        engine._serve_pending()
+    sched = engine.scheduler
+    config = sched.config
+    prefill = sched.prefill
+    decode = sched.decode
+    rows = decode.running
     n = len(rows)
     if n > config.max_num_seqs:
         return None
     kv = engine.kv
-    bs = kv.block_size
-    grow = 0
-    for req in rows:
-        if not _continues(req):
+    if config.colocated is ColocatedSchedule.PREFILL_PRIORITY:
+        # a step of whole prompts whenever one may start (``ColocatedScheduler``)
+        if config.max_num_seqs - n - prefill.num_running > 0 and (prefill.num_waiting or prefill.num_running):
             return None
+        got: tuple[Request | None, int, int] | None = (None, 0, 0)
+    else:  # chunked: the budget the decodes leave goes to prompts
+        got = _chunk(
+            prefill, kv, config.max_num_batched_tokens - n, config.max_num_seqs - n, config.max_prefill_chunk
+        )
+    if got is None or not (n or got[1]):
+        return None
+    prompt, take, grow = got
+    bs = kv.block_size
+    for req in rows:
         if req.num_computed_tokens + 1 > len(kv.block_table(req.request_id)) * bs:
             grow += 1
-    prompt: Request | None = None
-    take = 0
-    if prefill.num_running:
-        # a prompt part-way, chunked colocation: the budget the decodes leave goes to its next
-        # chunk (``PrefillScheduler.schedule``); its last chunk samples, which the engine does
-        prompt = prefill.running[0]
-        if config.colocated is not ColocatedSchedule.CHUNKED:
-            return None
-        budget, seqs = config.max_num_batched_tokens - n, config.max_num_seqs - n
-        if budget > 0 and seqs > 0:
-            take = min(prompt.num_uncomputed_tokens, budget)
-            if config.max_prefill_chunk:
-                take = min(take, config.max_prefill_chunk)
-            if take >= prompt.num_uncomputed_tokens:
-                return None
-            have = len(kv.block_table(prompt.request_id))
-            grow += max(0, blocks_needed(prompt.num_computed_tokens + take, bs) - have)
-    elif not n:
-        return None
     if grow > kv.num_free_blocks:
         return None  # someone is preempted: the engine's step decides whom
     rows = list(rows)
     chunks = []
-    for req in rows:  # the schedule: a slot for each row's token, oldest row first, then the chunk
+    # the schedule (``DecodeScheduler.schedule``, then ``PrefillScheduler.schedule``): a slot
+    # for each row's token, oldest row first, then the chunk
+    for req in rows:
         start = req.num_computed_tokens
         if grow and start + 1 > len(kv.block_table(req.request_id)) * bs:
             ok = kv.allocate_slots(req, 1)
             assert ok, "counted the free blocks above"
         chunks.append((1, start))
-    if take:
-        assert prompt is not None
+    if prompt is not None:
         ok = kv.allocate_slots(prompt, take)
         assert ok, "counted the free blocks above"
         chunks.append((take, prompt.num_computed_tokens))
+    # the update (``DecodeScheduler.update``, then ``PrefillScheduler.update``): each row's
+    # token computed and sampled, a row it ends leaving the batch, its blocks returned once
+    # every row is done (``retire``, then ``release``); then the chunk
     emitted = engine._emitted
-    for req in rows:  # the update: each row's token computed, sampled and reported
+    finished = []
+    handles = []
+    for req in rows:
         req.num_computed_tokens += 1
         if req.num_computed_tokens % bs == 0:  # a block just filled: publish it
             kv.cache_computed_blocks(req)
         req.append_token(TOKEN)
-        emitted[req.request_id] = len(req.output_token_ids)
-    if take:  # the chunk computed (no token: not the prompt's last)
-        assert prompt is not None
-        prompt.num_computed_tokens += take
-        kv.cache_computed_blocks(prompt)
-    return chunks, rows
+        if req.check_token_stop():
+            decode.running.remove(req)
+            finished.append(req)
+            handle = kv.retire(req.request_id)
+            if handle is not None:
+                handles.append(handle)
+        else:
+            emitted[req.request_id] = len(req.output_token_ids)
+    for handle in handles:
+        kv.release(handle)
+    _compute(kv, prompt, take)
+    for req in finished:  # what ``DecodeEngine._finish`` does with an ended request
+        engine._requests.pop(req.request_id, None)
+        engine._emitted.pop(req.request_id, None)
+        engine.rt.runner.release(req.request_id)
+    if engine._pending and finished:
+        engine._serve_pending()
+    return Steady(chunks, rows, finished)

@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
-from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
-from pdserve.simulator.fast_step import decode_step
+from pdserve.simulator.fast_step import Steady, decode_step, prefill_step
 from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
@@ -124,15 +123,16 @@ class SimWorker:
         if not (self.engine.has_work or io):
             return
         self.busy = True
-        fast = (
-            None
-            if io or not self.fast or not isinstance(self.engine, DecodeEngine)
-            else decode_step(self.engine)
-        )
-        if fast is not None:  # decode only: the same step without the engine's machinery
-            chunks, rows = fast
-            end = self.cluster.clock.now + self._duration(chunks)
-            self.cluster.clock.at(end, lambda: self._done_fast(rows))
+        fast = None
+        if self.fast:  # steady steps without the engine's machinery
+            e = self.engine
+            if isinstance(e, DecodeEngine):
+                fast = decode_step(e)  # (it takes in landed transfers first, as step() does)
+            elif not io:
+                fast = prefill_step(e)
+        if fast is not None:
+            end = self.cluster.clock.now + self._duration(fast.chunks)
+            self.cluster.clock.at(end, lambda: self._done_fast(fast))
             return
         deltas = self.engine.step()
         chunks = [(c.num_tokens, c.start_pos) for c in self.rt.runner.take()]
@@ -158,15 +158,15 @@ class SimWorker:
                 dur *= self.jitter.factor(self.prefilling)
         return dur
 
-    def _done_fast(self, rows: list[Request]) -> None:
-        """A decode-only step (``pdserve.simulator.fast_step``) ended: as ``_done``, each row's
-        token reported as its one-token delta would be."""
+    def _done_fast(self, step: Steady) -> None:
+        """A steady step (``pdserve.simulator.fast_step``) ended: as ``_done``, each row's token
+        reported as its one-token delta would be."""
         self.busy = self.prefilling = False
         self._load = None
         effects, self._effects = self._effects, []
         for effect in effects:
             effect()
-        self.cluster.on_tokens(self, rows)
+        self.cluster.on_tokens(self, step.rows, step.finished)
         self.kick()
         self._check_idle()
 
