@@ -432,6 +432,8 @@ class Cluster:
 
     def run(self) -> None:
         self.clock.run()
+        for w in self.by_id.values():  # decode runs cut short by an early stop: their state as of it
+            w.settle()
         if self.clock.stopped:  # ended early: requests are in flight by design
             return
         for w in self.by_id.values():  # every scenario ends with every request done and nothing held

@@ -140,3 +140,31 @@ def test_the_fast_path_runs_and_leaves_the_engines_clean() -> None:
     finally:
         mp.undo()
     assert calls["engine"] < every / 5
+
+
+def test_a_workers_load_during_a_run_is_the_load_after_its_steps() -> None:
+    """The router reads a worker's load mid-run without applying the run's steps: it must be
+    exactly the load the engine reports once they are applied (free and cached blocks)."""
+    from pdserve.simulator.sim_worker import SimWorker
+
+    seen = {"mid_run": 0}
+    real = SimWorker.load
+
+    def checked_load(self: SimWorker) -> Any:
+        lazy = real(self)
+        run = self.run
+        if run is not None and run.pending_grows():
+            seen["mid_run"] += 1
+            run.apply(run.started)
+            assert lazy == self._engine.load()
+            self._load = None
+        return lazy
+
+    specs = workload(3, 60, 700, 300, 40.0, 0)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(SimWorker, "load", checked_load)
+    try:
+        run(["--colocated", "3", "--block-size", "4", "--goodput", "ttft:300", "tpot:40"], specs)
+    finally:
+        mp.undo()
+    assert seen["mid_run"] > 20
