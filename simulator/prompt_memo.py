@@ -1,5 +1,5 @@
-"""What the simulator does to a prompt once per prompt object: check its token ids and hash its
-blocks (pure Python).
+"""What the simulator does to a prompt once per prompt object: check its token ids, hash its
+blocks and cut them out (pure Python).
 
 A goodput search replays one workload at many rates: the same prompt tuples, point after point
 (``pdserve.bench.runner`` draws a trace's prompts once per search). Every engine a request
@@ -23,6 +23,7 @@ LIMIT = 50_000_000  # prompt tokens remembered (a few hundred MB)
 
 _checked: dict[int, tuple[tuple[int, ...], CheckedTokens]] = {}
 _keys: dict[tuple[int, int], tuple[tuple[int, ...], tuple[BlockKey, ...]]] = {}
+_blocks: dict[tuple[int, int], tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]] = {}
 _tokens = 0
 
 
@@ -31,6 +32,7 @@ def _room(n: int) -> None:
     if _tokens + n > LIMIT:
         _checked.clear()
         _keys.clear()
+        _blocks.clear()
         _tokens = 0
     _tokens += n
 
@@ -57,3 +59,16 @@ def prompt_keys(prompt: tuple[int, ...], block_size: int) -> tuple[BlockKey, ...
     _room(len(prompt))
     _keys[(id(prompt), block_size)] = (prompt, keys)
     return keys
+
+
+def prompt_blocks(prompt: tuple[int, ...], block_size: int) -> tuple[tuple[int, ...], ...]:
+    """``prompt``'s full blocks as tuples (what the prefix caches store and compare), the same
+    tuples every time this very ``prompt`` is asked for."""
+    entry = _blocks.get((id(prompt), block_size))
+    if entry is not None and entry[0] is prompt:
+        return entry[1]
+    n = len(prompt) // block_size * block_size
+    blocks = tuple(prompt[i : i + block_size] for i in range(0, n, block_size))
+    _room(len(prompt))
+    _blocks[(id(prompt), block_size)] = (prompt, blocks)
+    return blocks

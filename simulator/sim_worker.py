@@ -31,7 +31,7 @@ from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.simulator.fast_run import DecodeRun
 from pdserve.simulator.fast_step import Steady, decode_step, prefill_step
-from pdserve.simulator.prompt_memo import prompt_keys
+from pdserve.simulator.prompt_memo import prompt_blocks, prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
@@ -52,6 +52,7 @@ class SimWorker:
             max(1, profile.kv_capacity_tokens // block_size),
             block_size,
             prompt_keys=lambda prompt: prompt_keys(prompt, block_size),
+            prompt_blocks=lambda prompt: prompt_blocks(prompt, block_size),
         )
         self.rt = SimRuntime(kv, block_size, profile.max_model_len)
         self.transport: SimTransport | None = None
@@ -67,6 +68,7 @@ class SimWorker:
         self.jitter = cluster.jitter_for(wid)
         self.fast = cluster.fast_steps  # decode-only steps without the engine's machinery
         self.run: DecodeRun | None = None  # decode steps whose effects wait to be looked at
+        self._run_load: tuple[DecodeRun, WorkerLoad, int, WorkerLoad] | None = None
 
     def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
         """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
@@ -110,17 +112,26 @@ class SimWorker:
         if self._load is None:
             self._load = self._engine.load()
         run = self.run
-        grows = run.pending_grows() if run is not None else 0
+        if run is None:
+            return self._load
+        grows = run.pending_grows()
         if not grows:
             return self._load
         # A decode run's steps not applied yet change the load only by the blocks they took:
         # from the head of the free queue, cached keys first out (the load ``apply`` would give).
+        # The router reads every worker's load at every arrival: the same answer until the run
+        # takes more blocks (only its own steps change the pool while it runs uncut).
+        memo = self._run_load
+        if memo is not None and memo[0] is run and memo[1] is self._load and memo[2] == grows:
+            return memo[3]
         pool = self.kv.pool
-        return replace(
+        load = replace(
             self._load,
             kv_free=self._load.kv_free - grows,
             kv_cached=self._load.kv_cached - pool.cached_among_next(grows),
         )
+        self._run_load = (run, self._load, grows, load)
+        return load
 
     def changed(self) -> None:
         self._load = None

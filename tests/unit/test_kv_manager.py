@@ -148,17 +148,25 @@ def test_retired_blocks_stay_out_of_the_pool_until_released_and_the_id_is_free_a
     st.sampled_from([2, 4]),
 )
 def test_known_prompt_keys_change_no_hit_and_no_key(ops: list[tuple[int, int, int]], bs: int) -> None:
-    """A manager handed the prompts' block keys (``prompt_keys``) looks up, caches and evicts
-    exactly as one that hashes them itself: the same hits, tables and keys."""
+    """A manager handed the prompts' block keys (``prompt_keys``) and blocks (``prompt_blocks``)
+    looks up, caches and evicts exactly as one that hashes and slices them itself: the same
+    hits, tables and keys."""
     from pdserve.router.prefix import block_keys
+    from pdserve.simulator.prompt_memo import prompt_blocks
 
     asked: list[tuple[int, ...]] = []
+    cut: list[tuple[int, ...]] = []
 
     def known(prompt: tuple[int, ...]) -> tuple[bytes, ...]:
         asked.append(prompt)
         return block_keys(prompt, bs)
 
-    plain, given_keys = KVCacheManager(12, bs), KVCacheManager(12, bs, prompt_keys=known)
+    def blocks(prompt: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        cut.append(prompt)
+        return prompt_blocks(prompt, bs)
+
+    plain = KVCacheManager(12, bs)
+    given_keys = KVCacheManager(12, bs, prompt_keys=known, prompt_blocks=blocks)
     prefixes = [list(range(40)), [7] * 40, list(range(40, 0, -1))]
     held: list[str] = []
     for i, (p, n, extra) in enumerate(ops):
@@ -187,7 +195,8 @@ def test_known_prompt_keys_change_no_hit_and_no_key(ops: list[tuple[int, int, in
         assert plain.stats() == given_keys.stats()
     plain.check_integrity()
     given_keys.check_integrity()
-    assert asked  # the keys came from the provider
+    assert asked and cut  # the keys and blocks came from the providers
+    assert plain.pool._tokens == given_keys.pool._tokens  # the same blocks stored for each key
 
 
 def test_a_lookup_hashes_blocks_only_up_to_the_first_miss(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,9 +23,22 @@ def test_a_prompt_is_checked_and_hashed_once_per_object(monkeypatch: pytest.Monk
     assert hashed == [100, 100]  # once per (prompt, block size)
 
 
+def test_a_prompts_blocks_are_cut_once_per_object() -> None:
+    """Full blocks only, equal to the slices an engine would cut, the same tuples each time:
+    the prefix caches of every engine a prompt visits store one copy."""
+    a = prompt_memo.checked(tuple(range(100)))
+    blocks = prompt_memo.prompt_blocks(a, 16)
+    assert blocks == tuple(tuple(range(i, i + 16)) for i in range(0, 96, 16))
+    assert all(type(b) is tuple for b in blocks)
+    again = prompt_memo.prompt_blocks(a, 16)
+    assert all(x is y for x, y in zip(blocks, again, strict=True))
+    assert prompt_memo.prompt_blocks(a, 128) == ()
+
+
 def test_the_memo_forgets_everything_past_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prompt_memo, "LIMIT", 250)
     monkeypatch.setattr(prompt_memo, "_checked", {})
+    monkeypatch.setattr(prompt_memo, "_blocks", {})
     monkeypatch.setattr(prompt_memo, "_tokens", 0)
     prompts = [tuple(range(i, i + 100)) for i in range(3)]
     checked = [prompt_memo.checked(p) for p in prompts]
