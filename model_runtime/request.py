@@ -119,6 +119,13 @@ class Request:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n_prompt]]
 
+    def token_block(self, start: int, end: int) -> tuple[int, ...]:
+        """``token_slice`` as a tuple: one copy for a block inside the prompt (the prefix
+        cache keys, stores and compares whole blocks as tuples)."""
+        if end <= len(self.prompt_token_ids):
+            return self.prompt_token_ids[start:end]
+        return tuple(self.token_slice(start, end))
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens

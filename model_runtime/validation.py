@@ -30,15 +30,39 @@ class RequestLimits:
     max_tokens_cap: int = 0
 
 
+class CheckedTokens(tuple[int, ...]):
+    """Token ids already checked to be ints in ``[0, vocab)``: immutable, so the check holds
+    for as long as the object lives, and ``validate_request`` skips it against any vocabulary
+    at least as large. Only ``checked_tokens`` makes one; a message decoded off the wire is a
+    plain tuple again, so a worker still checks what another process sends it."""
+
+    vocab: int
+
+
+def _check_token_ids(prompt_ids: Sequence[int], vocab: int) -> None:
+    # in C, not a Python loop a token: this runs for every request on every worker it visits
+    if not set(map(type, prompt_ids)) <= {int} or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
+        raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+
+def checked_tokens(prompt_ids: Sequence[int], vocab: int) -> CheckedTokens:
+    """``prompt_ids`` checked once (``InvalidRequestError`` if an id is outside ``[0, vocab)``):
+    what a process that hands the same prompt to many engines (a simulator) passes them."""
+    if prompt_ids:
+        _check_token_ids(prompt_ids, vocab)
+    out = CheckedTokens(prompt_ids)
+    out.vocab = vocab
+    return out
+
+
 def validate_request(prompt_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> None:
     """Raise ``InvalidRequestError`` for anything this deployment cannot serve."""
     vocab = limits.vocab_size
     if not prompt_ids:
         raise InvalidRequestError("prompt", "must not be empty")
-    # in C, not a Python loop a token: this runs for every request on every worker it visits
-    if not set(map(type, prompt_ids)) <= {int} or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
-        raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+    if not (type(prompt_ids) is CheckedTokens and prompt_ids.vocab <= vocab):
+        _check_token_ids(prompt_ids, vocab)
     params.validate(vocab, limits.max_logprobs)
     if limits.max_tokens_cap and params.max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(

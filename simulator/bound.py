@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.bench.workload import RequestSpec
-from pdserve.router.prefix import block_keys
+from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.steptime.model import StepTimeModel
 
 # Marginal costs are taken inside a step this large: compute-bound for any profile, with a
@@ -84,7 +84,7 @@ def work_bound(model: StepTimeModel, specs: Sequence[RequestSpec], block_size: i
     for s in specs:
         cached = 0
         if isinstance(s.prompt, tuple):
-            keys = block_keys(s.prompt, block_size)
+            keys = prompt_keys(s.prompt, block_size)
             hit = 0
             for k in keys:
                 if k not in seen:

@@ -22,21 +22,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
+from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
-from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.early_stop import EarlyStop
 from pdserve.simulator.jitter import StepJitter
+from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.sim_worker import SimWorker
 from pdserve.simulator.virtual import Clock, Link
 from pdserve.steptime.model import StepTimeModel
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+
+_RECHECK_S = 1e-9  # a deadline is judged this long after it falls, clear of rounding
 
 
 class Cluster:
@@ -55,6 +58,7 @@ class Cluster:
         jitter_seed: int = 0,
         reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
         rebalance_prefill: bool = RouterConfig.rebalance_prefill,
+        fast_steps: bool = True,
     ) -> None:
         if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
             raise ValueError(
@@ -62,6 +66,9 @@ class Cluster:
                 f"got {reserve_timeout_s}"
             )
         self.clock = Clock()
+        # decode-only steps applied to the engines' state directly (simulator/fast_step.py):
+        # the same run, several times faster; False steps every engine itself (the reference)
+        self.fast_steps = fast_steps
         # as the router: a request whose decode worker finds no KV room in this long fails
         # (RESOURCE_EXHAUSTED) rather than waiting on
         self.reserve_timeout_s = reserve_timeout_s
@@ -183,7 +190,7 @@ class Cluster:
         sr.dispatched = self.clock.now
         route = RouteRequest(
             sr.num_prompt_tokens, work.params.max_tokens, request_id=rid,
-            block_keys=block_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
+            block_keys=prompt_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
         )  # fmt: skip
         prefill = [w.load() for w in self.prefillers if w is not avoid]
         decision = self.dispatcher.decide(route, prefill, [w.load() for w in self.decoders], self.clock.now)
@@ -277,9 +284,7 @@ class Cluster:
                 decoder.command(lambda: decoder.decode.kv_lost(rid))
                 return
             sr.token_times.append(now)  # the first token leaves now (TTFT)
-            sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
-            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
+            self._first_token(sr, delta.num_cached_tokens)
             if delta.finished:  # that token was the last: decode gives its reservation back
                 decoder.command(lambda: decoder.decode.abort(rid))
                 self.finish(sr)
@@ -293,11 +298,78 @@ class Cluster:
         first = not sr.token_times
         sr.token_times.extend([now] * len(delta.token_ids))
         if first and sr.token_times:  # prefilled locally: that was the first token
-            sr.cached = delta.num_cached_tokens
-            self.dispatcher.on_first_token(rid, now, now - sr.dispatched)
-            self._judge(lambda es: es.first_token(rid, now - sr.arrival))
+            self._first_token(sr, delta.num_cached_tokens)
         if delta.finished:
             self.finish(sr)
+
+    def on_tokens(self, w: SimWorker, rows: list[Request], finished: list[Request]) -> None:
+        """A steady step's tokens, one per row (``pdserve.simulator.fast_step``), those of
+        ``finished`` their last: what ``on_delta`` does with each row's one-token delta."""
+        now = self.clock.now
+        for req in rows:
+            sr = self.requests.get(req.request_id)
+            if sr is None:
+                continue
+            first = not sr.token_times
+            sr.token_times.append(now)
+            if first:  # prefilled locally: that was the first token
+                self._first_token(sr, req.num_cached_tokens)
+            if finished and req in finished:
+                self.finish(sr)
+
+    def _first_token(self, sr: SimRequest, cached: int) -> None:
+        """``sr``'s first token left now: the router's feedback, and the early stop's verdict."""
+        now = self.clock.now
+        sr.cached = cached
+        self.dispatcher.on_first_token(sr.work.request_id, now, now - sr.dispatched)
+        self._judge(lambda es: es.first_token(sr.key, now - sr.arrival))
+        es = self.early_stop
+        params = sr.work.params
+        ends_at_length = params.ignore_eos and not params.stop_token_ids  # all its tokens come
+        if es is not None and es.slo.tpot_ms and params.max_tokens >= 2 and ends_at_length:
+            # its TPOT, (last token - first) / (tokens - 1), passes the target once even a last
+            # token at once would leave it over: the verdict need not wait for the last token
+            n, t1 = params.max_tokens - 1, sr.token_times[0]
+            self._due(t1 + es.slo.tpot_ms / 1000 * n, sr, es.slo.tpot_ms, ttft=t1 - sr.arrival, per=n)
+
+    def watch_deadlines(self, tracked: list[SimRequest]) -> None:
+        """With an early stop: judge a request as soon as it certainly misses, not only when its
+        first or last token comes: once it has waited past the TTFT target without a first token
+        (or past the end-to-end target unfinished), and once its TPOT is past the target however
+        soon the rest of its tokens come. Each verdict is the one its tokens would give: a TTFT,
+        TPOT or latency computed as ``RequestResult`` computes it, with now in place of a token
+        time still to come (later, so never smaller)."""
+        es = self.early_stop
+        assert es is not None
+        slo = es.slo
+        for sr in tracked:
+            if slo.ttft_ms:
+                self._due(sr.arrival + slo.ttft_ms / 1000, sr, slo.ttft_ms, first=True)
+            if slo.e2el_ms:
+                self._due(sr.arrival + slo.e2el_ms / 1000, sr, slo.e2el_ms)
+
+    def _due(
+        self,
+        at: float,
+        sr: SimRequest,
+        target_ms: float,
+        first: bool = False,
+        ttft: float = 0.0,
+        per: int = 1,
+    ) -> None:
+        """At ``at`` (or just after: until it is past ``target_ms``), count ``sr`` a miss unless
+        it has finished (or, ``first``, has its first token): its latency so far, less ``ttft``,
+        over ``per`` tokens (a TTFT or latency: 0 and 1; a TPOT: the TTFT and tokens - 1)."""
+
+        def check() -> None:
+            if sr.done or (first and sr.token_times):
+                return
+            if ((self.clock.now - sr.arrival) - ttft) / per * 1000 > target_ms:
+                self._judge(lambda es: es.missed(sr.key))
+            else:  # rounding landed it a hair short of the target: look again a moment later
+                self.clock.at(self.clock.now + _RECHECK_S, check)
+
+        self.clock.at(at + _RECHECK_S, check)
 
     def _rebalance_prefill(self) -> None:
         """As the router does when the prefill pool changes: take back the prompts that have not
@@ -349,8 +421,7 @@ class Cluster:
 
     def finish(self, sr: SimRequest) -> None:
         sr.done = True
-        rid = sr.work.request_id
-        self._judge(lambda es: es.failed(rid) if sr.rejected else es.finished(rid, sr.result()))
+        self._judge(lambda es: es.failed(sr.key) if sr.rejected else es.finished(sr.key, sr.result()))
         self.requests.pop(sr.work.request_id, None)
         self.link.tokens.pop(sr.transfer_id, None)
         self.finished.append(sr)
@@ -361,6 +432,8 @@ class Cluster:
 
     def run(self) -> None:
         self.clock.run()
+        for w in self.by_id.values():  # decode runs cut short by an early stop: their state as of it
+            w.settle()
         if self.clock.stopped:  # ended early: requests are in flight by design
             return
         for w in self.by_id.values():  # every scenario ends with every request done and nothing held

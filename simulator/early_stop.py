@@ -67,3 +67,8 @@ class EarlyStop:
 
     def failed(self, key: str) -> bool:
         return self._miss(key)
+
+    def missed(self, key: str) -> bool:
+        """A request certainly misses, before its last token (its TTFT, TPOT or latency is
+        already past target whatever comes next); True: stop the run."""
+        return self._miss(key)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from pdserve.simulator.bound import work_bound
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.early_stop import EarlyStop
+from pdserve.simulator.prompt_memo import checked
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.steptime.model import StepTimeModel
 
@@ -87,6 +91,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         default=RouterConfig.reserve_timeout_s,
         help="how long a request waits for KV room on its decode worker before it fails "
         "RESOURCE_EXHAUSTED (the router's deadline)",
+    )
+    p.add_argument(
+        "--no-fast-steps",
+        dest="fast_steps",
+        action="store_false",
+        help="step every engine through its own step(), decode-only steps too (the reference the "
+        "fast path is checked against: the same run, slower)",
     )
     add_goodput(p)
     add_result(p)
@@ -151,13 +162,14 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         slo_class, shared_host=getattr(args, "shared_host", False),
         jitter_seed=getattr(args, "jitter_seed", 0),
         reserve_timeout_s=getattr(args, "reserve_timeout_s", RouterConfig.reserve_timeout_s),
+        fast_steps=getattr(args, "fast_steps", True),
     )  # fmt: skip
     capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
     results: list[RequestResult] = []
     tracked = []
     submitted: list[RequestSpec] = []  # as the cluster sees them: the work bound's workload
     for i, s in enumerate(specs):
-        prompt = s.prompt if isinstance(s.prompt, tuple) else tuple(range(s.prompt_len))
+        prompt = checked(s.prompt if isinstance(s.prompt, tuple) else tuple(range(s.prompt_len)))
         if s.prompt_len + s.output_len > min(profile.max_model_len, capacity):
             results.append(RequestResult(s.prompt_len, error="INVALID_ARGUMENT: exceeds the context"))
             continue
@@ -169,8 +181,10 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         cluster.early_stop = EarlyStop(
             slo, len(specs), stop_below, len(results), on_pass=getattr(args, "stop_on_pass", True)
         )
+        cluster.watch_deadlines(tracked)
     t0 = time.perf_counter()
-    cluster.run()
+    with _no_gc():
+        cluster.run()
     wall = time.perf_counter() - t0
     end = 0.0
     for sr in tracked:
@@ -225,6 +239,21 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
     if scaler is not None:
         m["autoscale"] = scaler.summary(end)
     return m
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic collector paused: a run allocates millions of short-lived objects among a
+    workload's millions of long-lived ones (long prompts' tuples, block keys), and each full
+    collection walked them all again (a fifth of a long-prompt point's time). What the run
+    leaves in cycles goes at the collector's next pass, after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def autoscaler(

@@ -30,6 +30,15 @@ class SimRequest:
     error: str = ""  # failed after it was dispatched (the router's answer to the client)
     dispatched: float = 0.0  # when its current attempt was routed
     attempts: int = 0  # times it was routed again (a prompt taken back from a prefill worker)
+    # the result once it ended (nothing changes it then): the early stop judges it at its end
+    # and the run's summary reads it again, each a list of its inter-token gaps otherwise
+    _final: RequestResult | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        """Its id as first routed (a prompt routed again gets ``id~attempt``): the early
+        stop's name for it."""
+        return self.work.request_id.split("~", 1)[0]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -37,6 +46,14 @@ class SimRequest:
 
     def result(self) -> RequestResult:
         """What a client measured of this request (tokens' leave times as its arrival times)."""
+        if self._final is not None:
+            return self._final
+        r = self._measured()
+        if self.done:
+            self._final = r
+        return r
+
+    def _measured(self) -> RequestResult:
         t = self.token_times
         if self.rejected:
             return RequestResult(self.num_prompt_tokens, error="RESOURCE_EXHAUSTED: rejected")

@@ -22,12 +22,16 @@ a run is reproducible and runs with other seeds show the spread.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.simulator.fast_run import DecodeRun
+from pdserve.simulator.fast_step import Steady, decode_step, prefill_step
+from pdserve.simulator.prompt_memo import prompt_blocks, prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
@@ -44,7 +48,12 @@ class SimWorker:
         block_size: int, cluster: Cluster,
     ) -> None:  # fmt: skip
         self.wid, self.profile, self.cluster = wid, profile, cluster
-        kv = KVCacheManager(max(1, profile.kv_capacity_tokens // block_size), block_size)
+        kv = KVCacheManager(
+            max(1, profile.kv_capacity_tokens // block_size),
+            block_size,
+            prompt_keys=lambda prompt: prompt_keys(prompt, block_size),
+            prompt_blocks=lambda prompt: prompt_blocks(prompt, block_size),
+        )
         self.rt = SimRuntime(kv, block_size, profile.max_model_len)
         self.transport: SimTransport | None = None
         if role is not WorkerRole.COLOCATED:
@@ -57,22 +66,32 @@ class SimWorker:
         self._effects: list[Callable[[], None]] = []  # what the step in flight reports at its end
         self._load: WorkerLoad | None = None  # cached until the worker's state changes
         self.jitter = cluster.jitter_for(wid)
+        self.fast = cluster.fast_steps  # decode-only steps without the engine's machinery
+        self.run: DecodeRun | None = None  # decode steps whose effects wait to be looked at
+        self._run_load: tuple[DecodeRun, WorkerLoad, int, WorkerLoad] | None = None
 
     def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
         """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
-        self.engine: PrefillEngine | DecodeEngine
+        self._engine: PrefillEngine | DecodeEngine
         if role is WorkerRole.PREFILL:
             assert self.transport is not None
-            self.engine = PrefillEngine(self.rt, self.transport, config, self.wid)
+            self._engine = PrefillEngine(self.rt, self.transport, config, self.wid)
         else:
             clock = self.cluster.clock
-            self.engine = DecodeEngine(self.rt, self.transport, config, self.wid, role, clock=clock)
+            self._engine = DecodeEngine(self.rt, self.transport, config, self.wid, role, clock=clock)
         self._load = None
+
+    @property
+    def engine(self) -> PrefillEngine | DecodeEngine:
+        """The role engine, as the steps started so far left it (whoever may change it next:
+        a decode run stops at its step in flight)."""
+        self.settle()
+        return self._engine
 
     @property
     def role(self) -> WorkerRole:
         """The role it runs now: its engine's."""
-        return self.engine.role
+        return self._engine.role
 
     @property
     def kv(self) -> KVCacheManager:
@@ -91,14 +110,35 @@ class SimWorker:
     # -- load, as the router's policy sees it --------------------------------------------------
     def load(self) -> WorkerLoad:
         if self._load is None:
-            self._load = self.engine.load()
-        return self._load
+            self._load = self._engine.load()
+        run = self.run
+        if run is None:
+            return self._load
+        grows = run.pending_grows()
+        if not grows:
+            return self._load
+        # A decode run's steps not applied yet change the load only by the blocks they took:
+        # from the head of the free queue, cached keys first out (the load ``apply`` would give).
+        # The router reads every worker's load at every arrival: the same answer until the run
+        # takes more blocks (only its own steps change the pool while it runs uncut).
+        memo = self._run_load
+        if memo is not None and memo[0] is run and memo[1] is self._load and memo[2] == grows:
+            return memo[3]
+        pool = self.kv.pool
+        load = replace(
+            self._load,
+            kv_free=self._load.kv_free - grows,
+            kv_cached=self._load.kv_cached - pool.cached_among_next(grows),
+        )
+        self._run_load = (run, self._load, grows, load)
+        return load
 
     def changed(self) -> None:
         self._load = None
 
     def later(self, effect: Callable[[], None]) -> None:
         """Run ``effect`` when the step in flight ends (now, if none is)."""
+        self.settle()
         if self.busy:
             self._effects.append(effect)
         else:
@@ -109,15 +149,97 @@ class SimWorker:
         """Step if there is anything to step for."""
         self._load = None  # every caller just changed this worker's state
         if self.busy:
+            self.settle()  # (a transfer landed: the next step takes it in)
             return
         if self.transport is not None:
             self.transport.start_queued(self.cluster.clock.now)  # pushes commands started
         io = self.transport is not None and self.transport.has_completions
-        if not (self.engine.has_work or io):
+        if not (self._engine.has_work or io):
             return
         self.busy = True
-        deltas = self.engine.step()
+        if self.fast and not io and self._start_run():
+            return
+        fast = None
+        if self.fast:  # steady steps without the engine's machinery
+            e = self._engine
+            if isinstance(e, DecodeEngine):
+                fast = decode_step(e)  # (it takes in landed transfers first, as step() does)
+            elif not io:
+                fast = prefill_step(e)
+        if fast is not None:
+            end = self.cluster.clock.now + self._duration(fast.chunks)
+            self.cluster.clock.at(end, lambda: self._done_fast(fast))
+            return
+        deltas = self._engine.step()
         chunks = [(c.num_tokens, c.start_pos) for c in self.rt.runner.take()]
+        dur = self._duration(chunks)
+        end = self.cluster.clock.now + dur
+        if self.transport is not None:
+            self.transport.start_queued(end)  # pushes of the prompts this step completed
+        if dur > 0:
+            self.cluster.clock.at(end, lambda: self._done(deltas))
+        else:  # nothing to compute: only a command or a transfer can change that (they kick)
+            self._done(deltas, again=False)
+
+    # -- runs of decode steps (pdserve.simulator.fast_run) ----------------------------------------
+    def _start_run(self) -> bool:
+        """Start a run of decode steps here if one lies ahead (the step-time model alone prices
+        them: no jitter, no shared host)."""
+        e = self._engine
+        if self.jitter is not None or self.cluster.shared_host or not isinstance(e, DecodeEngine):
+            return False
+        run = DecodeRun.plan(e, self.profile)
+        if run is None:
+            return False
+        for req in run.rows:  # every row's first token is out: its steps' tokens only add times
+            sr = self.cluster.requests.get(req.request_id)
+            if sr is None or not sr.token_times:
+                return False
+        self.run = run
+        self._run_step()
+        return True
+
+    def _run_step(self) -> None:
+        run = self.run
+        assert run is not None
+        run.started += 1
+        end = self.cluster.clock.now + run.duration(run.started)
+        run.ends.append(end)
+        self.cluster.clock.at(end, self._run_tick)
+
+    def _run_tick(self) -> None:
+        """A step of the run ended: the next starts, unless the run is over (then the worker
+        catches up and steps as usual)."""
+        run = self.run
+        assert run is not None
+        run.ended = run.started
+        if not run.cut and run.started < run.limit:
+            self._run_step()
+            return
+        run.apply(run.started)
+        run.deliver(self.cluster.requests.get, run.ended)
+        self.run = None
+        self.busy = self.prefilling = False
+        self._load = None
+        effects, self._effects = self._effects, []
+        for effect in effects:
+            effect()
+        self.kick()
+        self._check_idle()
+
+    def settle(self) -> None:
+        """Make the run's effects so far real and end it with its step in flight: something
+        outside is about to change this worker, or read more than its load."""
+        run = self.run
+        if run is None or run.cut:
+            return
+        run.apply(run.started)
+        run.deliver(self.cluster.requests.get, run.ended)
+        run.cut = True
+        self._load = None
+
+    def _duration(self, chunks: list[tuple[int, int]]) -> float:
+        """How long a step of ``chunks`` takes on this worker now."""
         dur = self.profile.step_time(chunks) if chunks else 0.0
         if dur > 0:
             cluster = self.cluster
@@ -127,13 +249,19 @@ class SimWorker:
                 dur *= cluster.coactivity(self)
             if self.jitter is not None:
                 dur *= self.jitter.factor(self.prefilling)
-        end = self.cluster.clock.now + dur
-        if self.transport is not None:
-            self.transport.start_queued(end)  # pushes of the prompts this step completed
-        if dur > 0:
-            self.cluster.clock.at(end, lambda: self._done(deltas))
-        else:  # nothing to compute: only a command or a transfer can change that (they kick)
-            self._done(deltas, again=False)
+        return dur
+
+    def _done_fast(self, step: Steady) -> None:
+        """A steady step (``pdserve.simulator.fast_step``) ended: as ``_done``, each row's token
+        reported as its one-token delta would be."""
+        self.busy = self.prefilling = False
+        self._load = None
+        effects, self._effects = self._effects, []
+        for effect in effects:
+            effect()
+        self.cluster.on_tokens(self, step.rows, step.finished)
+        self.kick()
+        self._check_idle()
 
     def _done(self, deltas: list[TokenDelta], again: bool = True) -> None:
         self.busy = self.prefilling = False
@@ -148,13 +276,14 @@ class SimWorker:
         self._check_idle()
 
     def _check_idle(self) -> None:
-        if self.on_idle is not None and not self.busy and self.engine.idle:
+        if self.on_idle is not None and not self.busy and self._engine.idle:
             fn, self.on_idle = self.on_idle, None
             fn()
 
     def command(self, fn: Callable[[], object]) -> None:
         """A router command: it reaches the engine now (a push it starts begins now, or when
         the step in flight ends)."""
+        self.settle()
         fn()
         self.kick()
         self._check_idle()

@@ -20,6 +20,7 @@ owners' block lists, that every reference count equals the number of owners hold
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -75,7 +76,7 @@ class BlockPool:
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._by_key: dict[BlockKey, int] = {}
         # Insertion order is LRU order: popitem(last=False) takes the least recently freed block.
-        self._free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached_free = 0  # blocks in the free queue that still hold a key (stats in O(1))
         self.num_evictions = 0
         self.num_queries = 0
@@ -103,6 +104,11 @@ class BlockPool:
         self.num_queries += queried
         self.num_hits += hit
 
+    def cached_among_next(self, n: int) -> int:
+        """How many of the next ``n`` blocks ``allocate`` would hand out hold a cached key
+        (allocating them evicts it): what ``n`` more blocks taken do to ``stats().cached``."""
+        return sum(1 for b in itertools.islice(self._free_queue, n) if self._key[b] is not None)
+
     def stats(self) -> PoolStats:
         cached = self._cached_free
         free = len(self._free_queue) - cached
@@ -114,11 +120,12 @@ class BlockPool:
         if n > len(self._free_queue):
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free_queue)} free")
         out: list[int] = []
+        queue, keys, refs = self._free_queue, self._key, self._ref
         for _ in range(n):
-            block = next(iter(self._free_queue))
-            self._evict_key(block)
-            del self._free_queue[block]
-            self._ref[block] = 1
+            block, _ = queue.popitem(last=False)
+            if keys[block] is not None:
+                self._evict_key(block)
+            refs[block] = 1
             out.append(block)
         return out
 

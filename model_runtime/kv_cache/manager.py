@@ -19,7 +19,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pdserve.model_runtime.kv_cache.block_pool import BlockKey, BlockPool, PoolStats, chain_key
 from pdserve.model_runtime.request import Request
@@ -42,11 +42,29 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# The chained keys of a prompt's full blocks (``prefix_block_keys``), from whoever has them at
+# hand already (a simulator replaying the same prompts point after point): a pure function of
+# the prompt, so a provider changes the cost of a key, never the key.
+PromptKeys = Callable[[tuple[int, ...]], Sequence[BlockKey]]
+# The same for the prompt's full blocks as tuples (``Request.token_block`` of each): the prefix
+# cache stores and compares whole blocks, and slicing them anew costs a copy a block an engine.
+PromptBlocks = Callable[[tuple[int, ...]], Sequence[tuple[int, ...]]]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        prompt_keys: PromptKeys | None = None,
+        prompt_blocks: PromptBlocks | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self._prompt_keys = prompt_keys
+        self._prompt_blocks = prompt_blocks
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockKey]] = {}
@@ -86,22 +104,33 @@ class KVCacheManager:
         """The chained keys of ``req``'s first blocks; memoised only while it holds blocks."""
         held = req.request_id in self._blocks
         keys = self._keys.setdefault(req.request_id, []) if held else []
+        if not keys and num_full_blocks and self._prompt_keys is not None:
+            keys.extend(self._prompt_keys(req.prompt_token_ids))
         bs = self.block_size
         while len(keys) < num_full_blocks:
             i = len(keys)
-            keys.append(chain_key(keys[-1] if keys else None, req.token_slice(i * bs, (i + 1) * bs)))
+            keys.append(chain_key(keys[-1] if keys else None, req.token_block(i * bs, (i + 1) * bs)))
         return keys
+
+    def _known_blocks(self, req: Request) -> Sequence[tuple[int, ...]]:
+        """The prompt's full blocks from the provider (empty without one)."""
+        return self._prompt_blocks(req.prompt_token_ids) if self._prompt_blocks is not None else ()
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of ``req`` as (blocks, tokens); at least one token is left to compute."""
         if not self.pool.enable_prefix_caching or req.request_id in self._blocks:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        keys = self._request_keys(req, max_blocks)
+        # keys up to the first miss only: a prompt no cache holds costs one key, not one a block
+        known = self._prompt_keys(req.prompt_token_ids) if self._prompt_keys is not None else ()
+        blocks = self._known_blocks(req)
         hits: list[int] = []
         bs = self.block_size
+        key: BlockKey | None = None
         for i in range(max_blocks):
-            block = self.pool.lookup(keys[i], req.token_slice(i * bs, (i + 1) * bs))
+            tokens = blocks[i] if i < len(blocks) else req.token_block(i * bs, (i + 1) * bs)
+            key = known[i] if i < len(known) else chain_key(key, tokens)
+            block = self.pool.lookup(key, tokens)
             if block is None:
                 break
             hits.append(block)
@@ -158,9 +187,11 @@ class KVCacheManager:
         if n_full <= start:
             return
         keys = self._request_keys(req, n_full)
+        blocks = self._known_blocks(req)
         bs = self.block_size
         for i in range(start, n_full):
-            self.pool.cache(table[i], keys[i], req.token_slice(i * bs, (i + 1) * bs))
+            tokens = blocks[i] if i < len(blocks) else req.token_block(i * bs, (i + 1) * bs)
+            self.pool.cache(table[i], keys[i], tokens)
         self._num_published[rid] = n_full
 
     def free(self, request_id: str) -> None:

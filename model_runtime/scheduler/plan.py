@@ -119,7 +119,7 @@ def make_chunk(kv: KVCacheManager, req: Request, num_tokens: int) -> ScheduledCh
     start = req.num_computed_tokens
     return ScheduledChunk(
         request_id=req.request_id,
-        token_ids=tuple(req.token_slice(start, start + num_tokens)),
+        token_ids=req.token_block(start, start + num_tokens),
         start_pos=start,
         block_table=kv.block_table_view(req.request_id),
         sample=start + num_tokens == req.num_tokens,

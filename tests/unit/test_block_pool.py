@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from pdserve.model_runtime.kv_cache.block_pool import BlockPool, IntegrityError, chain_key, prefix_block_keys
@@ -95,3 +97,18 @@ def test_prefix_caching_disabled_never_hits() -> None:
     key = chain_key(None, [1])
     pool.cache(b, key, [1])
     assert pool.lookup(key, [1]) is None
+
+
+def test_cached_among_next_is_what_allocating_that_many_does_to_the_cached_count() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(6)
+    for i, b in enumerate(blocks[:4]):
+        pool.cache(b, chain_key(None, [i]), [i])
+    pool.free([blocks[4], blocks[0], blocks[5], blocks[1], blocks[2], blocks[3]])  # queue order
+    for n in range(7):
+        before = pool.stats().cached
+        expected = pool.cached_among_next(n)
+        trial = copy.deepcopy(pool)
+        trial.allocate(n)
+        assert before - trial.stats().cached == expected
+    assert [pool.cached_among_next(n) for n in range(7)] == [0, 0, 1, 1, 2, 3, 4]

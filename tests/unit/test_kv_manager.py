@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -140,3 +141,76 @@ def test_retired_blocks_stay_out_of_the_pool_until_released_and_the_id_is_free_a
     assert kv.stats().used == 0 and kv.request_state()["kv_retired"] == 0
     kv.check_integrity()
     assert kv.retire("nobody") is None
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 3)), min_size=1, max_size=25),
+    st.sampled_from([2, 4]),
+)
+def test_known_prompt_keys_change_no_hit_and_no_key(ops: list[tuple[int, int, int]], bs: int) -> None:
+    """A manager handed the prompts' block keys (``prompt_keys``) and blocks (``prompt_blocks``)
+    looks up, caches and evicts exactly as one that hashes and slices them itself: the same
+    hits, tables and keys."""
+    from pdserve.router.prefix import block_keys
+    from pdserve.simulator.prompt_memo import prompt_blocks
+
+    asked: list[tuple[int, ...]] = []
+    cut: list[tuple[int, ...]] = []
+
+    def known(prompt: tuple[int, ...]) -> tuple[bytes, ...]:
+        asked.append(prompt)
+        return block_keys(prompt, bs)
+
+    def blocks(prompt: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        cut.append(prompt)
+        return prompt_blocks(prompt, bs)
+
+    plain = KVCacheManager(12, bs)
+    given_keys = KVCacheManager(12, bs, prompt_keys=known, prompt_blocks=blocks)
+    prefixes = [list(range(40)), [7] * 40, list(range(40, 0, -1))]
+    held: list[str] = []
+    for i, (p, n, extra) in enumerate(ops):
+        r1 = req(f"r{i}", prefixes[p][:n] + [99] * extra)
+        r2 = req(f"r{i}", prefixes[p][:n] + [99] * extra)
+        got = [kv.get_computed_blocks(r) for kv, r in ((plain, r1), (given_keys, r2))]
+        assert got[0] == got[1]
+        hits, tokens = got[0]
+        ok = [
+            kv.allocate_slots(r, r.num_tokens - tokens, h)
+            for kv, r, h in ((plain, r1, hits), (given_keys, r2, got[1][0]))
+        ]
+        assert ok[0] == ok[1]
+        if ok[0]:
+            for kv, r in ((plain, r1), (given_keys, r2)):
+                r.num_computed_tokens = r.num_tokens
+                kv.cache_computed_blocks(r)
+            assert plain.block_table(r1.request_id) == given_keys.block_table(r2.request_id)
+            mine = plain._keys.get(r1.request_id, [])
+            assert mine == given_keys._keys.get(r2.request_id, [])[: len(mine)]
+            held.append(r1.request_id)
+        if len(held) > 2:
+            gone = held.pop(0)
+            plain.free(gone)
+            given_keys.free(gone)
+        assert plain.stats() == given_keys.stats()
+    plain.check_integrity()
+    given_keys.check_integrity()
+    assert asked and cut  # the keys and blocks came from the providers
+    assert plain.pool._tokens == given_keys.pool._tokens  # the same blocks stored for each key
+
+
+def test_a_lookup_hashes_blocks_only_up_to_the_first_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt no cache holds costs one block key to look up, not one a block."""
+    from pdserve.model_runtime.kv_cache import manager
+
+    calls = {"n": 0}
+    real = manager.chain_key
+
+    def counted(parent: bytes | None, tokens: object) -> bytes:
+        calls["n"] += 1
+        return real(parent, tokens)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manager, "chain_key", counted)
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    assert kv.get_computed_blocks(req("a", list(range(200)))) == ([], 0)
+    assert calls["n"] == 1

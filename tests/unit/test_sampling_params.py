@@ -58,3 +58,27 @@ def test_a_prompt_token_outside_the_vocabulary_is_named(bad: object) -> None:
     validate_request((0, 5, 999), SamplingParams(max_tokens=4), limits)
     with pytest.raises(InvalidRequestError, match=f"token id {bad!r} is outside the vocabulary"):
         validate_request((1, 2, bad, 3), SamplingParams(max_tokens=4), limits)  # type: ignore[arg-type]
+
+
+def test_checked_tokens_are_checked_once_and_only_against_a_vocabulary_as_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdserve.model_runtime import validation
+    from pdserve.model_runtime.validation import RequestLimits, checked_tokens, validate_request
+
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        checked_tokens((1, 2000), vocab=1000)
+    prompt = checked_tokens((1, 900, 3), vocab=1000)
+    assert prompt == (1, 900, 3) and prompt[1:] == (900, 3)
+    calls: list[int] = []
+    real = validation._check_token_ids
+    monkeypatch.setattr(
+        validation, "_check_token_ids", lambda ids, vocab: calls.append(vocab) or real(ids, vocab)
+    )
+    validate_request(prompt, SamplingParams(max_tokens=4), RequestLimits(1000, 64, 16, 100))
+    validate_request(prompt, SamplingParams(max_tokens=4), RequestLimits(4000, 64, 16, 100))
+    assert calls == []  # checked against 1,000 ids: good for any vocabulary as large
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        validate_request(prompt, SamplingParams(max_tokens=4), RequestLimits(500, 64, 16, 100))
+    validate_request((1, 900, 3), SamplingParams(max_tokens=4), RequestLimits(1000, 64, 16, 100))
+    assert calls == [500, 1000]  # a smaller vocabulary, and a plain tuple, are checked

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.bench.workload import RequestSpec, arrival_times
 from pdserve.simulator.run import add_simulate_args, simulate
@@ -289,6 +291,55 @@ def test_early_stop_gives_the_full_runs_pass_or_fail(rate: str, on_pass: bool) -
         assert fast["stopped_early"] and full["slo_attainment"] <= fast["slo_attainment"] < 0.9
         assert fast["completed"] < full["completed"]  # the rest were never simulated (not wall time:
         # a pause of the host's can make the short run the slower)
+
+
+def test_a_point_that_certainly_fails_stops_at_the_ttft_deadline() -> None:
+    """Requests still waiting for their first token past the TTFT target are misses then, not
+    when the token comes: 100 prompts at once on one worker, 47 ms each, TTFT 250 ms — five
+    first tokens make it, and the run ends at 250 ms with those five done (waiting for late
+    first tokens would run on to the 16th)."""
+    flags = ("--colocated", "1", "--num-prompts", "100", "--random-input-len", "2048", "--random-output-len",
+             "1", "--max-num-batched-tokens", "2048", "--goodput", "ttft:250")  # fmt: skip
+    m = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9}))
+    assert m["stopped_early"] and m["slo_attainment"] == pytest.approx(0.89)
+    assert m["completed"] == 5 and max(m["ttfts"]) <= 0.25
+
+
+def test_a_point_that_certainly_fails_stops_at_the_tpot_deadline() -> None:
+    """A request whose TPOT is past target however soon its remaining tokens come is a miss
+    then: with a 1 ms TPOT target no decode step is fast enough, and the run ends long before
+    any request's last token (a verdict at the last token would need six requests done)."""
+    flags = ("--colocated", "1", "--num-prompts", "50", "--random-input-len", "16",
+             "--random-output-len", "200", "--goodput", "ttft:100000", "tpot:1")  # fmt: skip
+    m = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9}))
+    assert m["stopped_early"] and m["slo_attainment"] < 0.9
+    assert m["completed"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.sampled_from([("--colocated", "2"), ("--prefill", "1", "--decode", "1")]),
+    rate=st.sampled_from(["5", "20", "80", "inf"]),
+    prompt=st.integers(100, 3000),
+    output=st.integers(2, 120),
+    slo=st.sampled_from(
+        [("ttft:250", "tpot:30"), ("ttft:120",), ("tpot:12",), ("e2el:900",), ("ttft:400", "e2el:1500")]
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_deadline_verdicts_give_the_full_runs_pass_or_fail(
+    layout: tuple[str, ...], rate: str, prompt: int, output: int, slo: tuple[str, ...], seed: int
+) -> None:
+    """Misses counted at their deadlines (before the token that shows them) never change a
+    point's answer: the early-stopped run passes exactly when the full run does, and a failing
+    one reports a bound the full run stays under."""
+    flags = (*layout, "--num-prompts", "60", "--random-input-len", str(prompt), "--random-output-len",
+             str(output), "--random-range-ratio", "0.5", "--request-rate", rate, "--seed", str(seed),
+             "--goodput", *slo)  # fmt: skip
+    full = simulate(args(*flags))["slo_attainment"]
+    fast = simulate(argparse.Namespace(**{**vars(args(*flags)), "stop_below": 0.9}))["slo_attainment"]
+    assert (full >= 0.9) == (fast >= 0.9)
+    assert full <= fast < 0.9 if full < 0.9 else 0.9 <= fast <= full
 
 
 # the exhaustive reference runs one point at a time whatever ``--jobs`` says: run once, for both
