@@ -76,7 +76,7 @@ class DecodeRun:
         bs = kv.block_size
         free = kv.num_free_blocks
         # the step that needs a block more than the pool has preempts: a run stops before it
-        grows = []
+        grows: list[int] = []
         for req in rows:
             first = len(kv.block_table(req.request_id)) * bs - req.num_computed_tokens + 1
             grows.extend(range(first, steps + 1, bs))

@@ -84,6 +84,7 @@ def prefill_step(engine: PrefillEngine) -> Steady | None:
     if got is None or got[0] is None or got[2] > kv.num_free_blocks:
         return None
     prompt, take, _ = got
+    assert prompt is not None  # (checked above: mypy does not narrow a tuple's item)
     start = prompt.num_computed_tokens
     ok = kv.allocate_slots(prompt, take)
     assert ok, "counted the free blocks above"
