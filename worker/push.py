@@ -70,7 +70,8 @@ Execute = Callable[[Command], "Future[Answer]"]
 _Outcome = tuple[int, "Future[Answer] | CommandError"]  # (call id, what answers it)
 
 
-def _recv_exact(sock: Stream, n: int) -> bytes:
+def recv_exact(sock: Stream, n: int) -> bytes:
+    """``n`` bytes from ``sock``; ``ConnectionError`` if it closes first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -81,10 +82,10 @@ def _recv_exact(sock: Stream, n: int) -> bytes:
 
 
 def _read_frame(sock: Stream, limit: int) -> bytes:
-    (n,) = LENGTH.unpack(_recv_exact(sock, LENGTH.size))
+    (n,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
     if not 0 < n <= limit:
         raise ChannelError(f"frame length {n} outside 1..{limit}")
-    return _recv_exact(sock, n)
+    return recv_exact(sock, n)
 
 
 def _hang_up(sock: Stream) -> None:
@@ -161,7 +162,7 @@ class OutputPusher:
             raw.settimeout(HANDSHAKE_TIMEOUT_S)
             if self.tls is not None:
                 sock = TlsStream.wrap(raw, self.tls.client_context(), server_side=False)
-            challenge = _recv_exact(sock, CHALLENGE_BYTES)
+            challenge = recv_exact(sock, CHALLENGE_BYTES)
             nonce = os.urandom(CHALLENGE_BYTES)
             sock.sendall(encode_hello(self.worker_id, self.secret, challenge, nonce))
             check_welcome(_read_frame(sock, MAX_HELLO_BYTES), self.secret, nonce, self.worker_id)

@@ -70,6 +70,14 @@ def test_a_draining_worker_gets_no_new_request_but_keeps_its_commands() -> None:
     asyncio.run(main())
 
 
+def one_prefill_two_decode() -> tuple[Any, dict[str, Worker], FakeOutputs]:
+    """1P+2D scripted workers, with the keeper's stand-in for the router's outputs."""
+    router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
+    outputs = FakeOutputs()
+    router.outputs = outputs  # type: ignore[assignment]
+    return router, ws, outputs
+
+
 class FakeOutputs:
     def __init__(self) -> None:
         self.expected: list[str] = []
@@ -92,9 +100,7 @@ def test_the_keeper_replaces_a_lost_worker_and_backs_off_while_starts_fail(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def main() -> None:
-        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
-        outputs = FakeOutputs()
-        router.outputs = outputs  # type: ignore[assignment]
+        router, ws, outputs = one_prefill_two_decode()
         attempts: list[str] = []
         killed: list[str] = []
         joined: list[WorkerHandle] = []
@@ -158,9 +164,7 @@ def test_closing_the_keeper_stops_a_start_under_way() -> None:
 
 def test_a_retired_worker_is_not_replaced() -> None:
     async def main() -> None:
-        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
-        outputs = FakeOutputs()
-        router.outputs = outputs  # type: ignore[assignment]
+        router, ws, outputs = one_prefill_two_decode()
         launched: list[str] = []
 
         async def launch(role: WorkerRole, wid: str) -> WorkerHandle:
@@ -233,9 +237,7 @@ def test_a_draining_worker_with_another_in_its_pool_is_released_at_once() -> Non
     requests), so new requests go to decode-1 and its drain ends when its own are done."""
 
     async def main() -> None:
-        router, ws = cluster([("prefill-0", P), ("decode-0", D), ("decode-1", D)])
-        outputs = FakeOutputs()
-        router.outputs = outputs  # type: ignore[assignment]
+        router, ws, outputs = one_prefill_two_decode()
         launched: list[str] = []
 
         async def launch(role: WorkerRole, wid: str) -> WorkerHandle:

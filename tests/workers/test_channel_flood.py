@@ -16,6 +16,7 @@ from pdserve.router.outputs import OutputListener
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, MAX_HELLO_BYTES, check_welcome, encode_hello
 from pdserve.worker.messages import WorkerInfo, WorkerRole
+from pdserve.worker.push import recv_exact
 
 SECRET = b"flood-test-secret-0123"
 
@@ -29,27 +30,17 @@ def worker_handshake(address: str, worker_id: str) -> float:
         try:
             with socket.create_connection((host, int(port)), timeout=5) as sock:
                 sock.settimeout(5)
-                challenge = _exact(sock, CHALLENGE_BYTES)
+                challenge = recv_exact(sock, CHALLENGE_BYTES)
                 nonce = os.urandom(CHALLENGE_BYTES)
                 sock.sendall(encode_hello(worker_id, SECRET, challenge, nonce))
-                (n,) = LENGTH.unpack(_exact(sock, LENGTH.size))
+                (n,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
                 assert 0 < n <= MAX_HELLO_BYTES
-                check_welcome(_exact(sock, n), SECRET, nonce, worker_id)
+                check_welcome(recv_exact(sock, n), SECRET, nonce, worker_id)
                 return time.monotonic() - t0
         except OSError:
             if time.monotonic() - t0 > 20:
                 raise
             time.sleep(0.05)
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
 
 
 def test_a_flood_of_unauthenticated_connections_is_bounded_and_a_worker_still_connects() -> None:

@@ -29,6 +29,7 @@ from pdserve.worker.commands import (
     encode_command,
 )
 from pdserve.worker.messages import OutputBatch, WorkerRole, WorkItem
+from pdserve.worker.push import recv_exact
 from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"channel-test-secret-0123"
@@ -59,17 +60,8 @@ class FakeRouter:
 
     @staticmethod
     def _read(conn: socket.socket) -> bytes:
-        def exact(n: int) -> bytes:
-            buf = b""
-            while len(buf) < n:
-                chunk = conn.recv(n - len(buf))
-                if not chunk:
-                    raise ConnectionError("closed")
-                buf += chunk
-            return buf
-
-        (n,) = LENGTH.unpack(exact(LENGTH.size))
-        return exact(n)
+        (n,) = LENGTH.unpack(recv_exact(conn, LENGTH.size))
+        return recv_exact(conn, n)
 
     def send_raw(self, body: bytes) -> None:
         assert self.conn is not None
