@@ -16,7 +16,7 @@ from pdserve.router.outputs import OutputListener
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, MAX_HELLO_BYTES, check_welcome, encode_hello
 from pdserve.worker.messages import WorkerInfo, WorkerRole
-from pdserve.worker.push import recv_exact
+from pdserve.worker.push import CONNECT_TIMEOUT_S, recv_exact
 
 SECRET = b"flood-test-secret-0123"
 
@@ -38,7 +38,7 @@ def worker_handshake(address: str, worker_id: str) -> float:
                 check_welcome(recv_exact(sock, n), SECRET, nonce, worker_id)
                 return time.monotonic() - t0
         except OSError:
-            if time.monotonic() - t0 > 20:
+            if time.monotonic() - t0 > CONNECT_TIMEOUT_S:
                 raise
             time.sleep(0.05)
 
@@ -69,7 +69,9 @@ def test_a_flood_of_unauthenticated_connections_is_bounded_and_a_worker_still_co
         # close has not run yet, or a burst accepted a moment before it sheds.)
         assert statistics.median(held) <= MAX_PENDING and max(held[2:]) <= 2 * MAX_PENDING, held
         assert counts["closed_by_listener"] > 0, counts
-        assert took < 5.0, took
+        # A worker gives up after CONNECT_TIMEOUT_S; through the flood it must get in before
+        # then (seconds on a quiet host; a loaded CI host has taken 15).
+        assert took < CONNECT_TIMEOUT_S, took
         await listener.close()
 
     asyncio.run(main())
