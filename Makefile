@@ -38,7 +38,7 @@ serve: setup
 	  $(BIN)/pdserve serve --model tiny --prefill 1 --decode 1; fi
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: setup
 	$(BIN)/ruff check .
