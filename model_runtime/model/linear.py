@@ -52,13 +52,12 @@ def padded_rows(rows: int) -> int:
 
 def row_buckets(max_rows: int) -> list[int]:
     """Every row count ``padded_rows`` gives for 1..``max_rows`` rows, ascending."""
-    out = list(range(1, min(max_rows, _EXACT_ROWS - 1) + 1))
+    top = padded_rows(max_rows)
+    out = list(range(1, min(top, _EXACT_ROWS - 1) + 1))
     rows = _EXACT_ROWS
-    while rows <= max_rows:
+    while rows <= top:
         out.append(rows)
         rows = padded_rows(rows + 1)
-    if max_rows >= _EXACT_ROWS and out[-1] < max_rows:
-        out.append(padded_rows(max_rows))
     return out
 
 
@@ -138,11 +137,8 @@ class Linear:
             if rows == 0:  # (a step that samples nothing): no oneDNN state for an empty product
                 return x.new_empty(0, self.out_features)
             padded = padded_rows(rows)
-            if padded != rows:
-                full = x.new_empty(padded, self.in_features)
-                full[:rows] = x
-                full[rows:] = 0  # no NaN or denormal garbage in the rows thrown away
-                x = full
+            if padded != rows:  # zero rows: no NaN or denormal garbage in the rows thrown away
+                x = F.pad(x, (0, 0, 0, padded - rows))
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.weight, self.bias, "none", [], ""
             )
