@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import ClassVar
 
 from pdserve.decode_worker.engine import DecodeEngine
-from pdserve.worker.commands import (
-    AddLocal,
-    Answer,
-    AwaitReservation,
-    Command,
-    KvLost,
-    QueueReservation,
-    Start,
-)
-from pdserve.worker.host import Role, WorkerHost, flatten, then
-from pdserve.worker.loop import RoleEngine
+from pdserve.decode_worker.handlers import COLOCATED_HANDLERS, DECODE_HANDLERS
+from pdserve.worker.commands import AddLocal, AwaitReservation, KvLost, QueueReservation, Start
+from pdserve.worker.host import Role, WorkerHost
 from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
-
-
-def _queued(outcome: Future[KVTarget | None]) -> bool:
-    """A reservation is granted or waiting (not refused at once)."""
-    return not outcome.done() or outcome.result() is not None
 
 
 def _decode_engine(host: WorkerHost) -> DecodeEngine:
@@ -48,26 +34,8 @@ def _colocated_engine(host: WorkerHost) -> DecodeEngine:
     )
 
 
-def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] | None:
-    assert isinstance(eng, DecodeEngine)
-    if isinstance(cmd, AddLocal):
-        return host.loop.submit(eng.add_local, cmd.work)
-    if eng.role is WorkerRole.COLOCATED:
-        return None  # the rest is the KV hand-off, which a colocated engine does not do
-    if isinstance(cmd, QueueReservation):
-        queued = host.loop.submit(eng.reserve, cmd.work, cmd.transfer_id, cmd.timeout_s)
-        return then(queued, _queued)
-    if isinstance(cmd, AwaitReservation):
-        return flatten(host.loop.submit(eng.reservation, cmd.request_id))
-    if isinstance(cmd, Start):
-        return host.loop.submit(eng.start, cmd.request_id, cmd.first_token, cmd.cached_tokens)
-    if isinstance(cmd, KvLost):
-        return host.loop.submit(eng.kv_lost, cmd.request_id)
-    return None
-
-
-DECODE = Role(make_engine=_decode_engine, execute=_execute, transport=True, listens=True)
-COLOCATED = Role(make_engine=_colocated_engine, execute=_execute, transport=False, listens=False)
+DECODE = Role(make_engine=_decode_engine, handlers=DECODE_HANDLERS, transport=True, listens=True)
+COLOCATED = Role(make_engine=_colocated_engine, handlers=COLOCATED_HANDLERS, transport=False, listens=False)
 
 
 class DecodeWorker(WorkerHost):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import ClassVar
 
 from pdserve.prefill_worker.engine import PrefillEngine
-from pdserve.worker.commands import Answer, Command, Prefill, SetTarget, Withdraw
+from pdserve.prefill_worker.handlers import PREFILL_HANDLERS
+from pdserve.worker.commands import Prefill, SetTarget, Withdraw
 from pdserve.worker.host import Role, WorkerHost
-from pdserve.worker.loop import RoleEngine
 from pdserve.worker.messages import KVTarget, WorkerRole, WorkItem
 
 
@@ -17,18 +16,7 @@ def _engine(host: WorkerHost) -> PrefillEngine:
     return PrefillEngine(host.rt, host.transport, host.spec.engine.scheduler, host.spec.worker_id)
 
 
-def _execute(host: WorkerHost, eng: RoleEngine, cmd: Command) -> Future[Answer] | None:
-    assert isinstance(eng, PrefillEngine)
-    if isinstance(cmd, Prefill):
-        return host.loop.submit(eng.add, cmd.work, cmd.target)
-    if isinstance(cmd, SetTarget):
-        return host.loop.submit(eng.set_target, cmd.request_id, cmd.target)
-    if isinstance(cmd, Withdraw):
-        return host.loop.submit(eng.withdraw, cmd.request_id)
-    return None
-
-
-PREFILL = Role(make_engine=_engine, execute=_execute, transport=True, listens=False)
+PREFILL = Role(make_engine=_engine, handlers=PREFILL_HANDLERS, transport=True, listens=False)
 
 
 class PrefillWorker(WorkerHost):

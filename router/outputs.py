@@ -31,13 +31,8 @@ from pdserve.worker.codec import (
     decode_hello,
     encode_welcome,
 )
-from pdserve.worker.commands import (
-    Answer,
-    Command,
-    CommandError,
-    decode_from_worker,
-    encode_command,
-)
+from pdserve.worker.command_codec import decode_from_worker, encode_command
+from pdserve.worker.commands import Answer, Command, CommandError
 from pdserve.worker.messages import OutputBatch, TokenDelta
 
 log = logging.getLogger(__name__)

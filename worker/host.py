@@ -38,6 +38,7 @@ from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_d
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
 from pdserve.model_runtime.platform import use_threads
 from pdserve.worker.commands import Abort, Answer, Command, Release, UnsupportedCommand
+from pdserve.worker.handlers import Handlers, answer_of, handler_for
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
@@ -48,11 +49,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Role:
-    """How a host runs one role: its engine, and that role's own commands (``execute`` returns
-    ``None`` for a command the role does not take)."""
+    """How a host runs one role: its engine, and the table of the commands it takes."""
 
     make_engine: Callable[[WorkerHost], RoleEngine]
-    execute: Callable[[WorkerHost, RoleEngine, Command], Future[Answer] | None]  # (host, its engine, cmd)
+    handlers: Handlers
     transport: bool  # it moves KV (a KV transport is opened for it)
     listens: bool  # it receives KV (its transport listens; its address goes to the router)
 
@@ -73,37 +73,6 @@ def _shared_cache_allocator(spec: WorkerSpec, receives: bool) -> tuple[Any, list
         return t
 
     return allocate, paths
-
-
-def _settle(out: Future[Any], src: Future[Any], fn: Callable[[Any], Any] = lambda x: x) -> None:
-    """Give ``out`` the outcome of the finished ``src``: ``fn`` of its result, or its error."""
-    try:
-        out.set_result(fn(src.result()))
-    except BaseException as e:
-        out.set_exception(e)
-
-
-def then(fut: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
-    """A future of ``fn(result)`` once ``fut`` is done (its exception passes through)."""
-    out: Future[Any] = Future()
-    fut.add_done_callback(lambda f: _settle(out, f, fn))
-    return out
-
-
-def flatten(fut: Future[Future[Any]]) -> Future[Any]:
-    """A future of the result of the future ``fut`` resolves to."""
-    out: Future[Any] = Future()
-
-    def outer_done(f: Future[Future[Any]]) -> None:
-        try:
-            inner = f.result()
-        except BaseException as e:
-            out.set_exception(e)
-            return
-        inner.add_done_callback(lambda g: _settle(out, g))
-
-    fut.add_done_callback(outer_done)
-    return out
 
 
 class WorkerHost:
@@ -232,8 +201,6 @@ class WorkerHost:
     def execute(self, cmd: Command) -> Future[Answer]:
         """Run a router command on the engine's thread (between steps, in arrival order); the
         future holds its answer. Raises ``UnsupportedCommand`` for another role's command."""
-        if isinstance(cmd, Abort):
-            return self.loop.submit(self.engine.abort, cmd.request_id)
         if isinstance(cmd, Release):
             self._released.set()
             done: Future[Answer] = Future()
@@ -243,10 +210,10 @@ class WorkerHost:
 
     def _execute_role(self, cmd: Command) -> Future[Answer]:
         eng = self.engine  # read once: the role that takes the command is this engine's
-        fut = self.ROLES[eng.role].execute(self, eng, cmd)
-        if fut is None:
+        handler = handler_for(self.ROLES[eng.role].handlers, cmd)
+        if handler is None:
             raise UnsupportedCommand(f"a {eng.role.value} worker takes no {type(cmd).__name__} command")
-        return fut
+        return answer_of(self.loop.submit(handler, eng, cmd))
 
     def run(self, cmd: Command, timeout_s: float = 30.0) -> Answer:
         """``execute`` and wait for the answer: the router's commands, in process."""

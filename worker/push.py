@@ -44,18 +44,14 @@ from pdserve.worker.codec import (
     encode_batch,
     encode_hello,
 )
-from pdserve.worker.commands import (
+from pdserve.worker.command_codec import (
     MAX_COMMAND_BYTES,
-    Answer,
-    Command,
-    CommandError,
     CommandFrameError,
-    ErrorKind,
-    UnsupportedCommand,
     decode_command,
     encode_answer,
     encode_error,
 )
+from pdserve.worker.commands import Answer, Command, CommandError, ErrorKind, UnsupportedCommand
 from pdserve.worker.loop import EngineLoop, WorkerFailed
 from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerLoad
 

@@ -15,12 +15,19 @@ from hypothesis import strategies as st
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.codec import LENGTH, VERSION, ChannelError
+from pdserve.worker.command_codec import (
+    CommandFrameError,
+    decode_command,
+    decode_from_worker,
+    encode_answer,
+    encode_command,
+    encode_error,
+)
 from pdserve.worker.commands import (
     Abort,
     AddLocal,
     AwaitReservation,
     CommandError,
-    CommandFrameError,
     ErrorKind,
     KvLost,
     Prefill,
@@ -29,11 +36,6 @@ from pdserve.worker.commands import (
     SetTarget,
     Start,
     Withdraw,
-    decode_command,
-    decode_from_worker,
-    encode_answer,
-    encode_command,
-    encode_error,
 )
 from pdserve.worker.messages import KVTarget, WorkItem
 

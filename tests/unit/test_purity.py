@@ -58,6 +58,10 @@ PURE = (
     "pdserve.model_runtime.engine.step_log",
     "pdserve.model_runtime.sampling.logprob",
     "pdserve.worker.messages",
+    "pdserve.worker.commands",
+    "pdserve.worker.handlers",
+    "pdserve.prefill_worker.handlers",
+    "pdserve.decode_worker.handlers",
     "pdserve.router.workers",
 )
 # The router's process routes requests without the model stack: its service, the worker clients

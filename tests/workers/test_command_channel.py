@@ -20,14 +20,8 @@ from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, VERSION, decode_hello, encode_welcome
-from pdserve.worker.commands import (
-    Abort,
-    AddLocal,
-    KvLost,
-    QueueReservation,
-    decode_from_worker,
-    encode_command,
-)
+from pdserve.worker.command_codec import decode_from_worker, encode_command
+from pdserve.worker.commands import Abort, AddLocal, KvLost, QueueReservation
 from pdserve.worker.messages import OutputBatch, WorkerRole, WorkItem
 from pdserve.worker.push import recv_exact
 from pdserve.worker.spec import WorkerSpec
