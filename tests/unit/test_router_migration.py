@@ -13,6 +13,7 @@ from pdserve.router.outputs import CommandChannel, OutputListener
 from pdserve.router.service import GenerateInput, Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker import commands as C
+from pdserve.worker.command_codec import decode_command
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerInfo, WorkerRole
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -48,7 +49,7 @@ class Worker:
 
     def commands(self) -> list[tuple[int, Any]]:
         """Commands sent since the last look."""
-        out = [C.decode_command(frame[4:]) for frame in self.out.frames]
+        out = [decode_command(frame[4:]) for frame in self.out.frames]
         self.out.frames.clear()
         return out
 
