@@ -25,15 +25,17 @@ from pdserve.model_runtime.validation import RequestLimits
 from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import Code, RouterError
+from pdserve.router.lifecycle import why_not_migrate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.outputs import OutputListener
 from pdserve.router.policy import Decision, Dispatcher, RouteRequest
 from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
+from pdserve.router.request_flow import RequestFlow
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
 from pdserve.worker.commands import Release, Withdraw
-from pdserve.worker.messages import WorkerHealth, WorkerRole, WorkItem
+from pdserve.worker.messages import WorkerHealth, WorkerRole
 
 if TYPE_CHECKING:
     from pdserve.router.service import ModelInfo
@@ -69,6 +71,7 @@ class Membership:
     dispatcher: Dispatcher
     on_worker_gone: Callable[[WorkerHandle, str], None] | None
     on_worker_leaving: Callable[[WorkerHandle], None] | None
+    flow: RequestFlow
     _streams: dict[str, RequestStream]
     _client_ids: dict[str, str]
     _rebalancing: asyncio.Lock  # one rebalance at a time: each plans on the last one's outcome
@@ -84,13 +87,8 @@ class Membership:
 
         def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision: ...
 
-        def _start_dispatch(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None: ...
-
-        def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
-
-        async def _abort_on(self, w: WorkerHandle, rid: str) -> None: ...
-
-        async def _kv_lost(self, stream: RequestStream) -> None: ...
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.flow.spawn(coro)
 
     @property
     def _roles(self) -> tuple[WorkerRole, ...]:
@@ -174,18 +172,12 @@ class Membership:
             stream = self._streams.get(rid)
             if stream is None or stream.done:
                 continue  # ended already (its consumer has yet to clean up): nothing to move
-            if worker.role is WorkerRole.PREFILL and stream.first_token is not None:
-                self._spawn(self._kv_lost(stream))  # decode has the first token: it recomputes
-                continue
-            why_not = self._why_not_migrate(stream, planned)
-            if why_not is None:
-                self._migrate(stream, planned)  # decode lost, or prefill lost before the first token
-                continue
-            stream.fail(RouterError(Code.UNAVAILABLE, f"{why}; {why_not}"))
+            # Decode lost, or prefill lost before the first token: the stream moves (or fails);
+            # prefill lost after it: decode recomputes the prompt.
+            self.flow.worker_lost(stream, worker, why, planned)
         leftover, worker.inflight = worker.inflight, set()
-        if worker.alive:  # (a worker switching role): it lets go of what it still holds
-            for rid in leftover:
-                self._spawn(self._abort_on(worker, rid))
+        for rid in leftover:  # (a worker switching role): it lets go of what it still holds
+            self.flow.abort_on(worker, rid)
 
     # -- planned changes -----------------------------------------------------------------------
     async def _drain(self, worker_id: str, drain_timeout_s: float) -> WorkerHandle:
@@ -336,27 +328,24 @@ class Membership:
         for rid, taken in reversed(list(zip(request_ids, answers, strict=True))):
             if taken is not True:
                 continue  # started, ended, moved on, or the worker is gone (its loss moves it)
-            w.inflight.discard(rid)  # the worker forgot it: nothing to abort there
             stream = self._streams.get(rid)
             if stream is None or stream.done:
+                w.inflight.discard(rid)  # the worker forgot it: nothing to abort there
                 continue
+            self.flow.forget(stream, w)
             self.metrics.rerouted.inc()
             self._restart(stream, avoid=w.worker_id)
 
     # -- migration -----------------------------------------------------------------------------
-    def _why_not_migrate(self, stream: RequestStream, planned: bool = False) -> str | None:
-        """Why a stream whose decode worker was lost (or, ``planned``, is leaving its pool by a
-        planned change) cannot move to another one (None: it can). Only moves caused by faults
-        count against ``--migration-limit``: planned ones are bounded by the planner's own rate."""
-        limit = self.config.migration_limit
-        if not planned and limit <= 0:
-            return "request migration is off (--migration-limit 0)"
-        moves = stream.fault_migrations
-        if not planned and moves >= limit:
-            return f"the stream already moved {moves} times after faults (--migration-limit {limit})"
-        if not self._decoders():
-            return f"no healthy {self._decode_role.value} worker is left to move it to"
-        return None
+    def _relocate(self, stream: RequestStream, why: str, planned: bool = False) -> None:
+        """``stream``'s worker is gone (``why``): move it, or fail it saying why it cannot move."""
+        has_decoders = bool(self._decoders())
+        limit, role = self.config.migration_limit, self._decode_role.value
+        why_not = why_not_migrate(stream.fault_migrations, limit, has_decoders, planned, role)
+        if why_not is None:
+            self._migrate(stream, planned)
+        else:
+            stream.fail(RouterError(Code.UNAVAILABLE, f"{why}; {why_not}"))
 
     def _migrate(self, stream: RequestStream, planned: bool = False) -> None:
         """Move a stream to another worker (``_restart``); a move caused by a fault (not
@@ -374,15 +363,8 @@ class Membership:
         recomputes prompt + the tokens already sent and goes on, or, when no token was sent
         yet, the way any new request is routed (to a prefill worker other than ``avoid``: one
         that gave the prompt back, which the dispatcher's last view of it may still favour)."""
-        if stream.dispatch is not None and not stream.dispatch.done():
-            stream.dispatch.cancel()
         old = stream.request_id
-        for wid in (stream.prefill_worker, stream.decode_worker):
-            w = self.workers.get(wid)
-            if w is not None and old in w.inflight:
-                w.inflight.discard(old)
-                if w.alive:
-                    self._spawn(self._abort_on(w, old))
+        self.flow.release(stream)
         self.accounting.dropped(old)  # the dispatcher forgets the old placement
         new = f"req-{uuid.uuid4().hex}"
         del self._streams[old]
@@ -412,7 +394,7 @@ class Membership:
         log.info("%s: moving to %s+%s after %d tokens (migrations: %d)", stream.client_id,
                  decision.prefill_worker or "-", decision.decode_worker, len(sent),
                  stream.migrations)  # fmt: skip
-        self._start_dispatch(stream, work, decision)
+        self.flow.start(stream, work, decision)
 
     async def _stop_worker(self, worker: WorkerHandle) -> None:
         try:

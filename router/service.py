@@ -99,7 +99,7 @@ class Admitted:
         return self.stream.request_id
 
 
-class Router(RequestFlow, Membership):
+class Router(Membership):
     def __init__(
         self,
         config: RouterConfig,
@@ -119,7 +119,6 @@ class Router(RequestFlow, Membership):
         self.generation = generation  # the model's sampling defaults for fields a request leaves unset
         self._streams: dict[str, RequestStream] = {}  # by the router's own request id
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
-        self._tasks: set[asyncio.Task[None]] = set()
         self._rebalancing = asyncio.Lock()
         self.draining = False
         # Told of every worker the router lost, once its requests have moved (a pool keeper
@@ -148,6 +147,8 @@ class Router(RequestFlow, Membership):
         self.dispatcher = self.accounting.dispatcher
         self.slos = self.accounting.slos
         self.slo_tracker = self.accounting.tracker
+        self.flow = RequestFlow(config, self.workers, self.accounting, self._streams, self._relocate)
+        self._tasks = self.flow.tasks
         self.plans = self.accounting.metrics.plans  # the pool planner's decisions (``/dashboard``)
         name = config.model_name or model_id_of(info.model_dir)
         self.model = ModelInfo(
@@ -164,7 +165,7 @@ class Router(RequestFlow, Membership):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.outputs.bind(self.workers, self._on_deltas, self._on_lost, self._on_pool_change)
+        self.outputs.bind(self.workers, self.flow.on_deltas, self._on_lost, self._on_pool_change)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):
@@ -309,19 +310,15 @@ class Router(RequestFlow, Membership):
     async def run(self, admitted: Admitted) -> AsyncIterator[Event]:
         """Events of an admitted request; see the module docstring for the contract."""
         stream = admitted.stream
-        self._start_dispatch(stream, admitted.work, admitted.decision)
+        self.flow.start(stream, admitted.work, admitted.decision)
         try:
             async for ev in stream.events():
                 yield ev
         finally:
-            # The current attempt's (a migration cancels the one it replaces).
-            if stream.dispatch is not None and not stream.dispatch.done():
-                stream.dispatch.cancel()
-            stream.reservation_settled.set()  # nobody waits for a reservation of an ended stream
             self._forget(stream)
             if not stream.done:
                 stream.abort()
-            self._release(stream)
+            self.flow.release(stream)
             self.accounting.ended(admitted.slo, stream)
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:

@@ -24,6 +24,7 @@ from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.text_stream import TextStream
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import RouterError
+from pdserve.router.lifecycle import Attempt
 from pdserve.router.slo import SloClass
 from pdserve.worker.messages import Logprob, TokenDelta, WorkItem
 
@@ -102,13 +103,12 @@ class RequestStream:
         self.final_event: Final | None = None
         self.error: RouterError | None = None
         self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
-        self.reserved = asyncio.Event()  # decode holds blocks for it: safe to start decoding
-        self.reservation_settled = asyncio.Event()  # granted or not: the reservation is over
         self.migrations = 0  # every move to another worker (reported to the client)
         self.fault_migrations = 0  # the moves a lost worker caused (bounded by --migration-limit)
         self.work: WorkItem | None = None  # what the workers were sent (a migration resends it)
-        self.dispatch: asyncio.Task[None] | None = None
-        self.reserved_at = 0.0  # when it did (perf_counter)
+        self.attempt: Attempt | None = None  # the current attempt's state machine
+        self.calls: set[asyncio.Task[None]] = set()  # its commands' answers awaited
+        self.reserved_at = 0.0  # when decode reserved blocks for its KV (perf_counter)
 
     def restart(self, request_id: str) -> None:
         """A new attempt under a new id (migration, a prompt routed again): the tokens sent
@@ -116,12 +116,9 @@ class RequestStream:
         self.request_id = request_id
         self.attempt_at = time.perf_counter()
         self.prefill_worker = self.decode_worker = ""
-        self.reservation_settled.set()  # wakes what waited on the old attempt (it moves on)
-        self.reserved = asyncio.Event()
-        self.reservation_settled = asyncio.Event()
         self.reserved_at = 0.0
         self.handed_off = False
-        self.dispatch = None
+        self.attempt = None
 
     def taken_in(self) -> None:
         """The worker that prefills the prompt holds it: the router's part of queueing is over

@@ -126,13 +126,18 @@ class WorkerHandle:
     def mark_lost(self) -> None:
         self.health = WorkerHealth.UNHEALTHY
 
-    async def command(self, cmd: Any, timeout_s: float) -> Any:
-        """Send a ``pdserve.worker.commands`` command; its answer. Raises ``WorkerLost`` when the
-        worker is gone (or its channel ends first), ``InvalidRequestError`` / ``ValueError`` when
-        the request is at fault, ``asyncio.TimeoutError`` after ``timeout_s``."""
+    def send(self, cmd: Any) -> asyncio.Future[Any]:
+        """Send a ``pdserve.worker.commands`` command now (one worker's commands arrive in the
+        order sent); the future holds its answer. Raises ``WorkerLost`` when the worker is gone;
+        the future raises it when the channel ends first, ``InvalidRequestError`` /
+        ``ValueError`` when the request is at fault."""
         if self.health is WorkerHealth.UNHEALTHY or self.channel is None:
             raise WorkerLost(f"worker {self.worker_id} is unavailable")
-        return await asyncio.wait_for(self.channel.send(cmd), timeout_s)
+        return self.channel.send(cmd)
+
+    async def command(self, cmd: Any, timeout_s: float) -> Any:
+        """``send``, and its answer (``asyncio.TimeoutError`` after ``timeout_s``)."""
+        return await asyncio.wait_for(self.send(cmd), timeout_s)
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         if self.health is WorkerHealth.UNHEALTHY:

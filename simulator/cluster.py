@@ -22,10 +22,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
+from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.router.config import RouterConfig
+from pdserve.router.lifecycle import (
+    Attempt,
+    Deliver,
+    Effect,
+    Fail,
+    Failure,
+    Relocate,
+    Send,
+    Timeouts,
+    why_not_migrate,
+)
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.slo import SloClass
@@ -35,9 +47,10 @@ from pdserve.simulator.jitter import StepJitter
 from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.sim_worker import SimWorker
-from pdserve.simulator.virtual import Clock, Link
+from pdserve.simulator.virtual import TOKEN, Clock, Link
 from pdserve.steptime.model import StepTimeModel
-from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.commands import Answer, Withdraw
+from pdserve.worker.messages import TokenDelta, WorkerRole, WorkItem
 
 _RECHECK_S = 1e-9  # a deadline is judged this long after it falls, clear of rounding
 
@@ -59,6 +72,7 @@ class Cluster:
         reserve_timeout_s: float = RouterConfig.reserve_timeout_s,
         rebalance_prefill: bool = RouterConfig.rebalance_prefill,
         fast_steps: bool = True,
+        migration_limit: int = RouterConfig.migration_limit,
     ) -> None:
         if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
             raise ValueError(
@@ -74,6 +88,9 @@ class Cluster:
         self.reserve_timeout_s = reserve_timeout_s
         self.rebalance_prefill = rebalance_prefill
         self.rerouted = 0  # prompts taken back from a prefill worker and routed again
+        self.timeouts = Timeouts(RouterConfig.call_timeout_s, reserve_timeout_s)
+        self.migration_limit = migration_limit
+        self.on_send: Callable[[Send], None] | None = None  # every command sent (tests read them)
         self.profile = profile
         self.calibration = calibration_of(profile)
         self.link = Link(self.clock, profile)
@@ -184,114 +201,92 @@ class Cluster:
 
     # -- the router ------------------------------------------------------------------------------
     def _arrive(self, sr: SimRequest, avoid: SimWorker | None = None) -> None:
-        """Route ``sr`` (again, after a prefill worker gave it back: not to ``avoid``)."""
+        """Route ``sr`` (again, after a prefill worker gave it back: not to ``avoid``; after a
+        lost worker, as the router routes a moved request)."""
         work = sr.work
         rid = work.request_id
         sr.dispatched = self.clock.now
+        context = len(work.prompt_token_ids) + len(work.output_token_ids)
+        remaining = work.params.max_tokens - len(work.output_token_ids)
         route = RouteRequest(
-            sr.num_prompt_tokens, work.params.max_tokens, request_id=rid,
-            block_keys=prompt_keys(work.prompt_token_ids, self.block_size), slo=self.slo,
+            context, remaining, request_id=rid, slo=self.slo,
+            block_keys=prompt_keys(work.prompt_token_ids + work.output_token_ids, self.block_size),
         )  # fmt: skip
-        prefill = [w.load() for w in self.prefillers if w is not avoid]
+        # tokens already sent are recomputed where decoding goes on (the router's rule)
+        prefill = [w.load() for w in self.prefillers if w is not avoid] if not work.output_token_ids else []
         decision = self.dispatcher.decide(route, prefill, [w.load() for w in self.decoders], self.clock.now)
-        if avoid is None:
+        if avoid is None and not sr.attempts:
             key = f"{decision.outcome.value}/{decision.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
-        if decision.outcome is Outcome.REJECTED and avoid is None:
+        if decision.outcome is Outcome.REJECTED and not sr.attempts:
             sr.rejected = True
             self.finish(sr)
             return
         # (a prompt routed again was admitted already: as the router, it goes to the pair the
         # dispatcher named even when it predicts it late)
         if decision.priority:
-            sr.work = work = WorkItem(rid, work.prompt_token_ids, work.params, decision.priority)
+            sr.work = work = replace(work, priority=decision.priority)
         self.requests[rid] = sr
-        d = self.by_id[decision.decode_worker]
-        sr.decode_worker = d
-        if decision.prefill_worker is None:
-            d.command(lambda: d.decode.add_local(work))
-            self.dispatcher.on_report(d.load())  # simulated loads are always fresh
-            return
-        p = self.by_id[decision.prefill_worker]
-        sr.prefill_worker = p
-        sr.transfer_id = f"kv-{rid}"
-        self.link.tokens[sr.transfer_id] = sr.num_prompt_tokens
-        reservation = d.decode.reserve(work, sr.transfer_id, timeout_s=self.reserve_timeout_s)
-        d.changed()
-        if reservation.done():
-            target = reservation.result()
-            sr.granted = True
-            p.command(lambda: p.prefill.add(work, target))
-        else:
-            p.command(lambda: p.prefill.add(work))
-            reservation.add_done_callback(lambda f: self._reserved(sr, f, rid))
-        self.dispatcher.on_report(d.load())
-        self.dispatcher.on_report(p.load())
+        attempt = Attempt(work, decision.decode_worker, decision.prefill_worker, self.timeouts)
+        sr.attempt = attempt
+        d = sr.decode_worker = self.by_id[attempt.decode]
+        p = sr.prefill_worker = self.by_id[attempt.prefill] if attempt.prefill is not None else None
+        if p is not None:
+            self.link.tokens[attempt.transfer_id] = sr.num_prompt_tokens
+        self._apply(sr, attempt, attempt.dispatch())
+        self.dispatcher.on_report(d.load())  # simulated loads are always fresh
+        if p is not None:
+            self.dispatcher.on_report(p.load())
 
-    def _reserved(self, sr: SimRequest, fut: Future[KVTarget | None], rid: str) -> None:
-        """A waiting reservation was granted (in the decode worker's step: reported at its end)."""
-        d = sr.decode_worker
-        assert d is not None
-        target = fut.result()
-        if sr.done or sr.work.request_id != rid:  # it ended, or moved on: the reservation went back
-            return
-        if target is None:  # no room by the deadline: the router fails it
-            d.later(lambda: self._no_room(sr, rid))
-            return
-        d.later(lambda: self._granted(sr, target, rid))
+    def _apply(self, sr: SimRequest, attempt: Attempt, effects: list[Effect]) -> None:
+        """Carry out what ``attempt`` decided, as the router's driver does (``Hold``, ``Drop``,
+        ``TakenIn`` and ``Reserved`` are the router's bookkeeping: the engines are the truth here)."""
+        for e in effects:
+            if isinstance(e, Send):
+                self._send(sr, attempt, e)
+            elif isinstance(e, Deliver):
+                self._deliver(sr, self.by_id[e.worker], e.delta)
+            elif isinstance(e, Fail):
+                sr.error = f"{e.code.name}: {e.message}"
+                self.finish(sr)
+            elif isinstance(e, Relocate):
+                self._relocate(sr, e.why)
 
-    def _no_room(self, sr: SimRequest, rid: str) -> None:
-        """As the router does when the reservation's wait runs out: RESOURCE_EXHAUSTED, and the
-        prefill worker lets go of the prompt (its first token may be out already)."""
-        if sr.done or sr.work.request_id != rid:
+    def _send(self, sr: SimRequest, attempt: Attempt, sent: Send) -> None:
+        w = self.by_id[sent.worker]
+        if self.on_send is not None:
+            self.on_send(sent)
+        if w.lost:
+            if not sent.quiet:
+                why = f"worker {w.wid} is unavailable"
+                self._apply(sr, attempt, attempt.call_failed(sent, Failure.LOST, why))
             return
-        p = sr.prefill_worker
-        assert p is not None
-        p.command(lambda: p.prefill.abort(rid))
-        sr.error = f"RESOURCE_EXHAUSTED: no KV cache room within {self.reserve_timeout_s:g}s"
-        self.finish(sr)
-
-    def _granted(self, sr: SimRequest, target: KVTarget, rid: str) -> None:
-        """As the router does: name the blocks to the prefill worker, and start decoding once
-        the first token is known as well."""
-        if sr.done or sr.work.request_id != rid:
+        try:
+            answer = w.execute(sent.command)
+        except InvalidRequestError as e:
+            self._apply(sr, attempt, attempt.call_failed(sent, Failure.INVALID, str(e), e.field))
             return
-        p = sr.prefill_worker
-        assert p is not None
-        sr.granted = True
-        p.command(lambda: p.prefill.set_target(sr.work.request_id, target))
-        if sr.first is not None:
-            self._start(sr)
-
-    def _start(self, sr: SimRequest) -> None:
-        d = sr.decode_worker
-        assert d is not None and sr.first is not None
-        token = sr.first
-        d.command(lambda: d.decode.start(sr.work.request_id, token, sr.cached))
-
-    def on_delta(self, w: SimWorker, delta: TokenDelta) -> None:
-        sr = self.requests.get(delta.request_id)
-        if sr is None:
+        except ValueError as e:
+            self._apply(sr, attempt, attempt.call_failed(sent, Failure.VALUE, str(e)))
             return
-        if delta.error:
-            raise AssertionError(f"{w.wid} failed {delta.request_id}: {delta.error}")
-        now = self.clock.now
-        rid = delta.request_id
-        decoder = sr.decode_worker
-        assert decoder is not None
-        if w.role is WorkerRole.PREFILL:
-            if delta.kv_lost:
-                decoder.command(lambda: decoder.decode.kv_lost(rid))
+        if isinstance(answer, Future):
+            if not answer.done():  # settles in a step of ``w``: the router hears at its end
+                answer.add_done_callback(lambda f: w.later(lambda: self._answered(sr, attempt, sent, f)))
                 return
+            answer = answer.result()
+        self._apply(sr, attempt, attempt.answered(sent, answer))
+
+    def _answered(self, sr: SimRequest, attempt: Attempt, sent: Send, fut: Future[Answer]) -> None:
+        self._apply(sr, attempt, attempt.answered(sent, fut.result()))
+
+    def _deliver(self, sr: SimRequest, w: SimWorker, delta: TokenDelta) -> None:
+        """A delta for the client: its tokens leave now."""
+        now = self.clock.now
+        if w is sr.prefill_worker:
             sr.token_times.append(now)  # the first token leaves now (TTFT)
             self._first_token(sr, delta.num_cached_tokens)
-            if delta.finished:  # that token was the last: decode gives its reservation back
-                decoder.command(lambda: decoder.decode.abort(rid))
+            if delta.finished:  # that token was the last
                 self.finish(sr)
-            elif delta.prefilled:
-                sr.first = delta.token_ids[0]
-                if sr.granted:
-                    self._start(sr)
             return
         if not delta.token_ids and not delta.finished:
             return
@@ -302,9 +297,19 @@ class Cluster:
         if delta.finished:
             self.finish(sr)
 
+    def on_delta(self, w: SimWorker, delta: TokenDelta) -> None:
+        sr = self.requests.get(delta.request_id)
+        if sr is None or sr.attempt is None or w.lost:
+            return
+        if delta.error:
+            raise AssertionError(f"{w.wid} failed {delta.request_id}: {delta.error}")
+        self._apply(sr, sr.attempt, sr.attempt.on_delta(w.wid, delta))
+
     def on_tokens(self, w: SimWorker, rows: list[Request], finished: list[Request]) -> None:
         """A steady step's tokens, one per row (``pdserve.simulator.fast_step``), those of
         ``finished`` their last: what ``on_delta`` does with each row's one-token delta."""
+        if w.lost:
+            return
         now = self.clock.now
         for req in rows:
             sr = self.requests.get(req.request_id)
@@ -315,6 +320,8 @@ class Cluster:
             if first:  # prefilled locally: that was the first token
                 self._first_token(sr, req.num_cached_tokens)
             if finished and req in finished:
+                assert sr.attempt is not None
+                self._apply(sr, sr.attempt, sr.attempt.forget(w.wid))  # decode let go of it
                 self.finish(sr)
 
     def _first_token(self, sr: SimRequest, cached: int) -> None:
@@ -393,37 +400,75 @@ class Cluster:
         plan = withdrawals(queues, [w.wid for w in self.prefillers], budget)
         for wid, rids in plan.items():
             p = self.by_id[wid]
-            taken = [rid for rid in rids if p.prefill.withdraw(rid)]
+            taken = [rid for rid in rids if p.execute(Withdraw(rid)) is True]
             for rid in reversed(taken):  # oldest first, as they came
                 self._reroute(self.requests[rid], p)
             p.changed()
             p._check_idle()
 
     def _reroute(self, sr: SimRequest, avoid: SimWorker) -> None:
-        old = sr.work.request_id
-        d = sr.decode_worker
-        assert d is not None
-        d.command(lambda: d.decode.abort(old))  # its reservation goes back
-        self.link.tokens.pop(sr.transfer_id, None)
+        """A prefill worker gave the prompt back: route it again, not to ``avoid``."""
+        assert sr.attempt is not None
+        self._apply(sr, sr.attempt, sr.attempt.forget(avoid.wid))
+        self.rerouted += 1
+        self._restart(sr, avoid)
+
+    def _restart(self, sr: SimRequest, avoid: SimWorker | None = None) -> None:
+        """As the router restarts a request: the attempt under way lets go of it everywhere,
+        and it is routed again under a fresh id, with the tokens already sent."""
+        attempt = sr.attempt
+        assert attempt is not None
+        old = attempt.request_id
+        self._apply(sr, attempt, attempt.end())  # its reservation goes back
+        self.link.tokens.pop(attempt.transfer_id, None)
         self.dispatcher.on_end(old, self.clock.now, None)  # forget the old placement
         del self.requests[old]
         sr.attempts += 1
         base = old.split("~", 1)[0]
-        sr.work = replace(sr.work, request_id=f"{base}~{sr.attempts}")
-        sr.prefill_worker = sr.decode_worker = None
-        sr.transfer_id, sr.granted = "", False
-        self.rerouted += 1
+        sent = (TOKEN,) * len(sr.token_times)  # every sampled token is the same id
+        sr.work = replace(sr.work, request_id=f"{base}~{sr.attempts}", output_token_ids=sent)
+        sr.prefill_worker = sr.decode_worker = sr.attempt = None
         self._arrive(sr, avoid)
+
+    # -- lost workers ----------------------------------------------------------------------------
+    def lose(self, w: SimWorker) -> None:
+        """``w`` fails now: as the router handles a lost worker, whatever it held moves to
+        other workers (or fails), and a decode worker holding a first token recomputes."""
+        if w.lost:
+            return
+        w.lost = True
+        if w in self.pool(w.role):
+            self.pool(w.role).remove(w)
+        self.lifetimes[w.wid][1] = self.clock.now
+        self.dispatcher.on_worker_lost(w.wid)
+        for sr in list(self.requests.values()):
+            a = sr.attempt
+            if a is not None and w.wid in a.holders and not sr.done:
+                self._apply(sr, a, a.worker_lost(w.wid))
+
+    def _relocate(self, sr: SimRequest, why: str) -> None:
+        """As the router moves a request off a lost worker, or fails it (``why_not_migrate``)."""
+        why_not = why_not_migrate(sr.fault_migrations, self.migration_limit, bool(self.decoders))
+        if why_not is not None:
+            sr.error = f"UNAVAILABLE: {why}; {why_not}"
+            self.finish(sr)
+            return
+        sr.fault_migrations += 1
+        self._restart(sr)
 
     def _judge(self, verdict: Callable[[EarlyStop], bool]) -> None:
         if self.early_stop is not None and verdict(self.early_stop):
             self.clock.stop()
 
     def finish(self, sr: SimRequest) -> None:
+        if sr.done:
+            return
         sr.done = True
         self._judge(lambda es: es.failed(sr.key) if sr.rejected else es.finished(sr.key, sr.result()))
         self.requests.pop(sr.work.request_id, None)
-        self.link.tokens.pop(sr.transfer_id, None)
+        if sr.attempt is not None:
+            self.link.tokens.pop(sr.attempt.transfer_id, None)
+            self._apply(sr, sr.attempt, sr.attempt.end())  # the workers still holding it let go
         self.finished.append(sr)
         self.end_times.append(self.clock.now)
         t = sr.token_times
@@ -437,6 +482,8 @@ class Cluster:
         if self.clock.stopped:  # ended early: requests are in flight by design
             return
         for w in self.by_id.values():  # every scenario ends with every request done and nothing held
+            if w.lost:
+                continue  # (its state went with it)
             if not w.engine.idle:
                 held = {k: v for k, v in w.engine.request_state().items() if v}
                 raise AssertionError(f"{w.wid}: requests left after the run: {held}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import RequestResult
+from pdserve.router.lifecycle import Attempt
 from pdserve.worker.messages import WorkItem
 
 if TYPE_CHECKING:
@@ -21,15 +22,14 @@ class SimRequest:
     token_times: list[float] = field(default_factory=list)
     prefill_worker: SimWorker | None = None
     decode_worker: SimWorker | None = None
-    transfer_id: str = ""
-    granted: bool = False  # the decode worker reserved its blocks
-    first: int | None = None  # the prefill worker's first token
+    attempt: Attempt | None = None  # the current attempt's state machine (the router's)
     cached: int = 0  # prompt tokens a prefix cache served
     done: bool = False
     rejected: bool = False
     error: str = ""  # failed after it was dispatched (the router's answer to the client)
     dispatched: float = 0.0  # when its current attempt was routed
-    attempts: int = 0  # times it was routed again (a prompt taken back from a prefill worker)
+    attempts: int = 0  # times it was routed again (a prompt taken back, or moved off a lost worker)
+    fault_migrations: int = 0  # the moves a lost worker caused (bounded as the router bounds them)
     # the result once it ended (nothing changes it then): the early stop judges it at its end
     # and the run's summary reads it again, each a list of its inter-token gaps otherwise
     _final: RequestResult | None = field(default=None, repr=False, compare=False)

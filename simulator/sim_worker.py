@@ -22,22 +22,35 @@ a run is reproducible and runs with other seeds show the spread.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.handlers import COLOCATED_HANDLERS, DECODE_HANDLERS
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.prefill_worker.handlers import PREFILL_HANDLERS
 from pdserve.simulator.fast_run import DecodeRun
 from pdserve.simulator.fast_step import Steady, decode_step, prefill_step
 from pdserve.simulator.prompt_memo import prompt_blocks, prompt_keys
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
+from pdserve.worker.commands import Answer, Command, UnsupportedCommand
+from pdserve.worker.handlers import Handlers, handler_for
 from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
 
 if TYPE_CHECKING:
     from pdserve.simulator.cluster import Cluster
+
+
+# Each role's commands, as the worker process's host runs them.
+ROLE_HANDLERS: dict[WorkerRole, Handlers] = {
+    WorkerRole.PREFILL: PREFILL_HANDLERS,
+    WorkerRole.DECODE: DECODE_HANDLERS,
+    WorkerRole.COLOCATED: COLOCATED_HANDLERS,
+}
 
 
 class SimWorker:
@@ -60,6 +73,7 @@ class SimWorker:
             self.transport = SimTransport(wid, cluster.link, self.kick)
         self.become(role, config)
         self.retiring = False  # routed nothing new; leaves (or switches role) once idle
+        self.lost = False  # gone (``Cluster.lose``): takes no command, and steps no more
         self.on_idle: Callable[[], None] | None = None
         self.busy = False
         self.prefilling = False  # the step in flight has prefill work
@@ -148,6 +162,8 @@ class SimWorker:
     def kick(self) -> None:
         """Step if there is anything to step for."""
         self._load = None  # every caller just changed this worker's state
+        if self.lost:
+            return
         if self.busy:
             self.settle()  # (a transfer landed: the next step takes it in)
             return
@@ -212,6 +228,8 @@ class SimWorker:
         catches up and steps as usual)."""
         run = self.run
         assert run is not None
+        if self.lost:
+            return
         run.ended = run.started
         if not run.cut and run.started < run.limit:
             self._run_step()
@@ -280,10 +298,15 @@ class SimWorker:
             fn, self.on_idle = self.on_idle, None
             fn()
 
-    def command(self, fn: Callable[[], object]) -> None:
-        """A router command: it reaches the engine now (a push it starts begins now, or when
-        the step in flight ends)."""
+    def execute(self, cmd: Command) -> Answer | Future[Answer]:
+        """A router command, through its role's handler table (the one a worker process
+        dispatches through): it reaches the engine now (a push it starts begins now, or when
+        the step in flight ends). Its answer, or a future of it."""
+        handler = handler_for(ROLE_HANDLERS[self.role], cmd)
+        if handler is None:
+            raise UnsupportedCommand(f"a {self.role.value} worker takes no {type(cmd).__name__} command")
         self.settle()
-        fn()
+        answer = handler(self._engine, cmd)
         self.kick()
         self._check_idle()
+        return answer

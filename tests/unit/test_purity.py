@@ -35,6 +35,7 @@ PURE = (
     "pdserve.deploy.capacity",
     "pdserve.router.workload_window",
     "pdserve.router.rebalance",
+    "pdserve.router.lifecycle",
     "pdserve.simulator.autoscale",
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",

@@ -132,7 +132,7 @@ def test_a_stream_that_already_ended_is_not_moved() -> None:
         w = ws[admitted.stream.decode_worker]
         for call_id, _ in w.commands():
             w.answer(call_id, None)
-        router._on_deltas(w.handle, (TokenDelta(admitted.stream.request_id, (11,)),))
+        router.flow.on_deltas(w.handle, (TokenDelta(admitted.stream.request_id, (11,)),))
         await settle()
         assert await router.abort("client-1")
         await lose(router, w)  # in the window before its consumer cleans up
@@ -167,13 +167,14 @@ def test_the_old_reservation_does_not_settle_the_new_attempts() -> None:
         assert [type(c) for _, c in d.commands()] == [C.AwaitReservation]
         await lose(router, p)
         await settle()
-        assert not stream.reservation_settled.is_set()
+        assert stream.attempt is not None and stream.attempt.target is None  # the new one's
         p2 = ws[stream.prefill_worker]
         for call_id, _ in p2.commands():
             p2.answer(call_id, None)
         sent = d.commands()
         assert [type(c) for _, c in sent] == [C.Abort, C.QueueReservation]
-        router._on_deltas(p2.handle, (TokenDelta(stream.request_id, (42,), prefilled=True),))  # before room
+        first = TokenDelta(stream.request_id, (42,), prefilled=True)
+        router.flow.on_deltas(p2.handle, (first,))  # before room
         d.answer(sent[1][0], True)
         await settle()
         (awaiting,) = d.commands()

@@ -81,7 +81,7 @@ def test_a_joined_prefill_worker_takes_the_newest_prompts_that_had_not_started()
     async def main() -> None:
         router, ws, admitted, tasks = await backlog(5)
         first = admitted[0].stream
-        router._on_deltas(ws["p0"].handle, (TokenDelta(first.request_id, (42,), prefilled=True),))
+        router.flow.on_deltas(ws["p0"].handle, (TokenDelta(first.request_id, (42,), prefilled=True),))
         await settle()
         answer(ws)
         old = [a.stream.request_id for a in admitted]
