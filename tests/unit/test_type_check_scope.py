@@ -1,5 +1,6 @@
-"""mypy --strict covers every module of the package: a new module is checked without anyone
-listing it, and a module leaves the check only by a named, reasoned override."""
+"""mypy --strict covers every module of the package and every benchmark script: a new module is
+checked without anyone listing it, and a module leaves the check only by a named, reasoned
+override."""
 
 from __future__ import annotations
 
@@ -25,21 +26,23 @@ def _mypy_config() -> dict[str, Any]:
     return config
 
 
-def _package_modules() -> list[Path]:
-    """Every .py of the package, relative to the repository, through the rooms' links."""
+def _modules() -> list[Path]:
+    """Every .py of the package (through the rooms' links) and of benchmarks/, relative to the
+    repository."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(ROOT / "pdserve", followlinks=True):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        found += [Path(dirpath, f).relative_to(ROOT) for f in filenames if f.endswith(".py")]
+    for top in ("pdserve", "benchmarks"):
+        for dirpath, dirnames, filenames in os.walk(ROOT / top, followlinks=True):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            found += [Path(dirpath, f).relative_to(ROOT) for f in filenames if f.endswith(".py")]
     return found
 
 
-def test_mypy_checks_every_module_of_the_package() -> None:
+def test_mypy_checks_every_module() -> None:
     config = _mypy_config()
     assert config["strict"] is True
     assert "exclude" not in config, "an exclude pattern takes modules out of the check"
     roots = [Path(f) for f in config["files"]]
-    modules = _package_modules()
+    modules = _modules()
     assert any(m.parts[:2] == ("pdserve", "router") for m in modules), "the rooms' links were not followed"
     missed = [str(m) for m in modules if not any(m == r or r in m.parents for r in roots)]
     assert not missed, f"modules mypy does not check: {missed}"
