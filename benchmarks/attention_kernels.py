@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ class Sweep:
     def best(self, shape: str) -> float:
         return min((v[shape] for v in self.ms.values() if shape in v), default=math.nan)
 
-    def report(self, default: str, work: dict[str, float], ceiling: float) -> dict[str, Any]:
+    def report(self, default: str, work: Mapping[str, float], ceiling: float) -> dict[str, Any]:
         """``work``: bytes or FLOPs per shape; ``ceiling``: the same unit per second."""
         ranked, score = _rank(self.ms, self.shapes)
         for k in ranked[:8]:

@@ -283,8 +283,8 @@ def main() -> int:
     def agreement(sim: dict[str, Any]) -> tuple[list[tuple[Any, Any]], list[bool]]:
         """(live, simulated) layouts at the interval boundaries, and which are within one worker."""
         sim_layouts = [(t, pp, dd) for t, pp, dd in sim["layouts"]]
-        pairs = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
-        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        found = [(layout_at(auto["timeline"], t), layout_at(sim_layouts, t)) for t in bounds_t]
+        pairs = [(a, b) for a, b in found if a is not None and b is not None]
         return pairs, [abs(a[0] - b[0]) + abs(a[1] - b[1]) <= 1 for a, b in pairs]
 
     sim_flags = [*base, "--policy", "least_loaded", *auto_flags]

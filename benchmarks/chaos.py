@@ -283,6 +283,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
         shrink: Future[Any] | None = None
         held: dict[str, int] = {}
+        victim: str | None
         if name == "shrink_then_crash":
             shrink, victim, held = shrink_decode_pool(st, handles)
         else:

@@ -55,7 +55,8 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> dic
             packed = torch.ops.mkldnn._reorder_linear_weight(b, 32)
 
             def onednn() -> torch.Tensor:
-                return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+                product: torch.Tensor = torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+                return product
 
             out["onednn"] = 2 * n**3 / median_time(onednn, repeat=7, warmup=2)
         except (RuntimeError, AttributeError):

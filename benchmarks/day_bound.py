@@ -27,6 +27,7 @@ sums with their ratios to the static layout's GPU-hours.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import time
 from typing import Any
@@ -73,13 +74,16 @@ def smallest(rate: float, target: float, args: argparse.Namespace, memo: dict[An
             memo[(rate, p, d)] = m["slo_attainment"]
         return memo[(rate, p, d)]
 
+    def meets(p: int, d: int) -> bool:
+        return attainment(p, d) >= target
+
     d0 = fewest_passing(1, args.max_decode, lambda d: attainment(args.max_prefill, d) >= target)
     if d0 is None:
         bound = f"{args.max_prefill}P+{args.max_decode}D"
         raise SystemExit(f"no layout within {bound} meets {target} at {rate} req/s")
     found = []
     for d in range(d0, min(args.max_decode, d0 + 2) + 1):
-        p = fewest_passing(1, args.max_prefill, lambda p, d=d: attainment(p, d) >= target)
+        p = fewest_passing(1, args.max_prefill, functools.partial(meets, d=d))
         if p is not None:
             found.append((p + d, p, d))
     _, p, d = min(found)

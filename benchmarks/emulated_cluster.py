@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.client import start_pdserve
 from benchmarks.common import emit
@@ -61,7 +62,7 @@ def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespac
 def simulated_side_by_side(
     name: str, policy: str, points: list[dict[str, float]], args: argparse.Namespace
 ) -> dict[str, object]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for pt in sorted(points, key=lambda r: r["rate"]):
         sim = simulate_layout(name, policy, pt["rate"], args)
         rows.append(

@@ -33,6 +33,7 @@ from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandw
 from pdserve.model_runtime.checkpoint import Format
 from pdserve.model_runtime.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
+from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -202,23 +203,25 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
     engine = make_engine(args.model, args.device, args.dtype)  # applies the engine's process settings
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "a real model's runner: its dtype and linear backend"
     device = engine.device
     cfg = engine.model_config
-    dtype_bytes = engine.runner.kv_cache.element_size()
+    dtype_bytes = runner.kv_cache.element_size()
     res: dict[str, Any] = {
         "model": args.model,
         "threads": torch.get_num_threads(),
-        "dtype": str(engine.runner.dtype),
+        "dtype": str(runner.dtype),
     }
     print(
         f"model {args.model} on {device}: {cfg.num_parameters() / 1e6:.1f}M parameters, "
-        f"linear backend {engine.runner.model.lm_head.backend}",
+        f"linear backend {runner.model.lm_head.backend}",
         flush=True,
     )
 
     read_bw = memory_read_bandwidth(device, 512 if device.type == "cpu" else 4096)
     copy_bw = memory_copy_bandwidth(device, 512 if device.type == "cpu" else 4096)
-    mm = matmul_flops(device, engine.runner.dtype, 2048 if device.type == "cpu" else 8192)
+    mm = matmul_flops(device, runner.dtype, 2048 if device.type == "cpu" else 8192)
     best_mm = max(mm.values())
     res.update(
         read_bw_gbs=read_bw / 1e9,
@@ -252,9 +255,7 @@ def main() -> None:
         per_round.setdefault("decode_speedup_b32_vs_b1", []).append(tok_s[32] / tok_s[1])
     for n in (512, 2048):
         for _ in range(3):
-            mm_now = max(
-                matmul_flops(device, engine.runner.dtype, 2048 if device.type == "cpu" else 8192).values()
-            )
+            mm_now = max(matmul_flops(device, runner.dtype, 2048 if device.type == "cpu" else 8192).values())
             dt = measure_prefill(engine, n)
             per_round.setdefault(f"prefill_tok_s_{n}", []).append(n / dt)
             per_round.setdefault(f"prefill_mfu_{n}", []).append(prefill_flops(cfg, n) / dt / mm_now)

@@ -50,10 +50,10 @@ def flood(addresses: list[str], connections: int, seconds: float) -> dict[str, i
             ready = True
         for target in targets:
             while held[target] < connections and waiting[target] < BURST:
-                sock = socket.socket()
-                sock.setblocking(False)
-                sock.connect_ex(target)
-                sel.register(sock, selectors.EVENT_WRITE, (target, "connecting"))
+                new = socket.socket()
+                new.setblocking(False)
+                new.connect_ex(target)
+                sel.register(new, selectors.EVENT_WRITE, (target, "connecting"))
                 held[target] += 1
                 waiting[target] += 1
         for key, _ in sel.select(timeout=0.01):

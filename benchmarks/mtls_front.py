@@ -51,7 +51,7 @@ async def _serve(mode: str, port: int, pki: Path) -> None:
         return MESSAGE
 
     server = grpc.aio.server()
-    methods = {
+    methods: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
         "S": grpc.unary_stream_rpc_method_handler(items),
         "U": grpc.unary_unary_rpc_method_handler(unary),
     }
@@ -80,7 +80,8 @@ async def _client(port: int, pki: Path) -> dict[str, float]:
         (pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes()
     )
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
-        items, unary = channel.unary_stream("/bench.B/S"), channel.unary_unary("/bench.B/U")
+        items: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/bench.B/S")
+        unary: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench.B/U")
         await unary(b"")
         t0 = time.perf_counter()
         for _ in range(UNARY_CALLS):

@@ -47,7 +47,7 @@ def point_windows(
     if len(starts) != len(points) * num_prompts:
         return None
     firsts = starts[::num_prompts]
-    out = []
+    out: list[tuple[float, float]] = []
     for i, t0 in enumerate(firsts):
         last = starts[(i + 1) * num_prompts - 1]
         end = firsts[i + 1] if i + 1 < len(firsts) else last + TAIL_S

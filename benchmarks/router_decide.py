@@ -70,7 +70,7 @@ def measure(policy: str, prefill: int, decode: int, args: argparse.Namespace) ->
             n += 1
 
     place(args.inflight)  # the steady population
-    rounds = []
+    rounds: list[float] = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         place(args.requests)
@@ -88,7 +88,7 @@ def main() -> int:
     out: dict[str, Any] = {}
     for spec in args.layouts.split(","):
         p, d = (int(x) for x in spec.split("x"))
-        row = {}
+        row: dict[str, Any] = {}
         for policy in ("least_loaded", "goodput"):
             s = measure(policy, p, d, args)
             row[policy] = {"us_per_request": round(s * 1e6, 1), "requests_per_core_s": round(1 / s)}

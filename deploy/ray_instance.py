@@ -20,6 +20,7 @@ core gives up on the GCS a minute later (``deploy/systemd/`` has a unit with
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import secrets
@@ -65,7 +66,8 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     try:  # Ray's native side reads both once per process; a second private instance re-reads
-        from ray._raylet import AuthenticationTokenLoader, Config
+        # Present at run time in Ray builds with token auth, absent from the stub Ray ships.
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
@@ -101,8 +103,10 @@ def own_process_groups() -> Iterator[None]:
     and agents) begins in a process group of its own. Ray keeps its own start-up hook
     (``preexec_fn``: fate sharing, SIGINT blocked); a Ray whose launcher moved runs as before,
     with a warning."""
+    # Ray's private launcher module, patched by name: what it holds differs between Ray versions.
+    services: Any
     try:
-        from ray._private import services
+        services = importlib.import_module("ray._private.services")
     except ImportError:  # pragma: no cover - a Ray without it
         services = None
     popen = getattr(services, "ConsolePopen", None)
@@ -166,7 +170,7 @@ class RayWatch:
     is gone, and a look through it would never run."""
 
     def __init__(
-        self, processes: dict[str, str], on_gone: Callable[[str], None], every_s: float = CHECK_S
+        self, processes: dict[str, str], on_gone: Callable[[str], object], every_s: float = CHECK_S
     ) -> None:
         self.processes = processes
         self.on_gone = on_gone

@@ -82,7 +82,7 @@ def check_cluster_token(address: str, env: Mapping[str, str] | None = None, home
     sends = source is not None and env.get("RAY_AUTH_MODE", "").lower() == "token"
     metadata = (("authorization", f"Bearer {source[1]}"),) if sends and source is not None else ()
     with grpc.insecure_channel(target) as channel:
-        call = channel.unary_unary(PROBE)
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(PROBE)
         try:
             call(b"", timeout=PROBE_TIMEOUT_S, metadata=metadata)
         except grpc.RpcError as e:

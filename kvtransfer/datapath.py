@@ -148,12 +148,14 @@ class TcpPath(DataPath):
         done: bool = False,
     ) -> int:
         arr = self._arr[layer]
-        end = {"done": True} if done else {}
+        end: dict[str, Any] = {"done": True} if done else {}
         conn.send("data", [arr[b] for b in src], id=transfer_id, layer=layer, first=0, count=len(src), **end)
         return len(src) * self.block_nbytes
 
     def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
-        layer, first, count = frame["layer"], frame["first"], frame["count"]
+        layer: int = frame["layer"]
+        first: int = frame["first"]
+        count: int = frame["count"]
         if layer >= self.num_layers or first + count > len(dst):
             raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
         arr = self._arr[layer]
@@ -217,7 +219,7 @@ class _DirectWritePath(DataPath):
         self._order_after(after)
         self._copy(conn, layers, src, dst)
         self._written(conn)
-        end = {"done": True} if last else {}
+        end: dict[str, Any] = {"done": True} if last else {}
         conn.send("layer", id=transfer_id, layer=layers.start, count=len(layers), **end)
         return len(layers) * len(src) * self.block_nbytes
 
@@ -227,7 +229,7 @@ class _DirectWritePath(DataPath):
 
 def cuda_marker(device: torch.device) -> torch.cuda.Event:
     """An event recorded on the calling thread's current stream of ``device``."""
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
 
@@ -297,7 +299,8 @@ def sweep_stale_caches(directory: Path = SHM_DIR) -> list[Path]:
     those created in this PID namespace by a process that no longer exists. Files of other
     namespaces (other containers sharing the directory) are left alone: their PIDs mean nothing
     here. Returns what was removed."""
-    ns, removed = _pid_namespace(), []
+    ns = _pid_namespace()
+    removed: list[Path] = []
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -435,7 +438,8 @@ class CudaIpcPath(_DirectWritePath):
 
     def receiver_info(self) -> dict[str, Any]:
         storage = self.cache.untyped_storage()
-        handle = storage._share_cuda_()  # (device, handle, size, offset, refcount handle/offset, event...)
+        # (device, handle, size, offset, refcount handle/offset, event...); unannotated in torch
+        handle = storage._share_cuda_()  # type: ignore[no-untyped-call]
         return {
             "ipc": [h if isinstance(h, (bytes, int, bool)) else bytes(h) for h in handle],
             "offset": self.cache.storage_offset(),

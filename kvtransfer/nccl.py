@@ -374,13 +374,15 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             dst: Sequence[int],
             done: bool = False,
         ) -> int:
-            end = {"done": True} if done else {}
+            end: dict[str, Any] = {"done": True} if done else {}
             conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src), **end)
             self._run(conn, self.lib.send, block_pointers(self.cache, layer, src), peer=1)
             return len(src) * self.block_nbytes
 
         def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
-            layer, first, count = frame["layer"], frame["first"], frame["count"]
+            layer: int = frame["layer"]
+            first: int = frame["first"]
+            count: int = frame["count"]
             if layer >= self.num_layers or first + count > len(dst):
                 raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
             # The receive overwrites blocks the decode engine may have just freed: after its work.

@@ -23,6 +23,7 @@ the lease plus a grace period has passed (see ``receiver``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import socket
@@ -323,9 +324,9 @@ class Sender(TransferTable[Outgoing]):
             if t.state.terminal:
                 continue
             if kind == "begin":
-                self._guarded(p, t, lambda t=t: self._open_and_begin(p, t))  # ``ready`` comes back
+                self._guarded(p, t, functools.partial(self._open_and_begin, p, t))  # ``ready`` comes back
             else:
-                self._guarded(p, t, lambda t=t: self._push_ready_layers(t.conn, t) if t.conn else None)
+                self._guarded(p, t, functools.partial(self._push_on_own_connection, t))
 
     def _guarded(self, p: _Peer, t: Outgoing, step: Callable[[], None]) -> None:
         """One step of sending ``t``, on the pusher or the reader thread: a step that fails
@@ -380,6 +381,11 @@ class Sender(TransferTable[Outgoing]):
         if stopped:
             assert t.cause is not None
             conn.send("abort", id=t.transfer_id, reason=t.cause.value)
+
+    def _push_on_own_connection(self, t: Outgoing) -> None:
+        """Push ``t``'s ready layers on the connection its begin found (none yet: nothing to do)."""
+        if t.conn is not None:
+            self._push_ready_layers(t.conn, t)
 
     def _push_ready_layers(self, conn: Connection, t: Outgoing) -> None:
         with self._lock:  # layer_ready sets both under this lock: read them as one pair
@@ -436,7 +442,7 @@ class Sender(TransferTable[Outgoing]):
                     # Pushed from here: handing it back to the pusher would put a thread's wake-up
                     # on every hand-off's critical path. A direct-write push is a copy and one
                     # small frame, so the answers this thread reads wait no longer than that.
-                    self._guarded(p, t, lambda t=t: self._push_ready_layers(conn, t))
+                    self._guarded(p, t, functools.partial(self._push_ready_layers, conn, t))
                 else:  # bulk bytes on this socket: the pusher sends them
                     p.events.put(("progress", t))
         except (TransferError, wire.FrameError) as e:

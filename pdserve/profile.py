@@ -189,8 +189,8 @@ def measure_prefill(m: Meter, args: argparse.Namespace) -> list[Point]:
         for i in range(3):
             by_step[i].append(m.step())
         m.drop_all()
-    for runs in by_step[1:]:  # the first chunk (nothing cached) is the plain prefill above
-        pt = median_point(runs)
+    for step_runs in by_step[1:]:  # the first chunk (nothing cached) is the plain prefill above
+        pt = median_point(step_runs)
         out.append(pt)
         log(f"  {describe(pt[0]):<40} {pt[1] * 1000:9.2f} ms")
     return out

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +32,10 @@ from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.worker.messages import Logprob, WorkerHealth, WorkerRole
 
 log = logging.getLogger(__name__)
+
+# An interceptor passes any method's handler through: the request and response types of one call.
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 STATUS = {
@@ -127,7 +131,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.router = router
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse],
     ) -> AsyncIterator[pb.GenerateResponse]:
         which = request.WhichOneof("prompt")
         prompt: str | list[int] = request.text if which == "text" else list(request.token_ids.ids)
@@ -165,11 +171,15 @@ class InferenceService(pb_grpc.InferenceServicer):
         except RouterError as e:
             await context.abort(STATUS[e.code], e.message)
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]
+    ) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GetModelInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
         m = self.router.model
         return pb.ModelInfo(
@@ -185,7 +195,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         )
 
     async def GetClusterStatus(
-        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GetClusterStatusRequest,
+        context: grpc.aio.ServicerContext[pb.GetClusterStatusRequest, pb.ClusterStatus],
     ) -> pb.ClusterStatus:
         ready, mode, loads = await self.router.cluster_status()
         return pb.ClusterStatus(
@@ -212,23 +224,25 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
         self.api_key = api_key
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer <key>)"
             )
 
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await deny(request, context)
             yield  # pragma: no cover (abort raises)
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+        self._deny_unary: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream: grpc.RpcMethodHandler[Any, Any] = grpc.unary_stream_rpc_method_handler(deny_stream)
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]
+        ],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         if details.method.startswith(self.OPEN_PREFIX):
             return await continuation(details)
         md = dict(details.invocation_metadata or ())

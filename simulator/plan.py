@@ -206,8 +206,9 @@ def search_result(found: Bracket, points: list[dict[str, Any]]) -> dict[str, Any
 
 def _work_bound_rate(args: argparse.Namespace) -> float:
     """The work bound of the plan's workload, req/s over all ``--gpus``."""
-    specs = workload(argparse.Namespace(**{**vars(args), "request_rate": args.min_rate_per_gpu * args.gpus}))
-    return work_bound(load_sim_profile(args.profile), specs, args.block_size).rate_per_gpu * args.gpus
+    gpus: int = args.gpus
+    specs = workload(argparse.Namespace(**{**vars(args), "request_rate": args.min_rate_per_gpu * gpus}))
+    return work_bound(load_sim_profile(args.profile), specs, args.block_size).rate_per_gpu * gpus
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

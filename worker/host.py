@@ -93,7 +93,7 @@ class WorkerHost:
         if spec.engine.step_log:
             self.step_log = StepLog(Path(spec.engine.step_log) / f"{spec.worker_id}.jsonl")
             self.rt.runner = LoggedRunner(self.rt.runner, self.step_log)
-        self.transport: KVTransport | None = None
+        self.transport: KVTransport | EmulatedLink | None = None
         self.address = ""  # the transport's, once it listens
         role = self.ROLES[spec.role]
         self._open_transport(role)

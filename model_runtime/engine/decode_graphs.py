@@ -94,7 +94,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             self._stage((), bucket)
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # Triton compiles and autotunes outside the capture

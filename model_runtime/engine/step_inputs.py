@@ -222,6 +222,6 @@ class Stager:
         """Copy the host buffer's first ``n`` values to the device buffer; returns it (whole)."""
         self.device_buffer[:n].copy_(self._host[:n], non_blocking=self._pinned)
         if self._pinned:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(self.device))
         return self.device_buffer

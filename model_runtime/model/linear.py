@@ -90,7 +90,7 @@ def warm_up(linears: Iterable[Linear], max_rows: int) -> int:
 
 @functools.cache
 def _onednn_works(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         w = torch.randn(24, 40).to(dtype)

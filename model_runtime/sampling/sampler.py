@@ -262,7 +262,7 @@ class _HostRing:
             buf = self._bufs[i] = torch.empty(max(n, 4096), dtype=t.dtype, pin_memory=True)
         host = buf[:n].view(t.shape)
         host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(t.device))  # the copy's stream, not the current device's
         self._events[i] = done
         return host, done
