@@ -33,6 +33,7 @@ from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
 from pdserve.worker.commands import Release, Withdraw
+from pdserve.worker.control import SwitchRole
 from pdserve.worker.messages import WorkerHealth, WorkerRole, WorkItem
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class Membership:
             deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
             while True:  # the aborts of what moved may still be on their way
                 try:
-                    info = await w.call("switch_role", role.value, timeout_s=self.config.call_timeout_s)
+                    info = await w.control(SwitchRole(role), timeout_s=self.config.call_timeout_s)
                     break
                 except ValueError:
                     if asyncio.get_running_loop().time() > deadline:
