@@ -211,10 +211,11 @@ def kv_failures(st: Any) -> dict[str, int]:
 
 def transfers_received(st: Any) -> int:
     """KV transfers the live decode workers have received so far (fresh loads)."""
+    from pdserve.worker.control import GetLoad
     from pdserve.worker.messages import WorkerRole
 
     decode = [h for h in st.service.handles if h.alive and h.role is WorkerRole.DECODE]
-    return sum(st.run(h.call("load", timeout_s=10)).transfers.count for h in decode)
+    return sum(st.run(h.control(GetLoad(), timeout_s=10)).transfers.count for h in decode)
 
 
 def kv_failed_since(st: Any, before: dict[str, int]) -> int:
@@ -255,6 +256,8 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
     """One fault on a fresh 2P+2D deployment, or on ``deployment`` (``start(2, 2)``'s, kept
     running: the scenario first waits for it to be whole again, and counts only its own KV
     failures)."""
+    from pdserve.worker.control import GetLoad, RequestState
+
     if name in SERVE_ALONE:
         return router_term(work, group=name == "group_sigterm")
     st, s = deployment if deployment is not None else start(prefill=2, decode=2)
@@ -326,8 +329,8 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         leaked = state_left = 0
         for h in st.service.handles:
             if h.alive:
-                state = st.run(h.call("request_state", timeout_s=10))
-                load = st.run(h.call("load", timeout_s=10))
+                state = st.run(h.control(RequestState(), timeout_s=10))
+                load = st.run(h.control(GetLoad(), timeout_s=10))
                 leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
                 state_left += sum(state.values())
         kv_failed = kv_failed_since(st, kv_before)

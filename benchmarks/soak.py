@@ -71,14 +71,16 @@ def proc(pid: int) -> tuple[float, float, int, int]:
 
 
 def sample(st: Any, t0: float) -> Sample:
+    from pdserve.worker.control import GetLoad, RequestState
+
     rss = anon = fds = threads = blocks = state = 0.0
     each: list[tuple[str, float, float]] = []
     for h in list(st.service.handles):
         if not h.alive:
             continue
         try:
-            req = st.run(h.call("request_state", timeout_s=5), timeout_s=10)
-            load = st.run(h.call("load", timeout_s=5), timeout_s=10)
+            req = st.run(h.control(RequestState(), timeout_s=5), timeout_s=10)
+            load = st.run(h.control(GetLoad(), timeout_s=5), timeout_s=10)
         except Exception:  # lost between the check and the call: counted next time
             continue
         r, a, f, n = proc(h.info.pid)

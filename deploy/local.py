@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.deploy.pools import worker_class
 from pdserve.router.workers import LocalCaller, WorkerHandle
+from pdserve.worker.control import GetInfo
 from pdserve.worker.spec import WorkerSpec
 
 _CALLS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="worker-call")
@@ -16,5 +17,5 @@ def launch_local(specs: list[WorkerSpec]) -> list[WorkerHandle]:
     handles = []
     for ws in specs:
         host = worker_class()(ws)
-        handles.append(WorkerHandle(host.info(), LocalCaller(host, _CALLS)))
+        handles.append(WorkerHandle(host.control(GetInfo()), LocalCaller(host, _CALLS)))
     return handles

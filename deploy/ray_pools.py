@@ -17,27 +17,30 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.deploy.pools import PoolSpec, worker_class
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.control import Control, GetInfo
 from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ACTOR_CONCURRENCY = 64
 
 
 class RayCaller:
-    """Process-level calls to one worker actor; ``kill`` ends the actor and frees its placement."""
+    """Control messages to one worker actor, through its one ``control`` method (Ray pickles the
+    message between the processes it runs); ``kill`` ends the actor and frees its placement."""
 
     def __init__(self, actor: Any, placement: Any = None) -> None:
         self.actor = actor
         self.placement = placement
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        ref = getattr(self.actor, method).remote(*args)
-        fut = asyncio.wrap_future(ref.future())
+    async def control(self, msg: Control[T], timeout_s: float | None = None) -> T:
+        fut: asyncio.Future[T] = asyncio.wrap_future(self.actor.control.remote(msg).future())
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
     def kill(self) -> None:
@@ -147,7 +150,7 @@ def launch_workers(
                 f"Ray could not place {len(placed) - len(ready)} of {len(placed)} workers of "
                 f"{where.bundle} within {timeout_s:g}s (cluster resources: {ray.cluster_resources()})"
             )
-        pending = {actor.info.remote(): i for i, (actor, _) in enumerate(placed)}
+        pending = {actor.control.remote(GetInfo()): i for i, (actor, _) in enumerate(placed)}
         infos: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while pending:

@@ -31,6 +31,7 @@ from pdserve.router.server import Frontends
 from pdserve.router.service import Router
 from pdserve.router.tls import load_tls
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.control import Shutdown
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
 
@@ -306,7 +307,7 @@ class Service:
             await self._outputs.close()
         for h in self.handles:
             with contextlib.suppress(Exception):  # already dead: nothing to shut down
-                await h.call("shutdown", timeout_s=10)
+                await h.control(Shutdown(), timeout_s=10)
             if self.use_ray:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(h.caller.kill)

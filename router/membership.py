@@ -35,6 +35,7 @@ from pdserve.router.request_flow import RequestFlow
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
 from pdserve.worker.commands import Release, Withdraw
+from pdserve.worker.control import SwitchRole
 from pdserve.worker.messages import WorkerHealth, WorkerRole
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class Membership:
             deadline = asyncio.get_running_loop().time() + self.config.call_timeout_s
             while True:  # the aborts of what moved may still be on their way
                 try:
-                    info = await w.call("switch_role", role.value, timeout_s=self.config.call_timeout_s)
+                    info = await w.control(SwitchRole(role), timeout_s=self.config.call_timeout_s)
                     break
                 except ValueError:
                     if asyncio.get_running_loop().time() > deadline:

@@ -52,6 +52,7 @@ from pdserve.router.request_flow import RequestFlow
 from pdserve.router.slo import SloClass, SloHint
 from pdserve.router.stream import Event, RequestStream
 from pdserve.router.workers import WorkerHandle
+from pdserve.worker.control import GetLoad
 from pdserve.worker.messages import WorkerHealth, WorkerLoad, WorkerRole, WorkItem
 
 log = logging.getLogger(__name__)
@@ -339,7 +340,7 @@ class Router(Membership):
         async def one(w: WorkerHandle) -> WorkerLoad:
             if w.alive:
                 try:
-                    w.load = await w.call("load", timeout_s=2.0)
+                    w.load = await w.control(GetLoad(), timeout_s=2.0)
                     return w.load
                 except Exception as e:
                     log.warning("status of %s: %s", w.worker_id, e)

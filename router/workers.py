@@ -1,7 +1,10 @@
-"""The router's handles on its workers: calls and health.
+"""The router's handles on its workers: commands, control messages and health.
 
-A ``WorkerHandle`` wraps one worker process behind a ``Caller`` (Ray actor calls in a
-cluster, a thread pool around an in-process ``WorkerHost`` in tests and single-process mode).
+A ``WorkerHandle`` wraps one worker process: its request commands go over its worker channel,
+its control messages (``pdserve.worker.control``: info, load, role switch, state checks,
+shutdown) through a ``Caller`` (the Ray actor's one ``control`` method in a cluster, a thread
+pool around an in-process ``WorkerHost`` in tests and single-process mode); both are typed
+messages, never method names.
 Outputs do not come through it: they arrive over the worker's output channel
 (``pdserve.router.outputs``), each batch with the worker's load for the routing policy. A worker whose
 channel closes is marked UNHEALTHY (terminal) and the router moves or fails the requests it
@@ -14,32 +17,40 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.worker.control import Control, Shutdown
 from pdserve.worker.messages import WorkerHealth, WorkerInfo, WorkerLoad
+
+T = TypeVar("T")
 
 
 class Caller(Protocol):
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any: ...
+    """Delivers a worker's control messages to its process; ``kill`` ends the process."""
+
+    async def control(self, msg: Control[T], timeout_s: float | None = None) -> T: ...
 
     def kill(self) -> None: ...
 
 
-class LocalCaller:
-    """Calls methods of an in-process worker host on a thread pool (no Ray)."""
+class ControlHost(Protocol):
+    def control(self, msg: Control[T]) -> T: ...
 
-    def __init__(self, host: Any, pool: ThreadPoolExecutor) -> None:
+
+class LocalCaller:
+    """Runs control messages on an in-process worker host, on a thread pool (no Ray)."""
+
+    def __init__(self, host: ControlHost, pool: ThreadPoolExecutor) -> None:
         self.host = host
         self.pool = pool
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.pool, lambda: getattr(self.host, method)(*args))
+    async def control(self, msg: Control[T], timeout_s: float | None = None) -> T:
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, self.host.control, msg)
         return await asyncio.wait_for(fut, timeout_s) if timeout_s else await fut
 
     def kill(self) -> None:
-        self.host.shutdown()
+        self.host.control(Shutdown())
 
 
 class WorkerLost(Exception):
@@ -75,7 +86,8 @@ class CommandSender(Protocol):
 
 class WorkerHandle:
     """One worker: commands (``command``) go over its authenticated worker channel, in order;
-    process-level calls (``call``: info, load, shutdown, state checks) through its ``Caller``."""
+    control messages (``control``: info, load, role switch, state checks, shutdown) through its
+    ``Caller``."""
 
     def __init__(self, info: WorkerInfo, caller: Caller) -> None:
         self.info = info
@@ -139,11 +151,15 @@ class WorkerHandle:
         """``send``, and its answer (``asyncio.TimeoutError`` after ``timeout_s``)."""
         return await asyncio.wait_for(self.send(cmd), timeout_s)
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def control(self, msg: Control[T], timeout_s: float | None = None) -> T:
+        """Run a ``pdserve.worker.control`` message on the worker; its answer. Raises
+        ``WorkerLost`` when the worker is gone or failed it for a reason of its own,
+        ``InvalidRequestError`` / ``ValueError`` as the worker raised them (e.g. a role switch
+        refused), ``asyncio.TimeoutError`` after ``timeout_s``."""
         if self.health is WorkerHealth.UNHEALTHY:
             raise WorkerLost(f"worker {self.worker_id} is unavailable")
         try:
-            return await self.caller.call(method, *args, timeout_s=timeout_s)
+            return await self.caller.control(msg, timeout_s=timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             raise
         except Exception as e:

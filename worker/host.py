@@ -1,12 +1,17 @@
 """The worker process shell: runtime + KV transport + role engine + step loop.
 
 ``WorkerHost`` is what Ray places as an actor (``pdserve.prefill_worker.actor``,
-``pdserve.decode_worker.actor`` add the role's commands); it is a plain class, so tests and the
+``pdserve.decode_worker.actor`` give it its roles); it is a plain class, so tests and the
 single-process mode run it without Ray. Every public method is safe to call from any thread:
 engine work goes through the loop.
 
-Lifecycle: ``__init__`` loads the model and opens the transport -> ``info()`` (ready) ->
-commands and ``collect()`` -> ``drain`` (optional) -> ``shutdown()``.
+Two entries, each one typed dispatch: ``execute`` (``run`` in process) takes the request
+commands (``pdserve.worker.commands``, through the role's handler table), ``control`` the
+process-level messages (``pdserve.worker.control``, through its one table); a Ray actor is
+called only through ``control``.
+
+Lifecycle: ``__init__`` loads the model and opens the transport -> ``GetInfo`` (ready) ->
+commands and ``collect()`` -> ``drain`` (optional) -> ``Shutdown``.
 
 SIGTERM (a worker process of a cluster, ``drain_on_sigterm``): the worker drains, then exits.
 Its loads say DRAINING from then on, and the router starts its replacement at once (a surge);
@@ -28,7 +33,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -37,7 +42,8 @@ from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
 from pdserve.model_runtime.platform import use_threads
-from pdserve.worker.commands import Abort, Answer, Command, Release, UnsupportedCommand
+from pdserve.worker.commands import Answer, Command, Release, UnsupportedCommand
+from pdserve.worker.control import Control, run_control
 from pdserve.worker.handlers import Handlers, answer_of, handler_for
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
@@ -45,6 +51,8 @@ from pdserve.worker.push import OutputPusher
 from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,11 @@ class WorkerHost:
         log.info("%s: now a %s worker", self.spec.worker_id, role.value)
         return self._info
 
-    # -- API for the router ------------------------------------------------------------------
+    # -- API for the router: ``control`` (below, what its table runs) and ``execute`` ----------
+    def control(self, msg: Control[T]) -> T:
+        """Run a process-level control message (``pdserve.worker.control``); its answer."""
+        return run_control(self, msg)
+
     def info(self) -> WorkerInfo:
         return self._info
 
@@ -218,10 +230,6 @@ class WorkerHost:
     def run(self, cmd: Command, timeout_s: float = 30.0) -> Answer:
         """``execute`` and wait for the answer: the router's commands, in process."""
         return self.execute(cmd).result(timeout=timeout_s)
-
-    def abort(self, request_id: str) -> bool:
-        """Drop the request wherever it is; False if it is not here."""
-        return bool(self.run(Abort(request_id)))
 
     def check_integrity(self) -> None:
         """Raise if blocks or per-request state leaked (checked while no request is held)."""

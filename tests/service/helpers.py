@@ -23,6 +23,7 @@ from pdserve.router.slo import SloClass
 from pdserve.router.tls import TlsConfig
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.worker.control import CheckIntegrity, RequestState
 
 MODEL = "tiny"
 
@@ -174,7 +175,7 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
         out: dict[str, dict[str, int]] = {}
         for h in st.service.handles:
             if h.alive:
-                state = st.run(h.call("request_state", timeout_s=10))
+                state = st.run(h.control(RequestState(), timeout_s=10))
                 left = {k: v for k, v in state.items() if v}
                 if left:
                     out[h.worker_id] = left
@@ -186,7 +187,7 @@ def assert_no_request_state(st: ServiceThread, timeout_s: float = 5.0) -> None:
     wait_for(lambda: not leftovers(), timeout_s, "no per-request state left", leftovers)
     for h in st.service.handles:
         if h.alive:
-            st.run(h.call("check_integrity", timeout_s=10))
+            st.run(h.control(CheckIntegrity(), timeout_s=10))
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:

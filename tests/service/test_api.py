@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.router.config import Caps
 from pdserve.v1 import inference_pb2 as pb
+from pdserve.worker.control import RequestState
 from tests.service.helpers import (
     MODEL,
     all_free,
@@ -536,7 +537,7 @@ def test_cancel_reaches_a_reservation_still_waiting_for_room() -> None:
         decode = next(h for h in st.service.handles if h.role.value == "decode")
 
         def pending() -> int:
-            state: dict[str, int] = st.run(decode.call("request_state", timeout_s=5))
+            state = st.run(decode.control(RequestState(), timeout_s=5))
             return state["pending_reservations"]
 
         # the first token can reach the client before decode has queued the reservation

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.router.membership import PoolChange
 from pdserve.router.service import GenerateInput, Router
+from pdserve.worker.control import SwitchRole
 from pdserve.worker.messages import WorkerHealth, WorkerRole
 from tests.unit.test_router_migration import GREEDY, cluster, lose, settle
 from tests.unit.test_router_rebalance import answer, end_all, start
@@ -139,12 +140,12 @@ def test_a_switch_that_moved_requests_reports_them() -> None:
         admitted, tasks = await start(router, 4)
         answer(ws)
         on_d0 = held_by(admitted, "d0")
-        switch_calls: list[str] = []
+        switch_calls: list[Any] = []
 
         class Switches:
-            async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-                switch_calls.append(method)
-                return replace(ws["d0"].handle.info, role=P, address="")
+            async def control(self, msg: Any, timeout_s: float | None = None) -> Any:
+                switch_calls.append(msg)
+                return replace(ws["d0"].handle.info, role=msg.role, address="")
 
             def kill(self) -> None:
                 pass
@@ -152,7 +153,7 @@ def test_a_switch_that_moved_requests_reports_them() -> None:
         ws["d0"].handle.caller = Switches()
         result = await router.switch_role("d0", P, drain_timeout_s=0.05)
         assert result == PoolChange("d0", done=True, moved=len(on_d0)) and not result.clean
-        assert switch_calls == ["switch_role"] and ws["d0"].handle.role is P
+        assert switch_calls == [SwitchRole(P)] and ws["d0"].handle.role is P
         await settle()
         answer(ws)
         assert {a.stream.decode_worker for a in admitted} == {"d1"}

@@ -60,6 +60,7 @@ PURE = (
     "pdserve.model_runtime.sampling.logprob",
     "pdserve.worker.messages",
     "pdserve.worker.commands",
+    "pdserve.worker.control",
     "pdserve.worker.handlers",
     "pdserve.prefill_worker.handlers",
     "pdserve.decode_worker.handlers",
@@ -73,6 +74,7 @@ NO_MODEL_STACK = (
     "pdserve.router.outputs",
     "pdserve.worker.codec",
     "pdserve.worker.commands",
+    "pdserve.worker.control",
 )
 HEAVY = {"torch", "ray", "grpc", "google", "fastapi", "starlette", "uvicorn", "httpx", "msgpack", "numpy"}
 

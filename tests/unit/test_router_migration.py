@@ -30,8 +30,8 @@ class Recorder:
 
 
 class NoCalls:
-    async def call(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("no process-level calls here")
+    async def control(self, msg: Any, timeout_s: float | None = None) -> Any:
+        raise RuntimeError("no control messages here")
 
     def kill(self) -> None:
         pass

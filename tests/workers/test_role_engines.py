@@ -20,8 +20,17 @@ from pdserve.model_runtime.engine.step_log import read_steps
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.actor import PrefillWorker
+from pdserve.worker.commands import (
+    Abort,
+    AwaitReservation,
+    KvLost,
+    Prefill,
+    QueueReservation,
+    SetTarget,
+    Start,
+)
 from pdserve.worker.loop import WorkerFailed
-from pdserve.worker.messages import TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"worker-test-secret-0123"
@@ -49,6 +58,15 @@ def pair(request: pytest.FixtureRequest):
         w.shutdown()
 
 
+def reserve(d: DecodeWorker, work: WorkItem, transfer_id: str, timeout_s: float) -> KVTarget | None:
+    """Queue a reservation and wait for its outcome, as the router does: the target once
+    granted, ``None`` if refused or expired."""
+    if not d.run(QueueReservation(work, transfer_id, timeout_s)):
+        return None
+    target = d.run(AwaitReservation(work.request_id), timeout_s + 30.0)  # the engine's deadline rules
+    return target if isinstance(target, KVTarget) else None
+
+
 def run_disaggregated(
     p: PrefillWorker, d: DecodeWorker, items: list[WorkItem], abort_after: dict[str, int] | None = None
 ) -> dict[str, list[int]]:
@@ -56,9 +74,9 @@ def run_disaggregated(
     out: dict[str, list[int]] = {w.request_id: [] for w in items}
     done: set[str] = set()
     for w in items:
-        target = d.reserve(w, f"t-{uuid.uuid4().hex}", timeout_s=10)
+        target = reserve(d, w, f"t-{uuid.uuid4().hex}", timeout_s=10)
         assert target is not None
-        p.prefill(w, target)
+        p.run(Prefill(w, target))
     deadline = time.monotonic() + 60
     while len(done) < len(items):
         assert time.monotonic() < deadline, f"unfinished: {set(out) - done}"
@@ -75,14 +93,14 @@ def handle(delta: TokenDelta, p, d, out, done, abort_after) -> None:  # type: ig
     assert delta.error is None, delta.error
     out[rid].extend(delta.token_ids)
     if delta.prefilled:
-        assert d.start(rid, delta.token_ids[0], delta.num_cached_tokens)
+        assert d.run(Start(rid, delta.token_ids[0], delta.num_cached_tokens))
     if delta.finished:
         if delta.prefilled is False and len(out[rid]) == 1 and delta.token_ids:
-            d.abort(rid)  # the first token ended it on the prefill worker
+            d.run(Abort(rid))  # the first token ended it on the prefill worker
         done.add(rid)
     elif rid in abort_after and len(out[rid]) >= abort_after[rid]:
-        d.abort(rid)
-        p.abort(rid)
+        d.run(Abort(rid))
+        p.run(Abort(rid))
         done.add(rid)
 
 
@@ -148,9 +166,9 @@ def test_abort_mid_decode_frees_both_sides(pair) -> None:
 def test_abort_before_transfer_releases_reservation(pair) -> None:
     _, d = pair
     w = WorkItem("x", prompts(1)[0], SamplingParams(max_tokens=4))
-    target = d.reserve(w, "t-x", timeout_s=5)
+    target = reserve(d, w, "t-x", timeout_s=5)
     assert target is not None and d.load().kv_free < d.load().kv_total
-    assert d.abort("x")
+    assert d.run(Abort("x"))
     assert d.wait_idle(5.0)
     assert d.load().kv_free == d.load().kv_total
 
@@ -163,8 +181,8 @@ def test_failed_transfer_is_recomputed_on_decode() -> None:
         pr = prompts(1, seed=9)[0]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
-        assert d.reserve(WorkItem("f", pr, params), "t-f", timeout_s=5) is not None
-        assert d.start("f", ref[0], 0)  # nobody pushes: the lease expires, decode recomputes
+        assert reserve(d, WorkItem("f", pr, params), "t-f", timeout_s=5) is not None
+        assert d.run(Start("f", ref[0], 0))  # nobody pushes: the lease expires, decode recomputes
         toks = [ref[0]]
         deadline = time.monotonic() + 20
         while len(toks) < 8:
@@ -188,16 +206,16 @@ def test_target_after_prefill_and_aborts_of_unknown_ids(pair) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
     w = WorkItem("late", pr, params)
-    p.prefill(w)  # no target yet
+    p.run(Prefill(w))  # no target yet
     first: list[TokenDelta] = []
     deadline = time.monotonic() + 10
     while not first:
         assert time.monotonic() < deadline
         first = [x for x in p.collect(0.05).deltas if x.request_id == "late"]
     assert first[0].prefilled and first[0].token_ids == (ref[0],)
-    target = d.reserve(w, "t-late", timeout_s=5)
-    assert target is not None and p.set_target("late", target)
-    assert d.start("late", ref[0], 0)
+    target = reserve(d, w, "t-late", timeout_s=5)
+    assert target is not None and p.run(SetTarget("late", target))
+    assert d.run(Start("late", ref[0], 0))
     toks = [ref[0]]
     while len(toks) < 6:
         assert time.monotonic() < deadline
@@ -206,7 +224,7 @@ def test_target_after_prefill_and_aborts_of_unknown_ids(pair) -> None:
     assert toks == ref
     assert d.engine.recomputed == 0  # type: ignore[attr-defined]
     assert p.wait_idle(5.0) and d.wait_idle(5.0)
-    assert not p.abort("ghost") and not d.abort("ghost")
+    assert not p.run(Abort("ghost")) and not d.run(Abort("ghost"))
     assert not any(p.request_state().values()) and not any(d.request_state().values())
 
 
@@ -226,14 +244,14 @@ def test_emulated_workers_take_the_profiles_time() -> None:
         prompt = tuple(range(20, 200)) * 20  # 3,600 tokens: beyond the tiny model's own context
         w = WorkItem("e", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
         t0 = time.perf_counter()
-        target = d.reserve(w, "t-e", timeout_s=5)
-        p.prefill(w, target)
+        target = reserve(d, w, "t-e", timeout_s=5)
+        p.run(Prefill(w, target))
         times: list[float] = []
         first: TokenDelta | None = None
         while first is None:
             first = next((x for x in p.collect(0.05).deltas if x.prefilled), None)
         times.append(time.perf_counter())
-        assert d.start("e", first.token_ids[0], 0)
+        assert d.run(Start("e", first.token_ids[0], 0))
         while len(times) < 30:
             for x in d.collect(0.05).deltas:
                 times.extend([time.perf_counter()] * len(x.token_ids))
@@ -281,12 +299,12 @@ def decode_tokens(d: DecodeWorker, rid: str, n: int, timeout_s: float = 20.0) ->
 
 def serve_once(p: PrefillWorker, d: DecodeWorker, w: WorkItem, transfer_id: str) -> list[int]:
     """One request through the pair, as the router runs it; its tokens, once both are idle."""
-    target = d.reserve(w, transfer_id, timeout_s=5)
+    target = reserve(d, w, transfer_id, timeout_s=5)
     assert target is not None
-    p.prefill(w, target)
+    p.run(Prefill(w, target))
     (first,) = first_delta(p, w.request_id)
     assert first.prefilled and len(first.token_ids) == 1
-    assert d.start(w.request_id, first.token_ids[0], first.num_cached_tokens)
+    assert d.run(Start(w.request_id, first.token_ids[0], first.num_cached_tokens))
     tokens = [first.token_ids[0], *decode_tokens(d, w.request_id, w.params.max_tokens - 1)]
     assert p.wait_idle(5.0) and d.wait_idle(5.0)
     return tokens
@@ -301,7 +319,7 @@ def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair)
     ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
     for attempt in range(2):
         assert serve_once(p, d, WorkItem("again", pr, params), f"t-again-{attempt}") == ref, attempt
-        assert not p.abort("again")  # the router's late abort: prefill no longer has it
+        assert not p.run(Abort("again"))  # the router's late abort: prefill no longer has it
         assert not any(p.request_state().values())
 
 
@@ -315,7 +333,7 @@ def test_seeded_request_is_reproducible_under_a_reused_id(pair) -> None:
     for attempt in range(2):
         runs.append(serve_once(p, d, WorkItem("seeded", pr, params), f"t-seeded-{attempt}"))
         # The router may abort on prefill after the hand-off (stop string, client gone).
-        assert not p.abort("seeded")
+        assert not p.run(Abort("seeded"))
     assert runs[0] == runs[1]
     assert runs[0] == LLMEngine(ENGINE).generate([pr], params)[0].token_ids
 
@@ -332,14 +350,14 @@ def test_a_failed_push_after_the_first_token_is_recomputed_not_failed() -> None:
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
         w = WorkItem("late-kv", pr, params)
-        target = d.reserve(w, "t-late-kv", timeout_s=5)
+        target = reserve(d, w, "t-late-kv", timeout_s=5)
         assert target is not None
         time.sleep(0.5)  # the lease runs out before prefill gets to it
-        p.prefill(w, target)
+        p.run(Prefill(w, target))
         deltas = first_delta(p, "late-kv")
         first = deltas[0]
         assert first.prefilled and first.token_ids == (ref[0],) and first.error is None
-        assert d.start("late-kv", ref[0], first.num_cached_tokens)
+        assert d.run(Start("late-kv", ref[0], first.num_cached_tokens))
         assert [ref[0], *decode_tokens(d, "late-kv", 4)] == ref
         assert d.engine.recomputed == 1  # type: ignore[attr-defined]
         deadline = time.monotonic() + 5
@@ -362,10 +380,10 @@ def test_kv_lost_makes_decode_recompute_at_once(pair) -> None:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
     w = WorkItem("orphan", pr, params)
-    assert d.reserve(w, "t-orphan", timeout_s=5) is not None
+    assert reserve(d, w, "t-orphan", timeout_s=5) is not None
     t0 = time.monotonic()
-    assert d.start("orphan", ref[0], 0)  # the first token came from a prefill worker now dead
-    assert d.kv_lost("orphan")
+    assert d.run(Start("orphan", ref[0], 0))  # the first token came from a prefill worker now dead
+    assert d.run(KvLost("orphan"))
     assert [ref[0], *decode_tokens(d, "orphan", 3)] == ref
     assert time.monotonic() - t0 < 5.0
     assert d.engine.recomputed == 1  # type: ignore[attr-defined]
@@ -381,9 +399,9 @@ def test_aborts_are_not_starved_by_pending_reservations() -> None:
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         hog = WorkItem("hog", tuple(range(1, 81)), params)  # 10 of 12 blocks
-        assert d.reserve(hog, "t-hog", timeout_s=1) is not None
+        assert reserve(d, hog, "t-hog", timeout_s=1) is not None
         waiting = [
-            pool.submit(d.reserve, WorkItem(f"w{i}", tuple(range(1, 41)), params), f"t-w{i}", 30.0)
+            pool.submit(reserve, d, WorkItem(f"w{i}", tuple(range(1, 41)), params), f"t-w{i}", 30.0)
             for i in range(64)
         ]
         deadline = time.monotonic() + 10
@@ -391,14 +409,14 @@ def test_aborts_are_not_starved_by_pending_reservations() -> None:
             assert time.monotonic() < deadline, d.load()
             time.sleep(0.01)
         t0 = time.monotonic()
-        assert d.abort("hog")
+        assert d.run(Abort("hog"))
         took = time.monotonic() - t0
         assert took < 1.0, took
         # The blocks went to the first waiters, in order; aborting the rest resolves them.
         assert waiting[0].result(timeout=5) is not None
         assert waiting[1].result(timeout=5) is not None
         for i in [*range(2, 64), 0, 1]:  # the waiters first: freed blocks would go to them
-            d.abort(f"w{i}")
+            d.run(Abort(f"w{i}"))
         assert all(f.result(timeout=5) is None for f in waiting[2:])
         assert d.wait_idle(5.0)
         d.check_integrity()
@@ -416,8 +434,8 @@ def test_pending_reservations_end_when_the_worker_stops() -> None:
     pool = ThreadPoolExecutor(2)
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        assert d.reserve(WorkItem("hog", tuple(range(1, 81)), params), "t-hog", timeout_s=1) is not None
-        waiting = pool.submit(d.reserve, WorkItem("w", tuple(range(1, 41)), params), "t-w", 30.0)
+        assert reserve(d, WorkItem("hog", tuple(range(1, 81)), params), "t-hog", timeout_s=1) is not None
+        waiting = pool.submit(reserve, d, WorkItem("w", tuple(range(1, 41)), params), "t-w", 30.0)
         deadline = time.monotonic() + 5
         while d.request_state()["pending_reservations"] < 1:
             assert time.monotonic() < deadline
@@ -436,14 +454,14 @@ def test_an_id_still_releasing_its_blocks_is_refused_then_works(pair) -> None:
     _, d = pair
     pr = prompts(1, seed=35)[0]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    assert d.reserve(WorkItem("x", pr, params), "t-x1", timeout_s=5) is not None
-    assert d.abort("x")
+    assert reserve(d, WorkItem("x", pr, params), "t-x1", timeout_s=5) is not None
+    assert d.run(Abort("x"))
     try:
-        second = d.reserve(WorkItem("x", pr, params), "t-x2", timeout_s=5)
+        second = reserve(d, WorkItem("x", pr, params), "t-x2", timeout_s=5)
     except ValueError:
         assert d.wait_idle(5.0)
-        second = d.reserve(WorkItem("x", pr, params), "t-x2", timeout_s=5)
+        second = reserve(d, WorkItem("x", pr, params), "t-x2", timeout_s=5)
     assert second is not None
     time.sleep(0.1)  # the old transfer's release, if any, has been polled by now
     assert d.request_state()["kv_tables"] == 1 and d.request_state()["reserved"] == 1
-    assert d.abort("x")
+    assert d.run(Abort("x"))

@@ -13,7 +13,8 @@ from pdserve.deploy.pool_worker import PoolWorker
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.worker.commands import Prefill, UnsupportedCommand
+from pdserve.worker.commands import Abort, AddLocal, Prefill, UnsupportedCommand
+from pdserve.worker.control import GetInfo, GetLoad, SwitchRole
 from pdserve.worker.messages import WorkerRole, WorkItem
 from pdserve.worker.spec import WorkerSpec
 from tests.workers.test_role_engines import ENGINE, SECRET, prompts, run_disaggregated
@@ -31,9 +32,9 @@ def no_recompute(*workers: PoolWorker) -> None:
 
 def switch(w: PoolWorker, role: WorkerRole) -> float:
     t0 = time.perf_counter()
-    info = w.switch_role(role)
+    info = w.control(SwitchRole(role))
     took = time.perf_counter() - t0
-    assert info.role is role and w.info().role is role and w.load().role is role
+    assert info.role is role and w.control(GetInfo()).role is role and w.control(GetLoad()).role is role
     assert bool(info.address) is (role is WorkerRole.DECODE)  # only a decode worker receives KV
     return took
 
@@ -66,7 +67,7 @@ def test_workers_swap_roles_and_serve_token_exactly(backend: str) -> None:
         # computed as a decode worker is a prefix hit for its colocated engine.
         assert a.wait_idle(5.0)
         assert switch(a, WorkerRole.COLOCATED) < 1.0
-        a.add_local(WorkItem("c0", ps[0], GREEDY))
+        a.run(AddLocal(WorkItem("c0", ps[0], GREEDY)))
         tokens, cached = [], 0
         deadline = time.monotonic() + 30
         while len(tokens) < GREEDY.max_tokens:
@@ -89,11 +90,11 @@ def test_a_worker_holding_a_request_does_not_switch() -> None:
     w = PoolWorker(WorkerSpec("w", WorkerRole.COLOCATED, ENGINE, TransportConfig(), SECRET))
     try:
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        w.add_local(WorkItem("busy", tuple(range(1, 40)), long))
+        w.run(AddLocal(WorkItem("busy", tuple(range(1, 40)), long)))
         with pytest.raises(ValueError, match="drain it"):
-            w.switch_role(WorkerRole.PREFILL)
-        assert w.info().role is WorkerRole.COLOCATED
-        assert w.abort("busy")
+            w.control(SwitchRole(WorkerRole.PREFILL))
+        assert w.control(GetInfo()).role is WorkerRole.COLOCATED
+        assert w.run(Abort("busy"))
         assert w.wait_idle(5.0)
         switch(w, WorkerRole.PREFILL)
         with pytest.raises(ValueError):
