@@ -254,13 +254,13 @@ class Cluster:
 
     def _send(self, sr: SimRequest, attempt: Attempt, sent: Send) -> None:
         w = self.by_id[sent.worker]
-        if self.on_send is not None:
-            self.on_send(sent)
-        if w.lost:
+        if w.lost:  # a gone worker frees nothing; a command that mattered fails as its loss
             if not sent.quiet:
                 why = f"worker {w.wid} is unavailable"
                 self._apply(sr, attempt, attempt.call_failed(sent, Failure.LOST, why))
             return
+        if self.on_send is not None:
+            self.on_send(sent)
         try:
             answer = w.execute(sent.command)
         except InvalidRequestError as e:
@@ -445,6 +445,12 @@ class Cluster:
             a = sr.attempt
             if a is not None and w.wid in a.holders and not sr.done:
                 self._apply(sr, a, a.worker_lost(w.wid))
+
+    def abort(self, sr: SimRequest) -> None:
+        """``sr``'s client leaves now: as the router ends a cancelled request."""
+        if not sr.done:
+            sr.error = "CANCELLED: the client left"
+            self.finish(sr)
 
     def _relocate(self, sr: SimRequest, why: str) -> None:
         """As the router moves a request off a lost worker, or fails it (``why_not_migrate``)."""
