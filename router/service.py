@@ -1,15 +1,16 @@
 """The router's core, shared by the gRPC and HTTP front ends.
 
-``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events (the
-commands and the workers' outputs: ``pdserve.router.request_flow``; workers coming and going:
-``pdserve.router.membership``)::
+``Router.admit`` checks a request and ``Router.run`` turns it into a stream of events (what
+is sent when: the request's state machine, ``pdserve.router.lifecycle``, driven by
+``pdserve.router.request_flow``; workers coming and going: ``pdserve.router.membership``)::
 
     tokenize + validate (caps) -> SLO class -> dispatcher decides (decode worker, prefill worker
                    or local prefill, or REJECTED -> RESOURCE_EXHAUSTED with a retry hint)
-    remote prefill: prefill.prefill and decode.queue_reservation(blocks) at once -> prefill.set_target(KV
-                   target) -> first token from prefill -> decode.start(first token) -> decode's
-                   tokens (all worker outputs arrive over ``pdserve.router.outputs``)
-    local prefill (colocated, or conditional disaggregation): decode.add_local -> decode's tokens
+    remote prefill: Prefill and QueueReservation(blocks) at once -> AwaitReservation ->
+                   SetTarget(KV target) -> first token from prefill -> Start(first token) on
+                   decode -> decode's tokens (all worker outputs arrive over
+                   ``pdserve.router.outputs``)
+    local prefill (colocated, or conditional disaggregation): AddLocal -> decode's tokens
     client gone / deadline / stop string -> abort on every worker that holds the request
     end -> judged against its SLO class (metrics, /dashboard), dispatcher told
 

@@ -1,15 +1,15 @@
 """The simulated cluster: the real role engines on a virtual clock (each a ``SimWorker``,
 ``pdserve.simulator.sim_worker``), a router that dispatches.
 
-The router side is the service's flow with the router's real dispatcher and the same
-feedback (first token, end, load reports): a remotely prefilled request reserves blocks on
-its decode worker (waiting for room when full, up to the router's deadline: then it fails
-RESOURCE_EXHAUSTED, as the router fails it) while its prompt goes to the prefill worker;
-the prefill worker reports the first token, the KV moves when both sides are ready, and the
-decode worker starts once it is in. Locally prefilled requests (colocated, or conditional
-disaggregation) go to the decode worker's engine whole; rejected ones end at once as failures.
-Every sampled token is a fixed id and every request ignores EOS: lengths come from the
-workload.
+The router side has no request flow of its own: each request's attempt is the router's state
+machine (``pdserve.router.lifecycle``), driven here on the virtual clock — its commands reach
+the engines through their roles' handler tables, as in a worker process, and their answers,
+the workers' deltas, lost workers and the end go back to it. This module only routes (the
+router's real dispatcher, with the same feedback: first token, end, load reports), carries
+out the machine's effects, moves requests the router's way (a prompt given back when the
+prefill pool changes, a worker lost), and measures what a client would. Rejected requests
+end at once as failures. Every sampled token is a fixed id and every request ignores EOS:
+lengths come from the workload.
 """
 
 from __future__ import annotations
