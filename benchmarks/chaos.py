@@ -362,7 +362,7 @@ def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], s
     if not leaving.inflight:
         raise RuntimeError(f"shrink_then_crash needs streams on a decode worker, held: {held}")
     router = st.service.router
-    shrink = asyncio.run_coroutine_threadsafe(router.retire(leaving.worker_id, 2.0), st.loop)
+    shrink = asyncio.run_coroutine_threadsafe(router.membership.retire(leaving.worker_id, 2.0), st.loop)
     wait_for(lambda: leaving.retiring, 10, "a decode worker draining to retire")
     time.sleep(0.3)
     [kept] = [h for h in decode if h is not leaving]

@@ -63,8 +63,8 @@ class PoolKeeper:
         # Workers draining after SIGTERM whose replacement started when they began to drain.
         self._surged: set[str] = set()
         if replace_lost:
-            router.on_worker_gone = self.lost
-            router.on_worker_leaving = self.leaving
+            router.membership.on_worker_gone = self.lost
+            router.membership.on_worker_leaving = self.leaving
 
     @property
     def pending(self) -> int:
@@ -121,7 +121,7 @@ class PoolKeeper:
             self.outputs.expect(wid)
             new = await self.launch(role, wid)
             self._starting.add(new)
-            self.router.add_worker(new, replaces=replaces)
+            self.router.membership.add_worker(new, replaces=replaces)
             await self.outputs.wait_connected([wid], CONNECT_TIMEOUT_S)
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):  # (a close is no failed start)

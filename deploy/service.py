@@ -237,7 +237,7 @@ class Service:
         surplus = sorted(live, key=lambda w: len(w.inflight))[: len(live) - count]
         timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         changes: list[PoolChange] = await asyncio.gather(
-            *(router.retire(w.worker_id, timeout) for w in surplus)
+            *(router.membership.retire(w.worker_id, timeout) for w in surplus)
         )
         gone = {c.worker_id for c in changes if c.done}
         self.handles = [h for h in self.handles if h.worker_id not in gone]
@@ -267,7 +267,7 @@ class Service:
         async with contextlib.AsyncExitStack() as held:  # both pools it changes, in one order
             for pool in pools:
                 await held.enter_async_context(self._resizing[pool])
-            return await self.router.switch_role(worker_id, role, timeout)
+            return await self.router.membership.switch_role(worker_id, role, timeout)
 
     @property
     def endpoints(self) -> Endpoints:

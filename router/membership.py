@@ -1,14 +1,14 @@
 """The router's workers coming and going, and the request migration that causes.
 
-``Membership`` is the part of ``Router`` (``pdserve.router.service``) that changes which
-workers serve: a worker joins (``add_worker``), is lost (its channel ended, ``_on_lost``), is
+``Membership`` is the router's part (``pdserve.router.service``) that changes which workers
+serve (``Pools``): a worker joins (``add_worker``), is lost (its channel ended, ``_on_lost``), is
 retired (``retire``) or moves to the other pool in place (``switch_role``). Whatever a worker
 that leaves still held moves elsewhere (``_migrate``: a fresh internal id, dispatched again
 with the tokens already sent) or fails with the reason. Whenever the prefill pool gains a
 worker or starts to lose one (retired, switching role, draining), the prompts that have not
 started are spread over the pool again (``_rebalance_prefill``, deciding with ``pdserve.router.rebalance``).
 
-Every method runs on the router's event loop, like the rest of ``Router``.
+Every method runs on the router's event loop.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.lifecycle import why_not_migrate
-from pdserve.router.metrics import RouterMetrics
 from pdserve.router.outputs import OutputListener
-from pdserve.router.policy import Decision, Dispatcher, RouteRequest
+from pdserve.router.policy import Decision, RouteRequest
+from pdserve.router.pools import Pools
 from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, withdrawals, worth_moving
 from pdserve.router.request_flow import RequestFlow
@@ -43,10 +43,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.router.service")
 
+# (route, remote_prefill, avoid) -> where a request goes (``Router.decide``)
+Decide = Callable[[RouteRequest, bool, str], Decision]
+
 
 @dataclass(frozen=True)
 class PoolChange:
-    """What one planned change of a worker (``Router.retire``, ``Router.switch_role``) did."""
+    """What one planned change of a worker (``Membership.retire``, ``Membership.switch_role``) did."""
 
     worker_id: str
     done: bool  # it left its pool: retired, or serving in its new role
@@ -60,41 +63,42 @@ class PoolChange:
 
 
 class Membership:
-    # What ``Router`` provides (set in its ``__init__``; its methods, declared for the checker).
-    config: RouterConfig
-    colocated: bool
-    outputs: OutputListener
-    workers: dict[str, WorkerHandle]
-    limits: RequestLimits
-    model: ModelInfo
-    accounting: Accounting
-    metrics: RouterMetrics
-    dispatcher: Dispatcher
-    on_worker_gone: Callable[[WorkerHandle, str], None] | None
-    on_worker_leaving: Callable[[WorkerHandle], None] | None
-    flow: RequestFlow
-    _streams: dict[str, RequestStream]
-    _client_ids: dict[str, str]
-    _rebalancing: asyncio.Lock  # one rebalance at a time: each plans on the last one's outcome
-
-    if TYPE_CHECKING:
-
-        @property
-        def _decode_role(self) -> WorkerRole: ...
-
-        def _decoders(self) -> list[WorkerHandle]: ...
-
-        def _pool(self, role: WorkerRole) -> list[WorkerHandle]: ...
-
-        def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision: ...
+    def __init__(
+        self,
+        config: RouterConfig,
+        pools: Pools,
+        outputs: OutputListener,
+        limits: RequestLimits,
+        model: ModelInfo,
+        accounting: Accounting,
+        flow: RequestFlow,
+        streams: dict[str, RequestStream],
+        client_ids: dict[str, str],
+        decide: Decide,
+    ) -> None:
+        self.config = config
+        self.pools = pools
+        self.workers = pools.workers
+        self.outputs = outputs
+        self.limits = limits
+        self.model = model
+        self.accounting = accounting
+        self.metrics = accounting.metrics
+        self.dispatcher = accounting.dispatcher
+        self.flow = flow
+        self._streams = streams  # the router's, by its own request id
+        self._client_ids = client_ids  # the router's: the client's request id -> its own
+        self._decide = decide
+        self._rebalancing = asyncio.Lock()  # one rebalance at a time: each plans on the last one's outcome
+        # Told of every worker the router lost, once its requests have moved (a pool keeper
+        # replaces it).
+        self.on_worker_gone: Callable[[WorkerHandle, str], None] | None = None
+        # Told of every worker that began to drain after SIGTERM (a pool keeper starts its
+        # replacement at once); None: no replacement comes, so none is waited for.
+        self.on_worker_leaving: Callable[[WorkerHandle], None] | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.flow.spawn(coro)
-
-    @property
-    def _roles(self) -> tuple[WorkerRole, ...]:
-        """The roles of this deployment's pools."""
-        return (WorkerRole.COLOCATED,) if self.colocated else (WorkerRole.PREFILL, WorkerRole.DECODE)
 
     def add_worker(self, worker: WorkerHandle, replaces: str = "") -> None:
         """Take a worker in at run time (a replacement, a grown pool); it gets requests once its
@@ -103,8 +107,10 @@ class Membership:
         wid, info, ref = worker.worker_id, worker.info, self.model
         if wid in self.workers:
             raise ValueError(f"worker {wid!r} is already registered")
-        if worker.role not in self._roles:
-            raise ValueError(f"worker {wid!r}: a {worker.role.value} worker in a deployment of {self._roles}")
+        if worker.role not in self.pools.roles:
+            raise ValueError(
+                f"worker {wid!r}: a {worker.role.value} worker in a deployment of {self.pools.roles}"
+            )
         diffs = [
             f"{name} {got!r} (the deployment's: {want!r})"
             for name, got, want in (
@@ -128,7 +134,7 @@ class Membership:
         self.outputs.registered(wid)
         log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
 
-    def _on_pool_change(self, worker: WorkerHandle) -> None:
+    def on_pool_change(self, worker: WorkerHandle) -> None:
         """Whether ``worker`` takes requests changed: its channel came up, or it is draining
         (told to stop after SIGTERM: its replacement starts now, and it takes nothing new once
         another worker of its role does)."""
@@ -145,7 +151,11 @@ class Membership:
         need: another worker of its role takes requests, its role is not the one that decodes
         (decode workers prefill themselves), or no replacement is coming for it."""
         for w in self.workers.values():
-            needed = w.role is self._decode_role and not self._pool(w.role) and self.on_worker_leaving
+            needed = (
+                w.role is self.pools.decode_role
+                and not self.pools.routable(w.role)
+                and self.on_worker_leaving
+            )
             if w.held and not needed:
                 w.released = True
                 self._spawn(self._let_go(w))
@@ -156,7 +166,7 @@ class Membership:
         except (WorkerLost, asyncio.TimeoutError) as e:  # gone: nothing to release
             log.debug("release of %s: %s", w.worker_id, e)
 
-    async def _on_lost(self, worker: WorkerHandle, reason: str) -> None:
+    async def on_lost(self, worker: WorkerHandle, reason: str) -> None:
         self._keep_a_decoder()  # first: what the lost worker held may need the worker it keeps
         self._move_off(worker, f"worker {worker.worker_id} failed: {reason}")
         # Its channel is gone, but the process may live on (a broken connection, a wedged
@@ -209,8 +219,8 @@ class Membership:
         switching to prefill), the change is given up and it takes requests again, so the
         streams of a worker lost meanwhile move to it rather than fail. Checked whenever a
         worker of that role is lost or stops taking requests, not only when the change begins."""
-        role = self._decode_role
-        if self._pool(role):
+        role = self.pools.decode_role
+        if self.pools.routable(role):
             return
         draining = [
             w for w in self.workers.values()
@@ -241,9 +251,13 @@ class Membership:
         Raises ``ValueError`` for a role this deployment has no pool for, or when the worker is
         the last one that decodes."""
         w = self.workers.get(worker_id)
-        if w is not None and (role not in self._roles or role is w.role):
+        if w is not None and (role not in self.pools.roles or role is w.role):
             raise ValueError(f"worker {worker_id!r} cannot switch from {w.role.value} to {role.value} here")
-        if w is not None and w.role is self._decode_role and self._pool(self._decode_role) == [w]:
+        if (
+            w is not None
+            and w.role is self.pools.decode_role
+            and self.pools.routable(self.pools.decode_role) == [w]
+        ):
             raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
         w = await self._drain(worker_id, drain_timeout_s)
         kept = self._given_up(w)
@@ -297,7 +311,7 @@ class Membership:
     async def _rebalance_prefill(self) -> None:
         """Take back the prompts ``withdrawals`` picks (each worker answers for its own: one
         that started stays) and route them again, as new requests are routed."""
-        if self.colocated or not self.config.rebalance_prefill:
+        if self.pools.colocated or not self.config.rebalance_prefill:
             return
         async with self._rebalancing:
             pool = [w for w in self.workers.values() if w.role is WorkerRole.PREFILL and w.alive]
@@ -338,10 +352,10 @@ class Membership:
             self._restart(stream, avoid=w.worker_id)
 
     # -- migration -----------------------------------------------------------------------------
-    def _relocate(self, stream: RequestStream, why: str, planned: bool = False) -> None:
+    def relocate(self, stream: RequestStream, why: str, planned: bool = False) -> None:
         """``stream``'s worker is gone (``why``): move it, or fail it saying why it cannot move."""
-        has_decoders = bool(self._decoders())
-        limit, role = self.config.migration_limit, self._decode_role.value
+        has_decoders = bool(self.pools.decoders())
+        limit, role = self.config.migration_limit, self.pools.decode_role.value
         why_not = why_not_migrate(stream.fault_migrations, limit, has_decoders, planned, role)
         if why_not is None:
             self._migrate(stream, planned)
@@ -388,7 +402,7 @@ class Membership:
         try:
             # Tokens already sent are recomputed where decoding goes on; a prompt alone may be
             # prefilled anywhere, like a new request's.
-            decision = self._decide(route, remote_prefill=not sent, avoid=avoid)
+            decision = self._decide(route, not sent, avoid)
         except RouterError as e:
             stream.fail(e)
             return

@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.model_runtime.errors import InvalidRequestError
@@ -48,6 +48,7 @@ from pdserve.router.errors import Code, RouterError
 from pdserve.router.membership import Membership
 from pdserve.router.outputs import OutputListener
 from pdserve.router.policy import Decision, Outcome, RouteRequest
+from pdserve.router.pools import Pools
 from pdserve.router.prefix import block_keys
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.slo import SloClass, SloHint
@@ -101,7 +102,7 @@ class Admitted:
         return self.stream.request_id
 
 
-class Router(Membership):
+class Router:
     def __init__(
         self,
         config: RouterConfig,
@@ -121,14 +122,8 @@ class Router(Membership):
         self.generation = generation  # the model's sampling defaults for fields a request leaves unset
         self._streams: dict[str, RequestStream] = {}  # by the router's own request id
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
-        self._rebalancing = asyncio.Lock()
         self.draining = False
-        # Told of every worker the router lost, once its requests have moved (a pool keeper
-        # replaces it).
-        self.on_worker_gone: Callable[[WorkerHandle, str], None] | None = None
-        # Told of every worker that began to drain after SIGTERM (a pool keeper starts its
-        # replacement at once); None: no replacement comes, so none is waited for.
-        self.on_worker_leaving: Callable[[WorkerHandle], None] | None = None
+        self.pools = Pools(self.workers, colocated)
         info = workers[0].info
         caps = config.caps
         decode_blocks = min(w.info.kv_blocks for w in workers if w.role is not WorkerRole.PREFILL)
@@ -149,7 +144,10 @@ class Router(Membership):
         self.dispatcher = self.accounting.dispatcher
         self.slos = self.accounting.slos
         self.slo_tracker = self.accounting.tracker
-        self.flow = RequestFlow(config, self.workers, self.accounting, self._streams, self._relocate)
+        self.flow = RequestFlow(
+            config, self.workers, self.accounting, self._streams,
+            lambda stream, why, planned: self.membership.relocate(stream, why, planned),
+        )  # fmt: skip
         self._tasks = self.flow.tasks
         self.plans = self.accounting.metrics.plans  # the pool planner's decisions (``/dashboard``)
         name = config.model_name or model_id_of(info.model_dir)
@@ -164,10 +162,15 @@ class Router(Membership):
             max_tokens_cap=caps.max_tokens,
             max_logprobs=self.limits.max_logprobs,
         )
+        self.membership = Membership(
+            config, self.pools, outputs, self.limits, self.model, self.accounting, self.flow,
+            self._streams, self._client_ids, self.decide,
+        )  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.outputs.bind(self.workers, self.flow.on_deltas, self._on_lost, self._on_pool_change)
+        m = self.membership
+        self.outputs.bind(self.workers, self.flow.on_deltas, m.on_lost, m.on_pool_change)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):
@@ -178,23 +181,13 @@ class Router(Membership):
         unhealthy = WorkerHealth.UNHEALTHY
         return [w.load if w.alive else replace(w.load, health=unhealthy) for w in self.workers.values()]
 
-    def _pool(self, role: WorkerRole) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.role is role and w.routable]
-
-    def _decoders(self) -> list[WorkerHandle]:
-        """The workers new requests are decoded on: those that take requests or, while none
-        does, those draining after SIGTERM that have not been released (``_release_drained``:
-        they serve until their replacement is up)."""
-        role = self._decode_role
-        return self._pool(role) or [w for w in self.workers.values() if w.role is role and w.held]
-
     @property
     def ready(self) -> bool:
         if self.draining:
             return False
         # With every prefill worker gone, decode workers prefill requests themselves (slower,
         # but served): the dispatchers fall back to local prefill.
-        return bool(self._decoders())
+        return bool(self.pools.decoders())
 
     def request_state(self) -> dict[str, int]:
         """Sizes of the router's per-request maps: all zero once no request is in flight (a
@@ -266,7 +259,7 @@ class Router(Membership):
             raise RouterError(Code.INVALID_ARGUMENT, f"slo_class: {e}", "slo_class") from None
         keys = block_keys(ids, self.limits.block_size) if self.config.policy == "goodput" else ()
         route = RouteRequest(len(ids), inp.params.max_tokens, inp.slo.priority, rid, keys, slo)
-        decision = self._decide(route)
+        decision = self.decide(route)
         self.accounting.decided(rid, decision)
         if decision.outcome is Outcome.REJECTED:
             self.accounting.judge(slo, None)
@@ -283,19 +276,14 @@ class Router(Membership):
         self._client_ids[stream.client_id] = rid
         return Admitted(stream, WorkItem(rid, ids, inp.params, decision.priority), decision, slo)
 
-    @property
-    def _decode_role(self) -> WorkerRole:
-        """The role of the workers that decode (and may prefill) requests."""
-        return WorkerRole.COLOCATED if self.colocated else WorkerRole.DECODE
-
-    def _decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision:
+    def decide(self, route: RouteRequest, remote_prefill: bool = True, avoid: str = "") -> Decision:
         """Where the request goes; ``remote_prefill=False``: only to a decode worker, which
         prefills it itself; ``avoid``: a prefill worker not to send it to."""
-        decode = [w.load for w in self._decoders()]
+        decode = [w.load for w in self.pools.decoders()]
         if not decode:
-            raise RouterError(Code.UNAVAILABLE, f"no healthy {self._decode_role.value} worker")
+            raise RouterError(Code.UNAVAILABLE, f"no healthy {self.pools.decode_role.value} worker")
         remote = remote_prefill and not self.colocated
-        pool = self._pool(WorkerRole.PREFILL) if remote else []
+        pool = self.pools.routable(WorkerRole.PREFILL) if remote else []
         prefill = [w.load for w in pool if w.worker_id != avoid]
         return self.dispatcher.decide(route, prefill, decode, time.perf_counter())
 

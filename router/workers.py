@@ -58,7 +58,7 @@ class WorkerLost(Exception):
 
 
 class Leaving(Enum):
-    """A worker's part in a planned change of the pools (``Router.retire``, ``Router.switch_role``)::
+    """A worker's part in a planned change of the pools (``Membership.retire``, ``Membership.switch_role``)::
 
         STAYING --change begins--> DRAINING --requests ended, or the drain ran out--> COMMITTED
            ^                          |                                                |

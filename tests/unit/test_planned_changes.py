@@ -27,8 +27,8 @@ def held_by(admitted: list[Any], wid: str) -> list[Any]:
 
 async def change(router: Router, how: str, wid: str, drain_s: float) -> PoolChange:
     if how == "retire":
-        return await router.retire(wid, drain_timeout_s=drain_s)
-    return await router.switch_role(wid, P, drain_timeout_s=drain_s)
+        return await router.membership.retire(wid, drain_timeout_s=drain_s)
+    return await router.membership.switch_role(wid, P, drain_timeout_s=drain_s)
 
 
 @pytest.mark.parametrize("how", ["retire", "switch"])
@@ -53,7 +53,7 @@ def test_a_shrink_is_given_up_when_the_other_decode_worker_goes(how: str, fault:
             await lose(router, ws["d1"])
         else:
             d1.report(replace(d1.load, health=WorkerHealth.DRAINING))
-            router._on_pool_change(d1)
+            router.membership.on_pool_change(d1)
         done = await asyncio.wait_for(pending, 1.0)
         assert done == PoolChange("d0", done=False, why_not="no other decode worker takes requests")
         assert ws["d0"].handle.routable and ws["d0"].handle.role is D and "d0" in router.workers
@@ -82,7 +82,7 @@ def test_a_shrink_with_another_decode_worker_left_goes_on() -> None:
         admitted, tasks = await start(router, 6)
         answer(ws)
         on_d0 = len(held_by(admitted, "d0"))
-        pending = asyncio.create_task(router.retire("d0", drain_timeout_s=0.2))
+        pending = asyncio.create_task(router.membership.retire("d0", drain_timeout_s=0.2))
         await settle()
         await lose(router, ws["d2"])
         result = await asyncio.wait_for(pending, 2.0)
@@ -110,7 +110,7 @@ def test_planned_moves_do_not_use_up_the_migration_limit() -> None:
         s = a.stream
         for _ in range(2):  # planned: the drain runs out and the stream moves on
             was = s.decode_worker
-            result = await router.retire(was, drain_timeout_s=0.05)
+            result = await router.membership.retire(was, drain_timeout_s=0.05)
             assert result.done and result.moved == 1
             del ws[was]
             await settle()
@@ -151,7 +151,7 @@ def test_a_switch_that_moved_requests_reports_them() -> None:
                 pass
 
         ws["d0"].handle.caller = Switches()
-        result = await router.switch_role("d0", P, drain_timeout_s=0.05)
+        result = await router.membership.switch_role("d0", P, drain_timeout_s=0.05)
         assert result == PoolChange("d0", done=True, moved=len(on_d0)) and not result.clean
         assert switch_calls == [SwitchRole(P)] and ws["d0"].handle.role is P
         await settle()

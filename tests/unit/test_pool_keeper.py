@@ -26,12 +26,12 @@ def test_a_worker_joins_only_with_the_deployments_model_shape() -> None:
     for field, value in (("vocab_size", 999), ("block_size", 32), ("dtype", "bfloat16"), ("kv_blocks", 8)):
         odd = WorkerHandle(replace(fresh.info, **{field: value}), fresh.caller)
         with pytest.raises(ValueError, match=field):
-            router.add_worker(odd)
+            router.membership.add_worker(odd)
     with pytest.raises(ValueError, match="colocated"):
-        router.add_worker(Worker("colocated-0", WorkerRole.COLOCATED).handle)
+        router.membership.add_worker(Worker("colocated-0", WorkerRole.COLOCATED).handle)
     with pytest.raises(ValueError, match="already registered"):
-        router.add_worker(Worker("decode-0", D).handle)
-    router.add_worker(fresh)
+        router.membership.add_worker(Worker("decode-0", D).handle)
+    router.membership.add_worker(fresh)
     assert router.workers["decode-1"] is fresh
 
 
@@ -172,10 +172,10 @@ def test_a_retired_worker_is_not_replaced() -> None:
             return Worker(wid, role).handle
 
         PoolKeeper(router, outputs, launch, {P: 1, D: 2}, lambda h: None)  # type: ignore[arg-type]
-        assert (await router.retire("decode-0", drain_timeout_s=1.0)).clean  # nothing in flight
+        assert (await router.membership.retire("decode-0", drain_timeout_s=1.0)).clean  # nothing in flight
         assert "decode-0" not in router.workers and not ws["decode-0"].handle.alive
         with pytest.raises(ValueError, match="no live worker"):
-            await router.retire("decode-0", drain_timeout_s=1.0)
+            await router.membership.retire("decode-0", drain_timeout_s=1.0)
         await settle()
         assert launched == []  # a scale-down is not a loss
 
@@ -205,7 +205,7 @@ def test_a_sigterm_drain_of_the_only_decode_worker_surges_its_replacement_first(
         keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 1}, lambda h: None)  # type: ignore[arg-type]
         old = ws["decode-0"]
         old.handle.report(replace(old.handle.load, health=WorkerHealth.DRAINING))
-        router._on_pool_change(old.handle)
+        router.membership.on_pool_change(old.handle)
         await settle()
         assert launched == ["decode-1"]  # at once, before it has left
         for _ in range(3):  # while it is the last decode worker: served there, not refused
@@ -217,7 +217,7 @@ def test_a_sigterm_drain_of_the_only_decode_worker_surges_its_replacement_first(
         await settle()
         new = ws["decode-1"]
         new.handle.channel = channels["decode-1"]
-        router._on_pool_change(new.handle)  # its channel is up
+        router.membership.on_pool_change(new.handle)  # its channel is up
         await settle()
         releases = [(i, c) for i, c in old.commands() if isinstance(c, C.Release)]
         assert len(releases) == 1 and old.handle.released
@@ -248,7 +248,7 @@ def test_a_draining_worker_with_another_in_its_pool_is_released_at_once() -> Non
         keeper = PoolKeeper(router, outputs, launch, {P: 1, D: 2}, lambda h: None)  # type: ignore[arg-type]
         old = ws["decode-0"].handle
         old.report(replace(old.load, health=WorkerHealth.DRAINING))
-        router._on_pool_change(old)
+        router.membership.on_pool_change(old)
         await settle()
         assert launched == ["decode-2"] and old.released
         assert [type(c) for _, c in ws["decode-0"].commands()] == [C.Release]

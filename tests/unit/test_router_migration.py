@@ -72,7 +72,7 @@ async def lose(router: Router, w: Worker) -> None:
     assert w.handle.channel is not None
     w.handle.channel.close("gone")  # type: ignore[attr-defined]
     w.handle.mark_lost()
-    await router._on_lost(w.handle, "gone")
+    await router.membership.on_lost(w.handle, "gone")
 
 
 async def consume(router: Router, admitted: Any, events: list[Any]) -> None:

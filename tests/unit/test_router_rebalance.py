@@ -59,8 +59,8 @@ async def backlog(n: int, **cfg: Any) -> tuple[Router, dict[str, Worker], list[A
 def joined(router: Router, ws: dict[str, Worker], wid: str) -> Worker:
     """A prefill worker starts at run time and its channel comes up."""
     w = ws[wid] = Worker(wid, WorkerRole.PREFILL)
-    router.add_worker(w.handle)
-    router._on_pool_change(w.handle)
+    router.membership.add_worker(w.handle)
+    router.membership.on_pool_change(w.handle)
     return w
 
 
@@ -142,10 +142,10 @@ def test_a_prefill_worker_leaving_gives_its_queue_back_at_once(how: str) -> None
         p0 = ws["p0"].handle
         retire = None
         if how == "retired":
-            retire = asyncio.create_task(router.retire("p0", drain_timeout_s=30))
+            retire = asyncio.create_task(router.membership.retire("p0", drain_timeout_s=30))
         else:
             p0.report(replace(p0.load, health=WorkerHealth.DRAINING))
-            router._on_pool_change(p0)
+            router.membership.on_pool_change(p0)
         await settle()
         sent = answer(ws, dict.fromkeys(on_p0, True))
         assert [c.request_id for _, c in sent if isinstance(c, C.Withdraw)] == on_p0[::-1]
