@@ -8,7 +8,7 @@ prefill worker with prompts queued (mid-prefill); ``prefill_push_kill`` SIGKILL 
 worker the moment the first stream has its first token (its KV pushes under way);
 ``decode_stop`` SIGSTOP of a decode worker for 5 s; ``decode_term`` SIGTERM of a decode worker
 mid-stream (it drains); ``shrink_then_crash`` the decode worker holding more streams retired
-mid-stream (``Router.retire``, as ``Service.resize`` does; a 2 s drain) and the other SIGKILLed
+mid-stream (``Membership.retire``, as ``Service.resize`` does; a 2 s drain) and the other SIGKILLed
 0.3 s into the drain (the retirement must be given up); ``kv_drop`` every KV connection to the
 decode workers reset (``ss -K``) for 1.5 s while prompts are prefilled, and on until a transfer
 is seen dropped (at most 10 s); ``kv_listener_flood`` 300 idle connections that never
@@ -349,7 +349,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
 
 
 def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], str, dict[str, int]]:
-    """Retire one of the two decode workers with a 2 s drain (``Router.retire``, what
+    """Retire one of the two decode workers with a 2 s drain (``Membership.retire``, what
     ``Service.resize`` does for the autoscaler), the one holding more streams, so that it is
     still draining when, 0.3 s in, the other one (the victim) is killed; the victim's streams,
     if the router placed any there, must move to it. Returns the retirement (its

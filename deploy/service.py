@@ -217,7 +217,7 @@ class Service:
         they are ready; surplus ones (those holding the fewest requests) are retired: drained
         for ``drain_timeout_s`` (default: the pool's drain timeout), what is left moved, then
         stopped, so no request fails. Returns each retirement's outcome (one given up leaves
-        the pool larger: see ``Router.retire``). Raises ``ValueError`` for a size the
+        the pool larger: see ``Membership.retire``). Raises ``ValueError`` for a size the
         deployment cannot run with (no decode worker, or a role it has no pool for)."""
         async with self._resizing[role]:
             return await self._resize(role, count, drain_timeout_s)
@@ -258,7 +258,7 @@ class Service:
     async def switch_role(
         self, worker_id: str, role: WorkerRole, drain_timeout_s: float | None = None
     ) -> PoolChange:
-        """Move one worker to pool ``role`` in place (``Router.switch_role``): it keeps its
+        """Move one worker to pool ``role`` in place (``Membership.switch_role``): it keeps its
         weights and KV pool, so this takes a drain and well under a second, not a new process."""
         assert self.router is not None, "not started"
         timeout = self.spec.drain_timeout_s if drain_timeout_s is None else drain_timeout_s

@@ -55,7 +55,7 @@ class FakeService:
         self.asked.append(workers)
 
     async def switch_role(self, worker_id: str, role: WorkerRole) -> PoolChange:
-        """As ``Router.switch_role``: done, moving what the worker still held, unless given up."""
+        """As ``Membership.switch_role``: done, moving what the worker still held, unless given up."""
         self.switches += 1
         if self.give_up:
             return PoolChange(worker_id, done=False, why_not=self.give_up)

@@ -1,4 +1,4 @@
-"""Planned changes of the pools (``Router.retire``, ``Router.switch_role``) against scripted
+"""Planned changes of the pools (``Membership.retire``, ``Membership.switch_role``) against scripted
 workers (no processes) when faults strike during them: a change that would leave no worker to
 decode is given up and the draining worker takes the lost one's streams; moves a planned change
 makes do not use up a stream's ``--migration-limit``, which only faults count against."""
