@@ -135,12 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
     m = sub.add_parser("simulate", help="discrete-event simulation of a cluster (the real schedulers)")
-    from pdserve.simulator.run import add_simulate_args, cmd_simulate
+    from pdserve.planning.simulate import add_simulate_args, cmd_simulate
 
     add_simulate_args(m)
     m.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="the layout of N GPUs with the most goodput per GPU (simulated)")
-    from pdserve.simulator.plan import add_plan_args, cmd_plan
+    from pdserve.planning.plan import add_plan_args, cmd_plan
 
     add_plan_args(pl)
     pl.set_defaults(func=cmd_plan)
