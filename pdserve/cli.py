@@ -38,14 +38,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
+    from pdserve.decode_worker.offline import OfflineDriver
     from pdserve.model_runtime.backend import step_sizes
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
-    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     tokens, seqs = step_sizes(on_gpu, args.max_num_batched_tokens, args.max_num_seqs)
-    return LLMEngine(
+    return OfflineDriver(
         EngineConfig(
             model=args.model,
             device=args.device,
