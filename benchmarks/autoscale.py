@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import emit
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.planning.simulate import add_simulate_args, simulate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
 SLO = ["--goodput", "ttft:250", "tpot:100"]

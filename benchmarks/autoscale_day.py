@@ -39,12 +39,12 @@ from typing import Any
 from benchmarks.autoscale import SLO, TRACE
 from benchmarks.autoscale import run as run_event
 from benchmarks.common import emit
-from pdserve.deploy.capacity import predict
 from pdserve.model_runtime.backend import GPU_MAX_SEQS
+from pdserve.planning.capacity import predict
+from pdserve.planning.fluid_run import simulate_fluid
+from pdserve.planning.simulate import add_simulate_args
 from pdserve.router.workload_window import Workload
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.fluid_run import simulate_fluid
-from pdserve.simulator.run import add_simulate_args
 
 ROUTING = ["--policy", "goodput", "--admission", "reject", "--no-local-prefill"]
 DAY = 86_400.0

@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.autoscale import SLO, TRACE
 from benchmarks.autoscale_day import DAY, ROUTING, diurnal, fluid
 from benchmarks.common import emit
-from pdserve.deploy.keep_up import fewest_passing
+from pdserve.planning.keep_up import fewest_passing
 
 
 def parse_layout(text: str) -> tuple[int, int]:

@@ -43,7 +43,7 @@ LAYOUTS = {
 
 def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespace) -> dict[str, float]:
     """The simulator on the same layout, trace, requests and rate (no processes, virtual time)."""
-    from pdserve.simulator.run import add_simulate_args, simulate
+    from pdserve.planning.simulate import add_simulate_args, simulate
 
     p = argparse.ArgumentParser()
     add_simulate_args(p)

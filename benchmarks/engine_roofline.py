@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import emit, matmul_flops, median_time, memory_copy_bandwidth, memory_read_bandwidth
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.checkpoint import Format
 from pdserve.model_runtime.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -57,8 +57,8 @@ def prefill_flops(cfg: ModelConfig, n: int, causal: bool = True) -> float:
     return linear + attention
 
 
-def make_engine(model: str, device: str, dtype: str | None) -> LLMEngine:
-    return LLMEngine(
+def make_engine(model: str, device: str, dtype: str | None) -> OfflineDriver:
+    return OfflineDriver(
         EngineConfig(
             model=model,
             device=device,
@@ -69,7 +69,7 @@ def make_engine(model: str, device: str, dtype: str | None) -> LLMEngine:
     )
 
 
-def measure_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+def measure_decode(engine: OfflineDriver, batch: int, prompt_len: int, steps: int) -> float:
     """Median time of a decode-only step with ``batch`` running requests."""
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
@@ -91,7 +91,7 @@ def measure_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -
     return statistics.median(times)
 
 
-def measure_prefill(engine: LLMEngine, n: int) -> float:
+def measure_prefill(engine: OfflineDriver, n: int) -> float:
     vocab = engine.model_config.vocab_size
     rng = random.Random(n)
 
@@ -114,7 +114,7 @@ def workload(n: int = 32, seed: int = 0, vocab: int = 32000) -> list[tuple[list[
     ]
 
 
-def run_ours(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> float:
+def run_ours(engine: OfflineDriver, reqs: list[tuple[list[int], int]]) -> float:
     t0 = time.perf_counter()
     outs = engine.generate(
         [p for p, _ in reqs], [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]

@@ -34,13 +34,13 @@ from typing import Any, ParamSpec
 import torch
 
 from benchmarks.common import emit, median_time
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import allocate_shared_kv_cache
 from pdserve.kvtransfer.states import TransferState
 from pdserve.kvtransfer.tls import InternalTls
 from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.kv_cache.tensors import new_kv_cache
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -268,7 +268,7 @@ def in_fresh_process(
 
 
 def layerwise_overhead(tokens: int = 2048) -> dict[str, float]:
-    engine = LLMEngine(
+    engine = OfflineDriver(
         EngineConfig(
             model="bench",
             device="cpu",
@@ -288,7 +288,7 @@ def layerwise_overhead(tokens: int = 2048) -> dict[str, float]:
         for stream in (False, True):
             engine.kv.pool.reset_prefix_cache()
             rid = f"p{rep}{stream}"
-            engine.add_request(
+            req = engine.add_request(
                 rid,
                 [rng.randrange(3, 32000) for _ in range(tokens)],
                 SamplingParams(max_tokens=1, temperature=0),
@@ -305,7 +305,7 @@ def layerwise_overhead(tokens: int = 2048) -> dict[str, float]:
                     sender.layer_ready(rid, i)
 
             t0 = time.perf_counter()
-            result = engine.runner.execute(plan.chunks, engine._requests, on_layer=hook)
+            result = engine.runner.execute(plan.chunks, {rid: req}, on_layer=hook)
             if stream:
                 assert receiver.wait(rid, 60) is TransferState.DONE
             dt = time.perf_counter() - t0

@@ -46,8 +46,8 @@ def run_mode(mode: str, model: str, sizes: int, max_len: int, seed: int) -> dict
 
     from benchmarks.common import matmul_flops
     from benchmarks.engine_roofline import prefill_flops
+    from pdserve.decode_worker.offline import OfflineDriver
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
-    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.model import linear
     from pdserve.model_runtime.model.llama import LlamaModel
     from pdserve.model_runtime.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def run_mode(mode: str, model: str, sizes: int, max_len: int, seed: int) -> dict
     if mode == "onednn_exact":  # every row count reaches oneDNN as it is, first met in traffic
         linear.padded_rows = lambda rows: rows
         LlamaModel.warm_up = lambda self, max_step_tokens, max_step_rows: 0  # type: ignore[method-assign]
-    engine = LLMEngine(
+    engine = OfflineDriver(
         EngineConfig(
             model=model,
             device="cpu",

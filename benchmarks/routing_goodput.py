@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.sweep import sweep
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.planning.simulate import add_simulate_args, simulate
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data/traces"
 DATASETS = {

@@ -62,7 +62,7 @@ def compact(m: dict[str, Any], flags: list[str]) -> dict[str, Any]:
 
 
 def worker(name: str, out_dir: Path, flags: list[str]) -> int:
-    from pdserve.simulator.run import add_simulate_args, simulate
+    from pdserve.planning.simulate import add_simulate_args, simulate
 
     p = argparse.ArgumentParser(prog=f"point {name}")
     add_simulate_args(p)

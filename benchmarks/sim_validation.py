@@ -205,7 +205,7 @@ def specs_for(args: argparse.Namespace, rate: float, seed: int) -> list[RequestS
 def simulate_point(
     layout: str, profile: str, specs: list[RequestSpec], slo: list[str], jitter_seed: int = 0
 ) -> dict[str, Any]:
-    from pdserve.simulator.run import add_simulate_args, simulate
+    from pdserve.planning.simulate import add_simulate_args, simulate
 
     p = argparse.ArgumentParser()
     add_simulate_args(p)

@@ -141,6 +141,11 @@ class DecodeEngine(RoleEngineBase):
         self._emitted[req.request_id] = len(work.output_token_ids)
         self.scheduler.add_request(req)
 
+    def held(self, request_id: str) -> Request | None:
+        """The request held under ``request_id``, whose progress an in-process driver reads
+        (``pdserve.decode_worker.offline``); None once it ended."""
+        return self._requests.get(request_id)
+
     def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float = 0.0) -> Future[KVTarget | None]:
         """Reserve blocks for the prompt's KV, waiting up to ``timeout_s`` for room; the future
         resolves to the target, or ``None`` if no room freed in time (or the request was

@@ -1,7 +1,8 @@
 """Token ids -> the text a client sees: incremental detokenization plus stop strings.
 
-Shared by the colocated engine's output tracker and the router, so both cut text at a stop
-string the same way. Without a tokenizer it passes ids through and produces no text.
+Shared by the offline driver's output tracker (``pdserve.model_runtime.engine.output``) and the
+router, so both cut text at a stop string the same way. Without a tokenizer it passes ids
+through and produces no text.
 """
 
 from __future__ import annotations

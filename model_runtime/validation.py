@@ -1,4 +1,4 @@
-"""Admission checks every entry point shares: router, colocated engine, workers (pure Python).
+"""Admission checks every entry point shares: router, offline driver, workers (pure Python).
 
 One function decides whether a request can ever be served, so the router rejects up front
 exactly what a worker would reject later; each failure names its field.

@@ -38,14 +38,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _build_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
+    from pdserve.decode_worker.offline import OfflineDriver
     from pdserve.model_runtime.backend import step_sizes
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
-    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     tokens, seqs = step_sizes(on_gpu, args.max_num_batched_tokens, args.max_num_seqs)
-    return LLMEngine(
+    return OfflineDriver(
         EngineConfig(
             model=args.model,
             device=args.device,
@@ -135,12 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
     m = sub.add_parser("simulate", help="discrete-event simulation of a cluster (the real schedulers)")
-    from pdserve.simulator.run import add_simulate_args, cmd_simulate
+    from pdserve.planning.simulate import add_simulate_args, cmd_simulate
 
     add_simulate_args(m)
     m.set_defaults(func=cmd_simulate)
     pl = sub.add_parser("plan", help="the layout of N GPUs with the most goodput per GPU (simulated)")
-    from pdserve.simulator.plan import add_plan_args, cmd_plan
+    from pdserve.planning.plan import add_plan_args, cmd_plan
 
     add_plan_args(pl)
     pl.set_defaults(func=cmd_plan)

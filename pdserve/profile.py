@@ -86,18 +86,19 @@ def log(msg: str) -> None:
 
 
 class Meter:
-    """The engine's ``step()``, timed, with the shape of what its runner executed."""
+    """The colocated engine's ``step()`` (through its ``OfflineDriver``), timed, with the shape
+    of what its runner ran."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.shape: Shape = ()
-        inner = engine.runner.execute
+        inner = engine.runner.launch
 
-        def recording(chunks: Sequence[Any], requests: Mapping[str, Any], on_layer: Any = None) -> Any:
+        def recording(chunks: Sequence[Any], requests: Mapping[str, Any]) -> Any:
             self.shape = tuple((c.num_tokens, c.start_pos) for c in chunks)
-            return inner(chunks, requests, on_layer)
+            return inner(chunks, requests)
 
-        engine.runner.execute = recording  # an instance attribute: only this engine records
+        engine.runner.launch = recording  # an instance attribute: only this engine records
         self.rng = random.Random(0)
         self.n = 0
 
@@ -107,7 +108,7 @@ class Meter:
         from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 
         assert not self.engine.has_unfinished
-        self.engine.scheduler = ColocatedScheduler(
+        self.engine.engine.scheduler = ColocatedScheduler(
             self.engine.kv, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
         )
 
@@ -128,7 +129,7 @@ class Meter:
         return self.shape, time.perf_counter() - t0
 
     def drop_all(self) -> None:
-        for rid in list(self.engine._requests):
+        for rid in self.engine.request_ids:
             self.engine.abort(rid)
 
 
@@ -314,8 +315,8 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     """Measure, fit, print; returns the profile and what it was fitted on."""
     import torch
 
+    from pdserve.decode_worker.offline import OfflineDriver
     from pdserve.model_runtime.config import CacheConfig, EngineConfig
-    from pdserve.model_runtime.engine.llm_engine import LLMEngine
     from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape
     from pdserve.model_runtime.model.loader import resolve_dtype
     from pdserve.model_runtime.platform import use_threads
@@ -328,7 +329,7 @@ def profile_engine(args: argparse.Namespace, progress: Callable[[str], None] = l
     tokens = max(b_max * (c_max + len(args.decode_batches) * (args.decode_steps + 4) + 80),
                  3 * args.chunk, max(args.prefill_lens), *(k * n for k, n in PACKED)) + 4096  # fmt: skip
     t0 = time.perf_counter()
-    engine = LLMEngine(
+    engine = OfflineDriver(
         EngineConfig(
             model=args.model,
             device="cpu",

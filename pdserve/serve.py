@@ -13,19 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.deploy.autoscale import PoolAutoscaler
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import PlannerConfig
 from pdserve.deploy.pools import PoolSpec
 from pdserve.deploy.service import Service
 from pdserve.flags import (
-    add_autoscale,
     add_layout,
     add_policy,
     colocated_count,
     finite_at_least,
     int_at_least,
-    planner_settings,
     port,
 )
 from pdserve.kvtransfer.config import BACKENDS, NODE_ADDRESS, TransportConfig
@@ -33,6 +28,10 @@ from pdserve.model_runtime.backend import OVERLAP_SETTINGS, step_sizes
 from pdserve.model_runtime.config import COMPUTE_MODES, CacheConfig, EngineConfig
 from pdserve.model_runtime.presets import MODEL_NAMES
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
+from pdserve.planning.autoscale import PoolAutoscaler
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import PlannerConfig
+from pdserve.planning.settings import add_autoscale, planner_settings
 from pdserve.router.config import MIN_LIVENESS_S, Caps, RouterConfig
 from pdserve.router.server import StopSignals, chat_summary, first_of, serve_until_signal
 from pdserve.router.slo import Admission, SloBook, SloClass

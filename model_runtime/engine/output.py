@@ -30,7 +30,7 @@ class RequestOutput:
 
 
 class OutputTracker:
-    """Per-request detokenization and stop-string state; owned by the engine."""
+    """Per-request detokenization and stop-string state; owned by ``OfflineDriver``."""
 
     def __init__(self, req: Request, tokenizer: TextTokenizer | None) -> None:
         self.req = req

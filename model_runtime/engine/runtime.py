@@ -1,8 +1,9 @@
 """Everything one worker process needs to run steps: model, KV pool, runner, tokenizer.
 
-``build_runtime`` is shared by the colocated engine and both worker roles, so every role loads
-a model, sizes its pool and validates requests the same way. ``compute="zero"`` swaps the
-model for ``ZeroRunner`` (deterministic tokens, no math) to measure the serving path alone;
+``build_runtime`` is shared by both worker roles (the colocated one too) and the offline
+driver, so every role loads a model, sizes its pool and validates requests the same way.
+``compute="zero"`` swaps the model for ``ZeroRunner`` (deterministic tokens, no math) to
+measure the serving path alone;
 ``compute="emulated:<profile>"`` for ``EmulatedRunner``, which also takes the time a real GPU
 would (``pdserve.steptime``), with the pool sized as that GPU's KV memory and a one-layer
 stand-in cache (transfers still run for real; their GPU-link time is added by the decode side).

@@ -332,7 +332,7 @@ def run_kv(block: Block, ctx: Context) -> None:
 PYTHON: dict[str, Callable[[Block, Context], Any]] = {
     "from openai import OpenAI": run_python,
     "import grpc": run_python,
-    "from pdserve.model_runtime.config import EngineConfig": run_python,
+    "from pdserve.decode_worker.offline import OfflineDriver": run_python,
     "from pdserve.kvtransfer.config import TransportConfig": run_kv,
 }
 

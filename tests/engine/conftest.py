@@ -8,18 +8,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
+from pdserve.decode_worker.offline import OfflineDriver
 
-_live: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
-_orig_init = LLMEngine.__init__
+_live: weakref.WeakSet[OfflineDriver] = weakref.WeakSet()
+_orig_init = OfflineDriver.__init__
 
 
-def _tracking_init(self: LLMEngine, *args: object, **kwargs: object) -> None:
+def _tracking_init(self: OfflineDriver, *args: object, **kwargs: object) -> None:
     _orig_init(self, *args, **kwargs)  # type: ignore[arg-type]
     _live.add(self)
 
 
-LLMEngine.__init__ = _tracking_init  # type: ignore[method-assign]
+OfflineDriver.__init__ = _tracking_init  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.checkpoint import Checkpoint, Format
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.model.gguf import QUANT_TYPES, GGUFWeights, open_gguf
 from pdserve.model_runtime.model.layers import rope_inv_freq
@@ -81,7 +81,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_file(tmp_path: Path, kind:
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(num_blocks=64)))
+    engine = OfflineDriver(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(num_blocks=64)))
     prompts = [[5, 9, 33, 100, 7], list(range(40, 90)), [300, 2, 17]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
@@ -125,7 +125,7 @@ def test_missing_tensor_and_not_a_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.ffn_up\.weight' is missing"):
         ours(path).get(gone, (512, 256))
     with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.ffn_up\.weight' is missing"):
-        LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(num_blocks=8)))
+        OfflineDriver(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(num_blocks=8)))
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from tests.engine.hf_models import hf_greedy, make_hf_model
 
@@ -17,8 +17,10 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 
-def _engine(model: str, dtype: str | None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device="cuda", dtype=dtype, cache=CacheConfig(num_blocks=512)))
+def _engine(model: str, dtype: str | None) -> OfflineDriver:
+    return OfflineDriver(
+        EngineConfig(model=model, device="cuda", dtype=dtype, cache=CacheConfig(num_blocks=512))
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
@@ -71,7 +73,7 @@ def test_cuda_graph_decode_equals_eager_and_hf(kind: str, tmp_path: Path) -> Non
     prompts = [list(range(3, 3 + n)) for n in (1, 17, 100, 300, 5, 9, 70)]
     expected = [hf_greedy(model, p, 32)[0] for p in prompts]
     for graphs in (True, False):
-        engine = LLMEngine(
+        engine = OfflineDriver(
             EngineConfig(
                 model=str(tmp_path),
                 device="cuda",

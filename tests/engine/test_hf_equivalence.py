@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.engine.batch import build_batch
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk, SchedulerConfig
 from tests.engine.hf_models import VOCAB, hf_greedy, make_hf_model
@@ -37,8 +37,8 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return kind, d, prompts, expected
 
 
-def _engine(path: Path, backend: str = "torch", **sched: Any) -> LLMEngine:
-    return LLMEngine(
+def _engine(path: Path, backend: str = "torch", **sched: Any) -> OfflineDriver:
+    return OfflineDriver(
         EngineConfig(
             model=str(path),
             device="cpu",
@@ -52,7 +52,7 @@ def _engine(path: Path, backend: str = "torch", **sched: Any) -> LLMEngine:
 GREEDY = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
 
 
-def _run_all(engine: LLMEngine, prompts: list[list[int]], join_after: int = 0) -> dict[int, list[int]]:
+def _run_all(engine: OfflineDriver, prompts: list[list[int]], join_after: int = 0) -> dict[int, list[int]]:
     """Run prompts; the second half joins after ``join_after`` steps (mid-flight)."""
     half = len(prompts) // 2 if join_after else len(prompts)
     for i in range(half):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.model import linear
 from pdserve.model_runtime.model.linear import Linear, _onednn_works, padded_rows, row_buckets
 from pdserve.model_runtime.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ def test_every_shape_a_step_brings_was_made_when_the_model_loaded(
     monkeypatch.setenv("PDSERVE_LINEAR", "onednn")
     monkeypatch.setattr(linear, "_warmed", set())  # as in a fresh process
     budget, seqs = 64, 16
-    engine = LLMEngine(
+    engine = OfflineDriver(
         EngineConfig(
             model="tiny",
             device="cpu",

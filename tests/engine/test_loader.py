@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.checkpoint import Checkpoint
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.errors import InvalidRequestError, ModelLoadError
 from pdserve.model_runtime.model.loader import load_model, resolve_dtype
 from pdserve.model_runtime.presets import PRESETS, materialize, preset_path
@@ -40,9 +40,9 @@ def copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def small_engine(model: str, **kw: object) -> LLMEngine:
+def small_engine(model: str, **kw: object) -> OfflineDriver:
     kw.setdefault("device", "cpu")
-    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=64), **kw))  # type: ignore[arg-type]
+    return OfflineDriver(EngineConfig(model=model, cache=CacheConfig(num_blocks=64), **kw))  # type: ignore[arg-type]
 
 
 def test_unsupported_architecture(llama_dir: Path, tmp_path: Path) -> None:
@@ -135,6 +135,6 @@ def test_presets_are_deterministic_and_tiny_loads_fast(tmp_path: Path) -> None:
     path = preset_path("tiny")
     assert digest(path) == digest(a)
     t0 = time.perf_counter()
-    eng = LLMEngine(EngineConfig(model="tiny", device="cpu", cache=CacheConfig(num_blocks=64)))
+    eng = OfflineDriver(EngineConfig(model="tiny", device="cpu", cache=CacheConfig(num_blocks=64)))
     assert time.perf_counter() - t0 < 1.0
     assert eng.tokenizer is not None and eng.model_config.num_kv_heads < eng.model_config.num_heads

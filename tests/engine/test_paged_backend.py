@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.backend import Backend
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.engine.model_runner import GraphSettings, ModelRunner
 from pdserve.model_runtime.engine.step_inputs import pack_step, unpack
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
@@ -197,7 +197,7 @@ def test_triton_kernels_interpreted_give_hf_tokens(tmp_path: Path) -> None:
         # the Mistral model's 64-token window.
         prompts = [list(range(3, 3 + n)) for n in (1, 17, 70)]
         expected = [hf_greedy(model, p, 4)[0] for p in prompts]
-        engine = LLMEngine(
+        engine = OfflineDriver(
             EngineConfig(
                 model=str(path),
                 device="cpu",

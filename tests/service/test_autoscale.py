@@ -10,9 +10,9 @@ import time
 
 import httpx
 
-from pdserve.deploy.autoscale import PoolAutoscaler
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Bounds, Layout, PlannerConfig, Reason
+from pdserve.planning.autoscale import PoolAutoscaler
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import Bounds, Layout, PlannerConfig, Reason
 from pdserve.steptime.roofline import H100_LLAMA3_8B
 from tests.service.helpers import all_free, assert_no_request_state, start_service, status, wait_for
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.deploy.planner_data import Bounds
 from pdserve.deploy.pools import PoolSpec
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
+from pdserve.planning.planner_data import Bounds
 from pdserve.serve import build, planner_config
 
 

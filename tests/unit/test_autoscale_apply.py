@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deploy.autoscale import PoolAutoscaler
-from pdserve.deploy.planner_data import Layout
+from pdserve.planning.autoscale import PoolAutoscaler
+from pdserve.planning.planner_data import Layout
 from pdserve.router.membership import PoolChange
 from pdserve.worker.messages import WorkerRole
 

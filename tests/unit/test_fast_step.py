@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.bench.workload import RequestSpec, arrival_times
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.steptime.roofline import H100_LLAMA3_8B as P
 
 LAYOUTS = (

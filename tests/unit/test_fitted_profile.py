@@ -159,7 +159,7 @@ def test_shared_host_slows_decode_steps_while_the_other_worker_prefills(tmp_path
     import argparse
 
     from pdserve.bench.workload import RequestSpec
-    from pdserve.simulator.run import add_simulate_args, simulate
+    from pdserve.planning.simulate import add_simulate_args, simulate
 
     prof = Calibrated(TRUE, HostCalibration(decode_coactive_x=2.0, prefill_coactive_x=1.5))
     path = tmp_path / "p.json"

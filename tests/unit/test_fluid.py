@@ -15,15 +15,16 @@ from hypothesis import strategies as st
 
 from pdserve.bench.runner import build_workload
 from pdserve.bench.workload import RateCurve
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Layout, PlannerConfig, moves
+from pdserve.planning.fluid import FluidCluster
+from pdserve.planning.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
+from pdserve.planning.fluid_run import FluidAutoscaler, simulate_fluid, trace_arrivals, warp
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import Layout, PlannerConfig, moves
+from pdserve.planning.sim_autoscale import AutoscaleConfig
+from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.router.workload_window import light_means, prompt_quantile
-from pdserve.simulator.autoscale import AutoscaleConfig
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.fluid import FluidCluster
-from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
-from pdserve.simulator.fluid_run import FluidAutoscaler, simulate_fluid, trace_arrivals, warp
-from pdserve.simulator.run import add_simulate_args, simulate, workload
+from pdserve.simulator.run import workload
 
 TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="the shared Azure trace is not here")

@@ -10,6 +10,7 @@ import statistics
 
 import pytest
 
+from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.simulator.calibration import Calibrated, HostCalibration, load_sim_profile
 from pdserve.simulator.jitter import (
     GRID,
@@ -19,7 +20,6 @@ from pdserve.simulator.jitter import (
     normal_scores,
     quantile_grid,
 )
-from pdserve.simulator.run import add_simulate_args, simulate
 from pdserve.steptime.fitted import FittedProfile
 
 CPU = FittedProfile("cpu", 0.02, 7e-4, 2e-7, 0.011, 4e-6, 8e-4, 3e-4, 2e10, 24576, 20000, 4096)

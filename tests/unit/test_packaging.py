@@ -18,6 +18,8 @@ ROOMS = (
     "kvtransfer",
     "deploy",
     "simulator",
+    "planning",
+    "steptime",
 )
 
 

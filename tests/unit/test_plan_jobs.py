@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.bench.sweep import Bracket, run_search, search
-from pdserve.simulator.plan_jobs import SearchPool, replay
+from pdserve.planning.plan_jobs import SearchPool, replay
 
 
 def attainment(key: tuple[float, float], rate: float) -> float:

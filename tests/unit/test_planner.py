@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.deploy.capacity import erlang_c, predict
-from pdserve.deploy.keep_up import fewest, fewest_passing
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
-from pdserve.deploy.step_correction import NONE, StepCorrection
+from pdserve.planning.capacity import erlang_c, predict
+from pdserve.planning.keep_up import fewest, fewest_passing
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import Bounds, Decision, Layout, Observation, PlannerConfig, Reason
+from pdserve.planning.step_correction import NONE, StepCorrection
 from pdserve.router.workload_window import Workload, WorkloadWindow, kept, light_means, prompt_quantile
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 
@@ -756,8 +756,8 @@ def test_serve_and_simulate_size_the_headroom_for_their_checks() -> None:
     looks each takes; an unusable interval (serve refuses it first) leaves the default."""
     import argparse
 
-    from pdserve.deploy.planner_data import CHECKS
-    from pdserve.flags import planner_settings
+    from pdserve.planning.planner_data import CHECKS
+    from pdserve.planning.settings import planner_settings
 
     def args(interval: float | None) -> argparse.Namespace:
         ns = argparse.Namespace(min_prefill=1, max_prefill=4, min_decode=1, max_decode=4)

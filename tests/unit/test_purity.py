@@ -1,6 +1,6 @@
-"""Decisions are pure: the policies, schedulers, block manager, latency models, bench arithmetic
-and the simulator import no torch, Ray, gRPC, web or serialization stack, so they run (and the
-simulator plans clusters) on any Python with the standard library."""
+"""Decisions are pure: the policies, schedulers, block manager, latency models, bench arithmetic,
+the simulator and the planning room import no torch, Ray, gRPC, web or serialization stack, so
+they run (and plan clusters) on any Python with the standard library."""
 
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ PURE = (
     "pdserve.simulator.sim_worker",
     "pdserve.flags",
     "pdserve.deploy.pools",
-    "pdserve.deploy.planner",
-    "pdserve.deploy.planner_data",
-    "pdserve.deploy.load_memory",
-    "pdserve.deploy.keep_up",
-    "pdserve.deploy.error_budget",
-    "pdserve.deploy.step_correction",
-    "pdserve.deploy.capacity",
+    "pdserve.planning.planner",
+    "pdserve.planning.planner_data",
+    "pdserve.planning.load_memory",
+    "pdserve.planning.keep_up",
+    "pdserve.planning.error_budget",
+    "pdserve.planning.step_correction",
+    "pdserve.planning.capacity",
     "pdserve.router.workload_window",
     "pdserve.router.rebalance",
     "pdserve.router.lifecycle",
-    "pdserve.simulator.autoscale",
+    "pdserve.planning.sim_autoscale",
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
     "pdserve.kvtransfer.admission",
@@ -50,10 +50,14 @@ PURE = (
     "pdserve.bench.sweep",
     "pdserve.bench.runner",
     "pdserve.simulator.run",
-    "pdserve.simulator.plan",
-    "pdserve.simulator.plan_candidates",
-    "pdserve.simulator.plan_jobs",
-    "pdserve.simulator.plan_report",
+    "pdserve.planning.plan",
+    "pdserve.planning.plan_candidates",
+    "pdserve.planning.plan_jobs",
+    "pdserve.planning.plan_report",
+    "pdserve.planning.simulate",
+    "pdserve.planning.settings",
+    "pdserve.planning.bound",
+    "pdserve.planning.autoscale",
     "pdserve.simulator.service_fit",
     "pdserve.simulator.jitter",
     "pdserve.model_runtime.engine.step_log",

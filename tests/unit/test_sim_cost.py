@@ -20,8 +20,8 @@ import pytest
 
 from pdserve.bench.workload import RequestSpec, arrival_times
 from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.prefill_worker.engine import PrefillEngine
-from pdserve.simulator.run import add_simulate_args, simulate
 
 REQUESTS = 12
 

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.planning.simulate import add_simulate_args, simulate
 
 STEP = (
     "--random-input-len 2048 --random-output-len 128 --random-range-ratio 0.5 --request-rate 8 "

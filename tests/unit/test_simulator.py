@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.bench.workload import RequestSpec, arrival_times
-from pdserve.simulator.run import add_simulate_args, simulate
+from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.steptime.roofline import H100_LLAMA3_8B as P
 
 TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
@@ -98,7 +98,7 @@ def test_decode_memory_pressure_preempts_and_still_finishes() -> None:
 def test_plan_refuses_absurd_settings_before_it_simulates(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pdserve.simulator.plan import add_plan_args, cmd_plan
+    from pdserve.planning.plan import add_plan_args, cmd_plan
 
     p = argparse.ArgumentParser()
     add_plan_args(p)
@@ -110,7 +110,7 @@ def test_plan_refuses_absurd_settings_before_it_simulates(
 
 @pytest.mark.parametrize("deadline", [math.nan, 0.0, -1.0, math.inf])
 def test_the_simulated_routers_reservation_deadline_must_be_finite_and_positive(deadline: float) -> None:
-    from pdserve.simulator.run import add_simulate_args, cmd_simulate
+    from pdserve.planning.simulate import add_simulate_args, cmd_simulate
 
     p = argparse.ArgumentParser()
     add_simulate_args(p)
@@ -121,7 +121,7 @@ def test_the_simulated_routers_reservation_deadline_must_be_finite_and_positive(
 def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from pdserve.simulator.plan import add_plan_args, candidates, cmd_plan
+    from pdserve.planning.plan import add_plan_args, candidates, cmd_plan
 
     c = candidates(4)
     assert sum(1 for x in c if x.colocated == 4) == 3
@@ -158,7 +158,7 @@ def test_plan_tries_colocated_and_every_split_and_recommends_the_best(
 def test_work_bound_by_hand_and_with_shared_prefixes() -> None:
     """Uniform requests on the roofline: per request, the linear FLOPs of every token, the
     prompt's attention FLOPs and each decode token's KV reads; a repeated prompt is free."""
-    from pdserve.simulator.bound import work_bound
+    from pdserve.planning.bound import work_bound
 
     l, o = 1000, 101
     lin = 2 * P.params / (P.peak_flops * P.mfu)
@@ -192,7 +192,7 @@ def test_work_bound_of_a_fitted_profile_by_hand() -> None:
     """DistServe's form: a prompt's marginal is b_p·l + c_p·l² (its own attention only), a
     decode token's b_d·(context + 1) + c_d; neither step base is charged. A prompt whose blocks
     are all cached still computes its last token."""
-    from pdserve.simulator.bound import work_bound
+    from pdserve.planning.bound import work_bound
     from pdserve.steptime.fitted import FittedProfile
 
     f = FittedProfile(
@@ -217,7 +217,7 @@ def test_plan_in_parallel_recommends_what_the_sequential_search_does(
 ) -> None:
     """``--jobs 2`` measures the same candidates as one job at a time (prune bounds may differ,
     the recommendation does not); a spent ``--time-budget`` lists what it did not measure."""
-    from pdserve.simulator.plan import add_plan_args, cmd_plan
+    from pdserve.planning.plan import add_plan_args, cmd_plan
 
     p = argparse.ArgumentParser()
     add_plan_args(p)
@@ -355,7 +355,7 @@ def test_fast_plan_recommends_what_the_exhaustive_search_does(
     (with two jobs) the order candidates finish in change what is measured, not the answer: the
     same recommendation and family bests as every candidate's full bisection one at a time,
     with fewer points simulated."""
-    from pdserve.simulator.plan import add_plan_args, cmd_plan
+    from pdserve.planning.plan import add_plan_args, cmd_plan
 
     p = argparse.ArgumentParser()
     add_plan_args(p)
@@ -428,7 +428,7 @@ def test_the_event_simulator_gives_the_same_run_in_every_process() -> None:
     ``PYTHONHASHSEED`` (seed 2 differed from 0 and 1 on this workload before)."""
     code = (
         "import argparse, json, sys\n"
-        "from pdserve.simulator.run import add_simulate_args, simulate\n"
+        "from pdserve.planning.simulate import add_simulate_args, simulate\n"
         "p = argparse.ArgumentParser(); add_simulate_args(p)\n"
         "m = simulate(p.parse_args(sys.argv[1:]))\n"
         "print(json.dumps([m['slo_attainment'], m['decisions'], m['ttfts']]))\n"

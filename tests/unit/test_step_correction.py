@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.deploy.capacity import decode_step_at, predict
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Bounds, Layout, Observation, PlannerConfig
-from pdserve.deploy.step_correction import MOST, NONE, DecodePoint, StepCorrection, fit_decode
+from pdserve.planning.capacity import decode_step_at, predict
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import Bounds, Layout, Observation, PlannerConfig
+from pdserve.planning.step_correction import MOST, NONE, DecodePoint, StepCorrection, fit_decode
 from pdserve.router.workload_window import Workload
 from pdserve.steptime.roofline import H100_LLAMA3_8B as H100
 

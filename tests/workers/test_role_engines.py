@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.decode_worker.actor import DecodeWorker
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.engine.step_log import read_steps
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -108,7 +108,7 @@ def test_disaggregated_matches_colocated(pair) -> None:
     p, d = pair
     ps = prompts(10)
     params = [SamplingParams(max_tokens=1 + i * 3, temperature=0.0, ignore_eos=True) for i in range(10)]
-    ref = LLMEngine(ENGINE).generate(list(ps), params)
+    ref = OfflineDriver(ENGINE).generate(list(ps), params)
     items = [WorkItem(f"r{i}", pr, pa) for i, (pr, pa) in enumerate(zip(ps, params, strict=True))]
     got = run_disaggregated(p, d, items)
     for i, r in enumerate(ref):
@@ -145,7 +145,7 @@ def test_seeded_sampling_matches_colocated(pair) -> None:
     p, d = pair
     ps = prompts(4, seed=3)
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(4)]
-    ref = LLMEngine(ENGINE).generate(list(ps), params)
+    ref = OfflineDriver(ENGINE).generate(list(ps), params)
     items = [WorkItem(f"s{i}", pr, pa) for i, (pr, pa) in enumerate(zip(ps, params, strict=True))]
     got = run_disaggregated(p, d, items)
     for i, r in enumerate(ref):
@@ -180,7 +180,7 @@ def test_failed_transfer_is_recomputed_on_decode() -> None:
     try:
         pr = prompts(1, seed=9)[0]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+        ref = OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
         assert reserve(d, WorkItem("f", pr, params), "t-f", timeout_s=5) is not None
         assert d.run(Start("f", ref[0], 0))  # nobody pushes: the lease expires, decode recomputes
         toks = [ref[0]]
@@ -204,7 +204,7 @@ def test_target_after_prefill_and_aborts_of_unknown_ids(pair) -> None:
     p, d = pair
     pr = prompts(1, seed=21)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    ref = OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
     w = WorkItem("late", pr, params)
     p.run(Prefill(w))  # no target yet
     first: list[TokenDelta] = []
@@ -316,7 +316,7 @@ def test_an_abort_after_the_hand_off_leaves_nothing_and_the_id_works_again(pair)
     p, d = pair
     pr = prompts(1, seed=31)[0]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    ref = OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
     for attempt in range(2):
         assert serve_once(p, d, WorkItem("again", pr, params), f"t-again-{attempt}") == ref, attempt
         assert not p.run(Abort("again"))  # the router's late abort: prefill no longer has it
@@ -335,7 +335,7 @@ def test_seeded_request_is_reproducible_under_a_reused_id(pair) -> None:
         # The router may abort on prefill after the hand-off (stop string, client gone).
         assert not p.run(Abort("seeded"))
     assert runs[0] == runs[1]
-    assert runs[0] == LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    assert runs[0] == OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
 
 
 def test_a_failed_push_after_the_first_token_is_recomputed_not_failed() -> None:
@@ -348,7 +348,7 @@ def test_a_failed_push_after_the_first_token_is_recomputed_not_failed() -> None:
     try:
         pr = prompts(1, seed=33)[0]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+        ref = OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
         w = WorkItem("late-kv", pr, params)
         target = reserve(d, w, "t-late-kv", timeout_s=5)
         assert target is not None
@@ -378,7 +378,7 @@ def test_kv_lost_makes_decode_recompute_at_once(pair) -> None:
     _, d = pair
     pr = prompts(1, seed=34)[0]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ref = LLMEngine(ENGINE).generate([pr], params)[0].token_ids
+    ref = OfflineDriver(ENGINE).generate([pr], params)[0].token_ids
     w = WorkItem("orphan", pr, params)
     assert reserve(d, w, "t-orphan", timeout_s=5) is not None
     t0 = time.monotonic()

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.deploy.pool_worker import PoolWorker
 from pdserve.kvtransfer.config import TransportConfig
-from pdserve.model_runtime.engine.llm_engine import LLMEngine
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.worker.commands import Abort, AddLocal, Prefill, UnsupportedCommand
 from pdserve.worker.control import GetInfo, GetLoad, SwitchRole
@@ -46,7 +46,7 @@ def test_workers_swap_roles_and_serve_token_exactly(backend: str) -> None:
     b = PoolWorker(WorkerSpec("b", WorkerRole.DECODE, ENGINE, tcfg, SECRET))
     try:
         ps = prompts(4, seed=7)
-        ref = [r.token_ids for r in LLMEngine(ENGINE).generate(list(ps), [GREEDY] * len(ps))]
+        ref = [r.token_ids for r in OfflineDriver(ENGINE).generate(list(ps), [GREEDY] * len(ps))]
         items = [WorkItem(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
         got = run_disaggregated(a, b, items)
         assert [got[f"r{i}"] for i in range(len(ps))] == ref

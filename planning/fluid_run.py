@@ -1,11 +1,11 @@
 """``pdserve simulate --fluid``: a workload through the request-level model
-(``pdserve.simulator.fluid``), with the live planner's code resizing the pools (``--autoscale``).
+(``pdserve.planning.fluid``), with the live planner's code resizing the pools (``--autoscale``).
 
 Arrivals are made in chunks as the run needs them (a day at 64 GPUs is tens of millions of
 requests): a trace replay is ``pdserve bench``'s own — the same rows, lap after lap, at the
 mean rate, warped along ``--rate-curve`` — computed on arrays; the other datasets are built
 whole by ``pdserve.simulator.run.workload``. The autoscaler measures, decides and acts as
-``pdserve.simulator.autoscale.SimAutoscaler`` does on the event simulator (the same planner,
+``pdserve.planning.sim_autoscale.SimAutoscaler`` does on the event simulator (the same planner,
 checks, start-up, switch and warm-up), on the model's ticks.
 """
 
@@ -23,14 +23,14 @@ import numpy as np
 
 from pdserve.bench.metrics import Slo
 from pdserve.bench.workload import RateCurve, RequestSpec, WorkloadError, num_prompts, rate_curve, read_trace
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import Layout, Observation
-from pdserve.flags import planner_settings
+from pdserve.planning.fluid import FluidCluster
+from pdserve.planning.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import Layout, Observation
+from pdserve.planning.settings import planner_settings
+from pdserve.planning.sim_autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.router.workload_window import Workload, kept, rank
-from pdserve.simulator.autoscale import AutoscaleConfig, PlannerLoop
 from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.fluid import FluidCluster
-from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role, ticks
 
 CHUNK = 200_000  # arrivals made at a time
 DRAIN_S = 3600.0

@@ -1,4 +1,4 @@
-"""What the request-level model (``pdserve.simulator.fluid``) takes and gives: its settings,
+"""What the request-level model (``pdserve.planning.fluid``) takes and gives: its settings,
 arrivals in time order (and the ticks that deal them out), the pools by role, and the requests
 that ended in a tick."""
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.bench.metrics import Slo
 from pdserve.flags import save_result
-from pdserve.simulator.plan_candidates import CHUNKED, CONDITIONAL, PRIORITY, SPLIT, Row, rank
+from pdserve.planning.plan_candidates import CHUNKED, CONDITIONAL, PRIORITY, SPLIT, Row, rank
 
 
 def report(args: argparse.Namespace, rows: list[Row], skipped: list[str]) -> None:

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from pdserve.deploy.planner_data import Observation, PlannerConfig
+from pdserve.planning.planner_data import Observation, PlannerConfig
 from pdserve.router.workload_window import Workload
 
 

@@ -1,4 +1,4 @@
-"""The requests decoding in the request-level model (``pdserve.simulator.fluid``), on every
+"""The requests decoding in the request-level model (``pdserve.planning.fluid``), on every
 decode worker at once: one row a request in parallel arrays, advanced a tick at a time.
 
 A worker's step over a tick is ``decode_time`` of the batch it runs then, each request counted
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.simulator.fluid_data import Ended, FluidConfig
-from pdserve.simulator.fluid_records import FluidRequest
+from pdserve.planning.fluid_data import Ended, FluidConfig
+from pdserve.planning.fluid_records import FluidRequest
 from pdserve.steptime.model import StepTimeModel
 
 _COLUMNS = ("w", "left", "ctx", "first", "arrival", "output", "since", "kv")

@@ -2,7 +2,7 @@
 
 Every ``interval_s`` of simulated time the autoscaler measures what the router would (arrivals,
 their mean prompt and output lengths and prefix hits; the requests that ended, against the
-SLO) over the last interval, asks ``pdserve.deploy.planner.Planner`` for a decision and carries
+SLO) over the last interval, asks ``pdserve.planning.planner.Planner`` for a decision and carries
 it out as ``pdserve serve --autoscale`` does: a worker moved between the pools is drained and
 switched in place (``switch_s``); a new worker holds its GPU from the start and takes requests
 ``start_s`` later; a retired worker is drained (nothing new routed to it, its requests finish)
@@ -19,8 +19,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation, moves
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import CHECKS, Decision, Layout, Observation, moves
 from pdserve.router.workload_window import Workload, prompt_shape, rank
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.sim_request import SimRequest

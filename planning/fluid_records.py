@@ -1,4 +1,4 @@
-"""The request-level model's records (``pdserve.simulator.fluid``): a request on its way
+"""The request-level model's records (``pdserve.planning.fluid``): a request on its way
 through the cluster and a worker's queue and accounts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import enum
 import math
 from collections import deque
 
-from pdserve.simulator.fluid_data import Role
+from pdserve.planning.fluid_data import Role
 
 
 class WorkerState(enum.Enum):

@@ -1,6 +1,6 @@
 """``pdserve plan``: which layout of N GPUs serves a workload with the most goodput per GPU.
 
-Candidate families, each judged by the simulator (``pdserve.simulator.run.simulate``) and a goodput
+Candidate families, each judged by the simulator (``pdserve.planning.simulate.simulate``) and a goodput
 bisection (the rate doubled until joint attainment falls below 90 %, then bisected):
 
 * **chunked colocation** (Sarathi-Serve / vLLM v1): N colocated engines, decode tokens first
@@ -43,9 +43,8 @@ from typing import Any
 from pdserve.bench.metrics import Slo
 from pdserve.bench.sweep import Bracket, Search, search
 from pdserve.flags import add_sweep_steps
-from pdserve.simulator.bound import work_bound
-from pdserve.simulator.calibration import load_sim_profile
-from pdserve.simulator.plan_candidates import (
+from pdserve.planning.bound import work_bound
+from pdserve.planning.plan_candidates import (
     CHUNKED,
     COLOCATED_BUDGETS,
     PREFILL_BUDGETS,
@@ -58,9 +57,11 @@ from pdserve.simulator.plan_candidates import (
     rank,
     splits,
 )
-from pdserve.simulator.plan_jobs import SearchPool
-from pdserve.simulator.plan_report import report
-from pdserve.simulator.run import add_simulate_args, simulate, workload
+from pdserve.planning.plan_jobs import SearchPool
+from pdserve.planning.plan_report import report
+from pdserve.planning.simulate import add_simulate_args, simulate
+from pdserve.simulator.calibration import load_sim_profile
+from pdserve.simulator.run import workload
 
 
 def _ints(text: str) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from pdserve.deploy.planner_data import Observation, PlannerConfig
+from pdserve.planning.planner_data import Observation, PlannerConfig
 
 
 class ErrorBudget:

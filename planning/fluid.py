@@ -45,9 +45,9 @@ from collections import deque
 
 import numpy as np
 
-from pdserve.simulator.fluid_data import Arrivals, Ended, FluidConfig, Role
-from pdserve.simulator.fluid_decode import RunningDecode
-from pdserve.simulator.fluid_records import FluidRequest, FluidWorker, WorkerState
+from pdserve.planning.fluid_data import Arrivals, Ended, FluidConfig, Role
+from pdserve.planning.fluid_decode import RunningDecode
+from pdserve.planning.fluid_records import FluidRequest, FluidWorker, WorkerState
 from pdserve.steptime.model import StepTimeModel
 
 

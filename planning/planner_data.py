@@ -1,5 +1,5 @@
 """The pool planner's data: its configuration, what it observes of an interval and what it
-decides (``pdserve.deploy.planner`` holds the decision itself). Pure: the router's autoscaler,
+decides (``pdserve.planning.planner`` holds the decision itself). Pure: the router's autoscaler,
 both simulators and the flags share these."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
-from pdserve.deploy.capacity import Prediction
+from pdserve.planning.capacity import Prediction
 from pdserve.router.workload_window import Workload
 
 

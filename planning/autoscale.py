@@ -2,7 +2,7 @@
 
 Every interval it reads the router's own windowed measurements — the workload
 (``Router.accounting.window``), the SLO tails (``SloTracker.tails``) and the router's
-corrections of the step-time model — asks ``pdserve.deploy.planner.Planner`` where the pools
+corrections of the step-time model — asks ``pdserve.planning.planner.Planner`` where the pools
 should be, and carries it out through ``Service``: a worker moved between the pools is
 switched in place (``Service.switch_role``: a drain, well under a second); surplus workers are
 retired (drained, what is left migrated, stopped); missing ones started (they take requests
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.deploy.planner import Planner
-from pdserve.deploy.planner_data import CHECKS, Decision, Layout, Observation
+from pdserve.planning.planner import Planner
+from pdserve.planning.planner_data import CHECKS, Decision, Layout, Observation
 from pdserve.router.predictor import Phase
 from pdserve.worker.messages import WorkerRole
 

@@ -19,8 +19,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from pdserve.deploy.capacity import Prediction
-from pdserve.deploy.planner_data import Layout, Observation, PlannerConfig
+from pdserve.planning.capacity import Prediction
+from pdserve.planning.planner_data import Layout, Observation, PlannerConfig
 from pdserve.router.workload_window import Workload
 
 # a layout's corrected prediction for an observation's loads, refusing up to a share of them

@@ -1,7 +1,7 @@
 """The pool planner: every interval, the smallest layout predicted to meet the SLO (pure).
 
 ``Planner.decide(observation)`` returns where the pools should be and why. It predicts each
-candidate (P prefill, D decode) within the bounds with ``pdserve.deploy.capacity`` on the
+candidate (P prefill, D decode) within the bounds with ``pdserve.planning.capacity`` on the
 step-time model, corrected twice by what the router measured: the model's prefill and decode
 factors (the router's online corrections), and the planner's own correction of the step times
 under which the layouts that served the recent windows predict the TTFT / TPOT measured in them
@@ -71,12 +71,12 @@ import math
 from collections import deque
 from dataclasses import replace
 
-from pdserve.deploy.capacity import Prediction, decode_step_at, predict
-from pdserve.deploy.error_budget import ErrorBudget
-from pdserve.deploy.keep_up import fewest
-from pdserve.deploy.load_memory import LoadMemory
-from pdserve.deploy.planner_data import Decision, Layout, Observation, PlannerConfig, Reason
-from pdserve.deploy.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
+from pdserve.planning.capacity import Prediction, decode_step_at, predict
+from pdserve.planning.error_budget import ErrorBudget
+from pdserve.planning.keep_up import fewest
+from pdserve.planning.load_memory import LoadMemory
+from pdserve.planning.planner_data import Decision, Layout, Observation, PlannerConfig, Reason
+from pdserve.planning.step_correction import NONE, DecodePoint, StepCorrection, fit_decode, solve
 from pdserve.steptime.model import StepTimeModel
 
 # the share of a window's arrivals that must have ended in it for its measured tails to stand
