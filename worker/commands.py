@@ -1,15 +1,7 @@
-"""Router -> worker commands: frozen dataclasses, their answers, and their exact wire form
-(pure Python; msgpack, never pickle).
+"""Router -> worker commands: frozen dataclasses and their answers (pure Python).
 
-Commands travel on the worker's authenticated channel (``pdserve.worker.push`` /
-``pdserve.router.outputs``), the same TCP connection that carries its outputs, so the commands
-for one worker arrive in the order the router sent them. A command frame is
-``{"v", "c": call id, "k": kind, "a": [arguments]}``; the worker answers each with
-``{"v", "r": call id, "ok": true, "x": value}`` or
-``{"v", "r": call id, "ok": false, "e": error kind, "m": message, "f": field | nil}``.
-
-Decoding checks every frame against the exact schema of its kind (types, lengths, caps,
-nesting); anything else is a ``ChannelError`` and never reaches an engine.
+Their wire form is ``pdserve.worker.command_codec``; what each role does with each is its
+handler table (``pdserve.worker.handlers``, one per role).
 
 Who answers what: a prefill worker takes ``Prefill``, ``SetTarget``, ``Withdraw`` and
 ``Abort``; a decode worker ``QueueReservation``, ``AwaitReservation``, ``Start``, ``KvLost``,
