@@ -30,7 +30,7 @@ from pdserve.router.outputs import OutputListener
 from pdserve.router.policy import Decision, RouteRequest
 from pdserve.router.pools import Pools
 from pdserve.router.prefix import block_keys
-from pdserve.router.rebalance import Queued, withdrawals, worth_moving
+from pdserve.router.rebalance import Queued, Waiting, queue_of, withdrawals
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
@@ -323,16 +323,12 @@ class Membership:
     def _queued(self, w: WorkerHandle) -> list[Queued]:
         """``w``'s prompts without a first token, oldest first (as far as the router knows)."""
         streams = [self._streams.get(rid) for rid in w.inflight]
-        queued = [
-            s for s in streams
+        waiting = [
+            Waiting(s.request_id, s.attempt_at, s.arrival, len(s.prompt_ids), _ttft_target(s))
+            for s in streams
             if s is not None and not s.done and s.first_token is None and s.prefill_worker == w.worker_id
-        ]  # fmt: skip
-        queued.sort(key=lambda s: (s.attempt_at, s.request_id))
-        now = time.perf_counter()
-        return [
-            Queued(s.request_id, len(s.prompt_ids), worth_moving((now - s.arrival) * 1e3, _ttft_target(s)))
-            for s in queued
         ]
+        return queue_of(waiting, time.perf_counter())
 
     async def _withdraw(self, w: WorkerHandle, request_ids: list[str]) -> None:
         timeout = self.config.call_timeout_s

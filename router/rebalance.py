@@ -21,7 +21,7 @@ worker leaving gives back even those: they would hold up its exit).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -41,6 +41,27 @@ class Queued:
     request_id: str
     tokens: int
     movable: bool = True
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What the router knows of a prompt sent to a prefill worker, no first token back yet."""
+
+    request_id: str
+    dispatched_at: float  # when its current attempt was sent (s, the caller's clock)
+    arrival: float  # when the request arrived (s, the same clock)
+    tokens: int  # the prompt's
+    ttft_target_ms: float  # 0: no target
+
+
+def queue_of(waiting: Iterable[Waiting], now: float) -> list[Queued]:
+    """A prefill worker's queue as ``withdrawals`` reads it: oldest dispatch first, each
+    movable while it is ``worth_moving`` at ``now``."""
+    ordered = sorted(waiting, key=lambda w: (w.dispatched_at, w.request_id))
+    return [
+        Queued(w.request_id, w.tokens, worth_moving((now - w.arrival) * 1e3, w.ttft_target_ms))
+        for w in ordered
+    ]
 
 
 def withdrawals(

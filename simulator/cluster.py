@@ -39,7 +39,7 @@ from pdserve.router.lifecycle import (
     why_not_migrate,
 )
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
-from pdserve.router.rebalance import Queued, withdrawals, worth_moving
+from pdserve.router.rebalance import Waiting, queue_of, withdrawals
 from pdserve.router.slo import SloClass
 from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.early_stop import EarlyStop
@@ -383,19 +383,16 @@ class Cluster:
         started (``pdserve.router.rebalance``) and route them again under a fresh id."""
         if not self.rebalance_prefill or not self.requests:
             return
-        holders: dict[str, list[SimRequest]] = {}
-        for sr in sorted(self.requests.values(), key=lambda r: (r.dispatched, r.work.request_id)):
+        ttft_ms = self.slo.ttft_ms if self.slo is not None else 0.0
+        holders: dict[str, list[Waiting]] = {}
+        for sr in self.requests.values():
             p = sr.prefill_worker
             if p is not None and not sr.token_times and p.role is WorkerRole.PREFILL:
-                holders.setdefault(p.wid, []).append(sr)
-        ttft_ms = self.slo.ttft_ms if self.slo is not None else 0.0
-        now = self.clock.now
-
-        def queued(sr: SimRequest) -> Queued:
-            movable = worth_moving((now - sr.arrival) * 1e3, ttft_ms)
-            return Queued(sr.work.request_id, sr.num_prompt_tokens, movable)
-
-        queues = {wid: [queued(sr) for sr in q] for wid, q in holders.items()}
+                waiting = Waiting(
+                    sr.work.request_id, sr.dispatched, sr.arrival, sr.num_prompt_tokens, ttft_ms
+                )
+                holders.setdefault(p.wid, []).append(waiting)
+        queues = {wid: queue_of(q, self.clock.now) for wid, q in holders.items()}
         budget = self.configs[WorkerRole.PREFILL].max_num_batched_tokens
         plan = withdrawals(queues, [w.wid for w in self.prefillers], budget)
         for wid, rids in plan.items():

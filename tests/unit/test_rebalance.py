@@ -16,7 +16,7 @@ from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.policy import Decision, Outcome, RouteRequest
-from pdserve.router.rebalance import Queued, withdrawals, worth_moving
+from pdserve.router.rebalance import Queued, Waiting, queue_of, withdrawals, worth_moving
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.virtual import Clock, Link, SimRuntime, SimTransport
@@ -26,6 +26,22 @@ from pdserve.worker.messages import WorkerRole, WorkItem
 
 def queue(prefix: str, *tokens: int) -> list[Queued]:
     return [Queued(f"{prefix}{i}", n) for i, n in enumerate(tokens)]
+
+
+def test_a_queue_is_read_oldest_dispatch_first_each_judged_at_now() -> None:
+    """What the router and the simulator both hand ``withdrawals``: oldest dispatch first (ties
+    by id), movable while less than half the TTFT target is gone."""
+    waiting = [
+        Waiting("b", dispatched_at=2.0, arrival=0.0, tokens=10, ttft_target_ms=1000),
+        Waiting("a", dispatched_at=1.0, arrival=1.0, tokens=20, ttft_target_ms=1000),
+        Waiting("c", dispatched_at=2.0, arrival=1.4, tokens=30, ttft_target_ms=0),
+    ]
+    assert queue_of(waiting, now=1.6) == [
+        Queued("a", 20, movable=False),  # 600 ms of 1000: late already
+        Queued("b", 10, movable=False),
+        Queued("c", 30, movable=True),  # no target: always
+    ]
+    assert queue_of(waiting, now=1.2)[0] == Queued("a", 20, movable=True)
 
 
 def test_a_joined_worker_takes_the_newest_half_of_the_backlog() -> None:
