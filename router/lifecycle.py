@@ -162,7 +162,8 @@ class Attempt:
         return self.stage >= Stage.FAILED
 
     def _reach(self, stage: Stage) -> None:
-        self.stage = max(self.stage, stage)
+        if stage > self.stage:
+            self.stage = stage
 
     # -- events ----------------------------------------------------------------------------------
     def dispatch(self) -> list[Effect]:
@@ -251,6 +252,16 @@ class Attempt:
             if d.finished:
                 out += self._drop(worker)
         return [*out, Deliver(worker, d)]
+
+    def steady(self, worker: str, d: TokenDelta) -> bool:
+        """Whether ``d`` is one more of decode's tokens that changes nothing here: the driver
+        delivers it without asking ``on_delta`` (most deltas of a stream: the hot path)."""
+        return (
+            self.stage is Stage.DECODING
+            and worker == self.decode
+            and not (d.finished or d.kv_lost or d.prefilled)
+            and d.error is None
+        )
 
     def worker_lost(self, worker: str) -> list[Effect]:
         """``worker``, which holds the attempt, is lost (or leaves its pool)."""

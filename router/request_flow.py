@@ -104,7 +104,11 @@ class RequestFlow:
             stream = self.streams.get(d.request_id)
             if stream is None or stream.done or stream.attempt is None:
                 continue
-            self.apply(stream, stream.attempt, stream.attempt.on_delta(worker.worker_id, d))
+            attempt = stream.attempt
+            if attempt.steady(worker.worker_id, d):
+                self._deliver(stream, worker, d)
+            else:
+                self.apply(stream, attempt, attempt.on_delta(worker.worker_id, d))
 
     # -- carrying out what the attempt decided ----------------------------------------------------
     def apply(
@@ -128,10 +132,7 @@ class RequestFlow:
                 if w is not None:
                     w.inflight.discard(rid)
             elif isinstance(e, Deliver):
-                w = self.workers.get(e.worker)
-                if w is not None:
-                    self.accounting.on_delta(w.role, stream, e.delta)
-                stream.feed(e.delta)
+                self._deliver(stream, self.workers.get(e.worker), e.delta)
             elif isinstance(e, Fail):
                 stream.fail(RouterError(e.code, e.message, e.field))
             elif isinstance(e, Relocate):
@@ -141,6 +142,11 @@ class RequestFlow:
                 stream.taken_in()
             elif isinstance(e, Reserved):
                 stream.reserved_at = time.perf_counter()
+
+    def _deliver(self, stream: RequestStream, w: WorkerHandle | None, d: TokenDelta) -> None:
+        if w is not None:
+            self.accounting.on_delta(w.role, stream, d)
+        stream.feed(d)
 
     def _send(self, stream: RequestStream, attempt: Attempt, sent: Send) -> None:
         w = self.workers.get(sent.worker)

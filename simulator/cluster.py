@@ -206,11 +206,13 @@ class Cluster:
         work = sr.work
         rid = work.request_id
         sr.dispatched = self.clock.now
-        context = len(work.prompt_token_ids) + len(work.output_token_ids)
-        remaining = work.params.max_tokens - len(work.output_token_ids)
+        sent = work.output_token_ids
+        # (the prompt itself unless tokens were sent: its keys are remembered by its identity)
+        context = work.prompt_token_ids + sent if sent else work.prompt_token_ids
+        remaining = work.params.max_tokens - len(sent)
         route = RouteRequest(
-            context, remaining, request_id=rid, slo=self.slo,
-            block_keys=prompt_keys(work.prompt_token_ids + work.output_token_ids, self.block_size),
+            len(context), remaining, request_id=rid, slo=self.slo,
+            block_keys=prompt_keys(context, self.block_size),
         )  # fmt: skip
         # tokens already sent are recomputed where decoding goes on (the router's rule)
         prefill = [w.load() for w in self.prefillers if w is not avoid] if not work.output_token_ids else []
@@ -303,7 +305,10 @@ class Cluster:
             return
         if delta.error:
             raise AssertionError(f"{w.wid} failed {delta.request_id}: {delta.error}")
-        self._apply(sr, sr.attempt, sr.attempt.on_delta(w.wid, delta))
+        if sr.attempt.steady(w.wid, delta):
+            self._deliver(sr, w, delta)
+        else:
+            self._apply(sr, sr.attempt, sr.attempt.on_delta(w.wid, delta))
 
     def on_tokens(self, w: SimWorker, rows: list[Request], finished: list[Request]) -> None:
         """A steady step's tokens, one per row (``pdserve.simulator.fast_step``), those of

@@ -166,3 +166,23 @@ def test_any_order_keeps_the_invariants(remote: bool, events: list[tuple[object,
     for e in log:
         if isinstance(e, Send) and isinstance(e.command, C.Start):
             assert e.command.first_token == 7 and a.target is not None
+
+
+def test_steady_tokens_need_no_decision() -> None:
+    """Decode's tokens once it streams change nothing: ``steady`` lets drivers skip the machine;
+    what does change something (the first decode token, the end, a loss) is never steady."""
+    a = Attempt(WORK, "d", "p", T)
+    a.dispatch()
+    assert not a.steady("d", TokenDelta("r1", (8,)))  # the first: prefill is dropped on it
+    assert Drop("p") in a.on_delta("d", TokenDelta("r1", (8,)))
+    assert a.steady("d", TokenDelta("r1", (9,)))
+    assert a.on_delta("d", TokenDelta("r1", (9,))) == [Deliver("d", TokenDelta("r1", (9,)))]
+    for d in (
+        TokenDelta("r1", (9,), finished=True),
+        TokenDelta("r1", (), kv_lost=True),
+        TokenDelta("r1", (), error="x"),
+    ):
+        assert not a.steady("d", d)
+    assert not a.steady("p", TokenDelta("r1", (9,)))
+    a.end()
+    assert not a.steady("d", TokenDelta("r1", (9,)))
