@@ -33,9 +33,11 @@ the request depends on. The driver skips ``Send``s to workers it knows are gone.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 
+from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.router.errors import Code
 from pdserve.worker.commands import (
     Abort,
@@ -72,6 +74,18 @@ class Failure(enum.Enum):
     INVALID = "invalid"  # the request's fault: a field out of range (``field`` names it)
     VALUE = "value"  # the request's fault: it cannot be served there
     INTERNAL = "internal"  # anything else
+
+
+def failure_of(e: Exception) -> tuple[Failure, str, str | None]:
+    """How the error a command raised reads to an attempt: (failure, message, field). A lost
+    worker is the driver's own to recognise (its transport's error type)."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):  # (two classes before Python 3.11)
+        return Failure.TIMEOUT, "no answer in time", None
+    if isinstance(e, InvalidRequestError):
+        return Failure.INVALID, str(e), e.field
+    if isinstance(e, ValueError):
+        return Failure.VALUE, str(e), None
+    return Failure.INTERNAL, type(e).__name__, None
 
 
 @dataclass(frozen=True)
@@ -150,7 +164,6 @@ class Attempt:
         self.stage = Stage.DISPATCHED
         self.holders: dict[str, None] = {}  # in the order they took it
         self.target: KVTarget | None = None
-        self.refused = False  # the reservation expired or was refused
         self.prefill_taken = False  # prefill answered ``Prefill``
         self.first: tuple[int, int] | None = None  # (first token, cached prompt tokens)
         self.target_sent = self.start_sent = False
@@ -274,7 +287,10 @@ class Attempt:
     def forget(self, worker: str) -> list[Effect]:
         """``worker`` let go of the attempt by itself (it gave the prompt back, or finished
         it); decode's tokens mean the KV arrived, so prefill is done too."""
-        return self._release(worker)
+        out = self._drop(worker)
+        if worker == self.decode:
+            out += self._drop(self.prefill)
+        return out
 
     def end(self) -> list[Effect]:
         """The request ended (or moves on under a new id): every holder lets go of it."""
@@ -296,12 +312,6 @@ class Attempt:
             return []
         del self.holders[worker]
         return [Drop(worker)]
-
-    def _release(self, worker: str) -> list[Effect]:
-        out = self._drop(worker)
-        if worker == self.decode:
-            out += self._drop(self.prefill)
-        return out
 
     def _let_go(self, worker: str | None) -> list[Effect]:
         if worker is None or worker not in self.holders:
@@ -337,7 +347,6 @@ class Attempt:
         return [Send(self.decode, KvLost(self.request_id), self.timeouts.call_s, quiet=True)]
 
     def _refused(self) -> list[Effect]:
-        self.refused = True
         wait = self.timeouts.reserve_s
         msg = f"no KV cache room on decode worker {self.decode} within {wait:g}s; retry later"
         return self._fail(Code.RESOURCE_EXHAUSTED, msg)

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import RouterError
@@ -37,6 +36,7 @@ from pdserve.router.lifecycle import (
     Send,
     TakenIn,
     Timeouts,
+    failure_of,
 )
 from pdserve.router.policy import Decision
 from pdserve.router.stream import RequestStream
@@ -193,17 +193,12 @@ class RequestFlow:
             value = await asyncio.wait_for(answer, sent.timeout_s)
         except WorkerLost as e:
             effects = attempt.call_failed(sent, Failure.LOST, str(e))
-        except asyncio.TimeoutError:
-            effects = attempt.call_failed(sent, Failure.TIMEOUT, "no answer in time")
-        except InvalidRequestError as e:
-            effects = attempt.call_failed(sent, Failure.INVALID, str(e), e.field)
-        except ValueError as e:
-            effects = attempt.call_failed(sent, Failure.VALUE, str(e))
         except Exception as e:
-            if not sent.quiet:
+            failure, message, field = failure_of(e)
+            if failure is Failure.INTERNAL and not sent.quiet:
                 log.error("%s of %s on %s failed: %r", type(sent.command).__name__, attempt.request_id,
                           w.worker_id, e)  # fmt: skip
-            effects = attempt.call_failed(sent, Failure.INTERNAL, type(e).__name__)
+            effects = attempt.call_failed(sent, failure, message, field)
         else:
             effects = attempt.answered(sent, value)
         self.apply(stream, attempt, effects)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
-from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
@@ -36,6 +35,7 @@ from pdserve.router.lifecycle import (
     Relocate,
     Send,
     Timeouts,
+    failure_of,
     why_not_migrate,
 )
 from pdserve.router.policy import Dispatcher, Outcome, RouteRequest
@@ -265,11 +265,11 @@ class Cluster:
             self.on_send(sent)
         try:
             answer = w.execute(sent.command)
-        except InvalidRequestError as e:
-            self._apply(sr, attempt, attempt.call_failed(sent, Failure.INVALID, str(e), e.field))
-            return
-        except ValueError as e:
-            self._apply(sr, attempt, attempt.call_failed(sent, Failure.VALUE, str(e)))
+        except Exception as e:
+            failure, message, field = failure_of(e)
+            if failure is Failure.INTERNAL:
+                raise  # the simulator's own fault, not the request's
+            self._apply(sr, attempt, attempt.call_failed(sent, failure, message, field))
             return
         if isinstance(answer, Future):
             if not answer.done():  # settles in a step of ``w``: the router hears at its end

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.router.errors import Code
 from pdserve.router.lifecycle import (
@@ -21,6 +22,7 @@ from pdserve.router.lifecycle import (
     Send,
     Stage,
     Timeouts,
+    failure_of,
     why_not_migrate,
 )
 from pdserve.worker import commands as C
@@ -186,3 +188,15 @@ def test_steady_tokens_need_no_decision() -> None:
     assert not a.steady("p", TokenDelta("r1", (9,)))
     a.end()
     assert not a.steady("d", TokenDelta("r1", (9,)))
+
+
+def test_a_command_error_reads_the_same_to_both_drivers() -> None:
+    """``failure_of``: the one reading of a command's error the router and the simulator share."""
+    assert failure_of(InvalidRequestError("max_tokens", "too big")) == (
+        Failure.INVALID,
+        "max_tokens: too big",
+        "max_tokens",
+    )
+    assert failure_of(ValueError("already here")) == (Failure.VALUE, "already here", None)
+    assert failure_of(TimeoutError())[0] is Failure.TIMEOUT
+    assert failure_of(RuntimeError("x")) == (Failure.INTERNAL, "RuntimeError", None)
