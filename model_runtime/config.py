@@ -223,6 +223,7 @@ class CacheConfig:
 
 
 COMPUTE_MODES = ("model", "zero", "emulated:<profile>")
+TP_DEGREES = (1, 2, 4, 8)  # ``parallel.sharding.DEGREES``: one node's GPUs
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,14 @@ class EngineConfig:
     backend: str = "auto"  # auto | torch | paged (``backend.choose_backend``)
     cuda_graphs: bool = True  # paged backend on CUDA: replay decode steps from captured graphs
     overlap: str = "auto"  # auto | on | off: plan a decode step while one runs (``backend.use_overlap``)
+    tp: int = 1  # tensor-parallel degree: ranks (GPUs, or CPU processes) of one worker
+    tp_timeout_s: float = 30.0  # a collective that waits longer fails the worker (a rank died or stalls)
 
     def __post_init__(self) -> None:
+        if self.tp not in TP_DEGREES:
+            raise ValueError(f"tensor-parallel degree must be one of {TP_DEGREES}, got {self.tp}")
+        if not 0 < self.tp_timeout_s < float("inf"):
+            raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s}")
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
         _ = self.profile  # an unknown profile fails here, before any worker starts

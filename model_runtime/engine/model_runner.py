@@ -12,7 +12,7 @@ device (``_previous``), so the next decode step can be queued before the host ha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,8 @@ from pdserve.model_runtime.engine.runner import DoneStep, StepHandle, StepResult
 from pdserve.model_runtime.engine.step_inputs import Stager, fill_pending, pack_step, token_sources, unpack
 from pdserve.model_runtime.kv_cache.tensors import allocate_kv_cache
 from pdserve.model_runtime.model.llama import LlamaModel
+from pdserve.model_runtime.parallel.launch import RankSetup
+from pdserve.model_runtime.parallel.messages import Step
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling.sampler import SampledStep, Sampler, SampleRow
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
@@ -62,8 +64,14 @@ class ModelRunner:
         block_size: int,
         kv_cache: torch.Tensor | None = None,
         graphs: GraphSettings | None = None,
+        tp: RankSetup | None = None,
     ) -> None:
+        """``tp``: this runner is one rank of a tensor-parallel worker. On rank 0 every step is
+        first sent to the other ranks (``Step``), whose runners ``follow`` it; ``layer_pushes``
+        names the step's layer-wise KV pushes they ship their parts of."""
         self.config = config
+        self.tp = tp
+        self.layer_pushes: Callable[[], tuple[str, ...]] = tuple
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -115,6 +123,8 @@ class ModelRunner:
         previous, self._previous = self._previous, None
         if not chunks:
             return DoneStep(StepResult({}, {}))
+        if self.tp is not None and self.tp.ranks is not None:
+            self.tp.ranks.send(Step(tuple(chunks), self.layer_pushes()))
         logits, sample_ids = self._forward(chunks, on_layer, previous)
         if not sample_ids:
             return DoneStep(StepResult({}, {}))
@@ -136,22 +146,40 @@ class ModelRunner:
         self._previous = ({rid: i for i, rid in enumerate(sample_ids)}, sampled.tokens)
         return _LaunchedStep(sample_ids, sampled)
 
+    def follow(self, chunks: Sequence[ScheduledChunk], on_layer: Callable[[int], None] | None) -> None:
+        """Rank > 0 of a tensor-parallel worker: run the step rank 0 sent (its pending inputs
+        arrive by broadcast; the logits are rank 0's to sample)."""
+        pending = any(c.pending for c in chunks)
+        if pending:  # the inputs come from rank 0, not from this rank's (absent) samples
+            chunks = [replace(c, pending=False) if c.pending else c for c in chunks]
+        self._forward(chunks, on_layer, None, share_pending=pending)
+
+    def _share_pending(self, input_ids: torch.Tensor) -> None:
+        """Rank 0 filled the pending rows' inputs from its last sampled tokens; the other ranks
+        take them from it."""
+        if self.tp is not None:
+            self.tp.group.broadcast(input_ids)
+
     def _forward(
         self,
         chunks: Sequence[ScheduledChunk],
         on_layer: Callable[[int], None] | None,
         previous: tuple[dict[str, int], torch.Tensor] | None,
+        share_pending: bool = False,
     ) -> tuple[torch.Tensor, list[str]]:
         """Logits of the sampled rows and their request ids, in row order. ``previous``: the
         last launched step's sampled rows and tokens, the inputs of ``pending`` chunks."""
         pending = any(c.pending for c in chunks)
         if pending and previous is None:
             raise RuntimeError("a pending input with no step launched before it")
+        share_pending = share_pending or (pending and self.tp is not None)
         if not self.paged:
             batch = build_batch(chunks, self.block_size, self.device, self.config.sliding_window)
             if pending and previous is not None:
                 src = torch.tensor(token_sources(chunks, previous[0]), dtype=torch.long, device=self.device)
                 fill_pending(batch.input_ids, src, previous[1])
+            if share_pending:
+                self._share_pending(batch.input_ids)
             logits = self.model.forward(
                 batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.sample_rows, on_layer
             )
@@ -165,6 +193,8 @@ class ModelRunner:
         )
         if pending and previous is not None:
             fill_pending(inp.input_ids, inp.sources, previous[1])
+        if share_pending:
+            self._share_pending(inp.input_ids)
         logits = self.model.forward(
             inp.input_ids, inp.positions, inp.meta, self.kv_cache, inp.sample_rows, on_layer
         )

@@ -35,8 +35,20 @@ from pdserve.model_runtime.engine.runner import DoneStep, StepHandle, StepResult
 from pdserve.model_runtime.kernels.launch import triton_available
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.kv_cache.tensors import kv_cache_shape, new_kv_cache
-from pdserve.model_runtime.model.loader import load_model, resolve_dtype
-from pdserve.model_runtime.platform import tune_malloc
+from pdserve.model_runtime.model.loader import TPRank, load_model, resolve_dtype
+from pdserve.model_runtime.parallel import follower
+from pdserve.model_runtime.parallel.launch import (
+    RankEntry,
+    RankSetup,
+    agree_on_blocks,
+    check_tp,
+    join_follower,
+    rank_device,
+    start_leader,
+)
+from pdserve.model_runtime.parallel.ranks import RankArgs
+from pdserve.model_runtime.parallel.sharding import rank_config
+from pdserve.model_runtime.platform import tune_malloc, use_threads
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
@@ -177,6 +189,13 @@ class Runtime:
     tokenizer: TextTokenizer | None
     profile: StepTimeModel | None = None
     overlap: bool = False  # decode steps overlap (``backend.use_overlap``)
+    ranks: RankSetup | None = None  # a tensor-parallel worker's group (and, on rank 0, its ranks)
+
+    def close(self) -> None:
+        """Stop the worker's other ranks and leave its group (a TP 1 runtime holds nothing)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -199,7 +218,7 @@ class Runtime:
         )
 
 
-def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) -> int:
+def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) -> int:  # per rank
     """KV blocks that fit in the device memory free now (after the weights), less the reserve for
     the largest step's activations and the decode graphs."""
     torch.cuda.empty_cache()  # what loading freed counts as free
@@ -218,28 +237,74 @@ def _free_kv_blocks(config: EngineConfig, model: ModelConfig, dtype_bytes: int) 
     return kv_blocks_for_free_memory(free, config.cache.block_bytes(model, dtype_bytes), reserve)
 
 
-def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = None) -> Runtime:
-    device = torch_device(config)
+def build_runtime(
+    config: EngineConfig,
+    allocate_cache: CacheAllocator | None = None,
+    rank_entry: RankEntry | None = None,
+    rank_extra: object = None,
+) -> Runtime:
+    """The runtime of a worker (of rank 0, for a tensor-parallel one: it starts the other ranks
+    as ``rank_entry(args, pipe)``, by default compute-only ranks; ``rank_extra`` reaches them)."""
+    return _build(config, allocate_cache, None, rank_entry or follower.main, rank_extra)
+
+
+def build_rank_runtime(args: RankArgs, allocate_cache: CacheAllocator | None = None) -> Runtime:
+    """The runtime of rank ``args.rank`` > 0 of a tensor-parallel worker (no tokenizer, no
+    scheduling of its own: it runs the steps rank 0 sends)."""
+    if args.threads:
+        use_threads(args.threads)
+    return _build(args.config, allocate_cache, args, follower.main, None)
+
+
+def _build(
+    config: EngineConfig,
+    allocate_cache: CacheAllocator | None,
+    rank_args: RankArgs | None,
+    rank_entry: RankEntry,
+    rank_extra: object,
+) -> Runtime:
+    rank = rank_args.rank if rank_args is not None else 0
+    device = rank_device(torch_device(config), rank) if config.tp > 1 else torch_device(config)
     if device.type == "cpu":
         tune_malloc()
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = resolve_model(config.model)
     model_config = checkpoint.model_config()
+    check_tp(model_config, config.tp)  # before any process starts: the valid degrees named
     profile = config.profile
     block_size = config.cache.block_size
     t0 = time.perf_counter()
     model = None
+    setup: RankSetup | None = None
     if profile is None:
         max_len = min(
             config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
+        kv_config = model_config
         if config.compute == "model":  # weights first: a GPU's KV pool is what they leave free
             backend = choose_backend(device.type, triton_available(), config.backend)
-            model = load_model(checkpoint, model_config, device, dtype, max_len, backend)
+            if config.tp > 1:
+                setup = (
+                    join_follower(rank_args, model_config, device)
+                    if rank_args is not None
+                    else start_leader(config, model_config, device, rank_entry, rank_extra)
+                )
+                kv_config = rank_config(model_config, setup.shard)
+            try:
+                model = load_model(
+                    checkpoint, model_config, device, dtype, max_len, backend,
+                    TPRank(setup.shard, setup.group) if setup is not None else None,
+                )  # fmt: skip
+            except BaseException:
+                if setup is not None:
+                    setup.close()
+                raise
         dtype_bytes = torch.finfo(dtype).bits // 8
-        free_blocks = _free_kv_blocks(config, model_config, dtype_bytes) if device.type == "cuda" else None
-        num_blocks = config.cache.resolve_num_blocks(model_config, dtype_bytes, free_blocks)
-        shape = kv_cache_shape(model_config, num_blocks, block_size)
+        free_blocks = _free_kv_blocks(config, kv_config, dtype_bytes) if device.type == "cuda" else None
+        num_blocks = config.cache.resolve_num_blocks(kv_config, dtype_bytes, free_blocks)
+        if setup is not None:
+            num_blocks = agree_on_blocks(setup, num_blocks)
+        shape = kv_cache_shape(kv_config, num_blocks, block_size)
     else:  # the emulated GPU's context and KV capacity, a one-layer stand-in cache
         max_len = min(config.max_model_len or profile.max_model_len, profile.max_model_len)
         num_blocks = config.cache.num_blocks or max(1, profile.kv_capacity_tokens // block_size)
@@ -256,10 +321,13 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         runner = ZeroRunner(model_config, cache)
     else:
         graphs = None
-        if model.backend is Backend.PAGED and config.cuda_graphs:
+        # A tensor-parallel step's collectives run eagerly (no graph capture across ranks yet).
+        if model.backend is Backend.PAGED and config.cuda_graphs and setup is None:
             # Without CUDA the graphs' fixed-shape inputs still run (eagerly): what tests check.
             graphs = GraphSettings(config.scheduler.max_num_seqs, max_len, capture=device.type == "cuda")
-        runner = ModelRunner(model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs)
+        runner = ModelRunner(
+            model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs, tp=setup
+        )
         if device.type == "cpu":  # oneDNN's per-shape state, all made now: memory flat from here
             t1 = time.perf_counter()
             ran = model.warm_up(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
@@ -274,10 +342,13 @@ def build_runtime(config: EngineConfig, allocate_cache: CacheAllocator | None = 
         block_size=block_size,
         kv=KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching),
         runner=runner,
-        tokenizer=TextTokenizer.load(checkpoint),
+        tokenizer=TextTokenizer.load(checkpoint) if rank == 0 else None,
         profile=profile,
         overlap=use_overlap(config.overlap, device.type),
+        ranks=setup,
     )
+    if rank:
+        return rt
     log.info(
         "loaded %s (%s, %s, compute=%s) in %.2fs: %d KV blocks of %d tokens",
         checkpoint.path,

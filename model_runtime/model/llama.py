@@ -19,6 +19,18 @@ from pdserve.model_runtime.model.attention import AttentionMetadata
 from pdserve.model_runtime.model.layers import Rotary
 from pdserve.model_runtime.model.linear import Linear, warm_up
 from pdserve.model_runtime.model.ops import LayerOps, PagedMetadata, PagedOps, TorchOps
+from pdserve.model_runtime.parallel.group import Collectives
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The embedding rows a tensor-parallel rank holds: token ids ``[start, start + count)``,
+    padded to ``rows`` (equal on every rank, so the logits gather in one collective)."""
+
+    start: int
+    count: int
+    rows: int
+    vocab_size: int
 
 
 @dataclass
@@ -36,6 +48,12 @@ class LlamaModel:
 
     The layer loop is the same for every backend; ``ops`` (``model.ops``) supplies the norms, the
     activation and attention, and the step metadata is whatever those ops read.
+
+    With ``tp`` (one rank of a tensor-parallel worker), ``config`` is this rank's view
+    (``sharding.rank_config``: its heads and MLP width), the weights are its shards, O and down
+    are followed by an all-reduce, and the embedding and LM head hold ``vocab``'s rows: a token
+    outside them embeds as zeros before the all-reduce, and the logits are gathered whole, so
+    every rank returns the full vocabulary's logits and sampling is the TP 1 sampling.
     """
 
     def __init__(
@@ -47,8 +65,12 @@ class LlamaModel:
         lm_head: Linear,
         max_positions: int,
         backend: Backend = Backend.TORCH,
+        tp: Collectives | None = None,
+        vocab: VocabShard | None = None,
     ) -> None:
         self.config = config
+        self.tp = tp
+        self.vocab = vocab
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -83,13 +105,19 @@ class LlamaModel:
         streaming starts shipping layer i while layer i+1 computes).
         """
         ops = self.ops
-        h = F.embedding(input_ids, self.embed)
+        tp = self.tp
+        h = self._embed(input_ids)
         x = ops.rms_norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
             attn = ops.attention(w.qkv(x), positions, kv_cache[i], meta)
-            x = ops.add_rms_norm(h, w.o(attn), w.post_norm)
+            out = w.o(attn)
+            if tp is not None:
+                tp.all_reduce(out)
+            x = ops.add_rms_norm(h, out, w.post_norm)
             delta = w.down(ops.silu_mul(w.gate_up(x)))
+            if tp is not None:
+                tp.all_reduce(delta)
             if i < last:
                 x = ops.add_rms_norm(h, delta, self.layers[i + 1].input_norm)
             else:
@@ -97,4 +125,17 @@ class LlamaModel:
             if on_layer is not None:
                 on_layer(i)
         rows = h if sample_rows is None else h[sample_rows]
-        return self.lm_head(ops.rms_norm(rows, self.final_norm)).float()
+        logits = self.lm_head(ops.rms_norm(rows, self.final_norm))
+        if tp is not None and self.vocab is not None:
+            logits = tp.all_gather(logits)[:, : self.vocab.vocab_size]
+        return logits.float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None or self.vocab is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= self.vocab.count)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        h.masked_fill_(outside.unsqueeze(-1), 0)
+        self.tp.all_reduce(h)
+        return h

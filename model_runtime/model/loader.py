@@ -22,7 +22,9 @@ from pdserve.model_runtime.config import ModelConfig
 from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.model.gguf import GGUFWeights, open_gguf
 from pdserve.model_runtime.model.linear import Linear, choose_backend
-from pdserve.model_runtime.model.llama import LayerWeights, LlamaModel
+from pdserve.model_runtime.model.llama import LayerWeights, LlamaModel, VocabShard
+from pdserve.model_runtime.parallel.group import Collectives
+from pdserve.model_runtime.parallel.sharding import RankShard, rank_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -167,10 +169,12 @@ def random_model(
     max_positions: int,
     engine_backend: Backend = Backend.TORCH,
     seed: int = 0,
+    tp: TPRank | None = None,
 ) -> LlamaModel:
-    """A model of ``config``'s shape with random weights (benchmarks of a shape, not of a model)."""
+    """A model of ``config``'s shape with random weights (benchmarks of a shape, not of a model).
+    Made whole and then sliced, so a rank's shard equals the TP 1 model's part."""
     weights = _RandomWeights(device, dtype, seed, config.tie_word_embeddings)
-    return _build(config, weights, device, dtype, max_positions, engine_backend)
+    return _build(config, weights, device, dtype, max_positions, engine_backend, tp)
 
 
 def load_model(
@@ -180,16 +184,24 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     engine_backend: Backend = Backend.TORCH,
+    tp: TPRank | None = None,
 ) -> LlamaModel:
     """``checkpoint``'s weights as the model ``config`` (its ``model_config()``, which the caller
-    has already read to size the KV cache) describes."""
+    has already read to size the KV cache) describes; with ``tp``, that rank's shard of them."""
     with ExitStack() as stack:
         w: WeightSource
         if checkpoint.format is Format.GGUF:
             w = GGUFWeights(open_gguf(checkpoint.path), config)
         else:
             w = _Tensors(_weight_files(checkpoint.path), stack)
-        return _build(config, w, device, dtype, max_positions, engine_backend)
+        return _build(config, w, device, dtype, max_positions, engine_backend, tp)
+
+
+class TPRank:
+    """One rank of a tensor-parallel worker: which slices it loads and the group it reduces in."""
+
+    def __init__(self, shard: RankShard, group: Collectives) -> None:
+        self.shard, self.group = shard, group
 
 
 def _build(
@@ -199,8 +211,30 @@ def _build(
     dtype: torch.dtype,
     max_positions: int,
     engine_backend: Backend = Backend.TORCH,
+    tp: TPRank | None = None,
 ) -> LlamaModel:
     h, inter = c.hidden_size, c.intermediate_size
+    s = tp.shard if tp is not None else None
+    d = c.head_dim
+    # A rank's slices: query heads, KV heads, MLP rows; full ranges without a shard.
+    qh = s.q_heads if s is not None else (0, c.num_heads)
+    kvh = s.kv_heads if s is not None else (0, c.num_kv_heads)
+    mlp = s.intermediate if s is not None else (0, inter)
+    first = s is None or s.rank == 0  # row-parallel biases are added once, on rank 0
+
+    def heads(t: torch.Tensor, r: tuple[int, int], dim: int = 0) -> torch.Tensor:
+        return t if s is None else t.narrow(dim, r[0] * d, r[1] * d)
+
+    def part(t: torch.Tensor, r: tuple[int, int], dim: int = 0) -> torch.Tensor:
+        return t if s is None else t.narrow(dim, r[0], r[1])
+
+    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+        """This rank's embedding / head rows, zero-padded to the common row count."""
+        if s is None:
+            return t
+        rows = t.narrow(0, s.vocab[0], s.vocab[1])
+        pad = s.vocab_rows - s.vocab[1]
+        return rows if pad == 0 else torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
 
     def to_dev(*ts: torch.Tensor) -> torch.Tensor:
         out = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
@@ -212,7 +246,7 @@ def _build(
         """Checkpoint [out, in] matrices, concatenated along ``out``, as one projection."""
         return Linear(to_dev(*weights), to_dev(*biases) if biases else None, backend)
 
-    embed = to_dev(w.get("model.embed_tokens.weight", (c.vocab_size, h)))
+    embed = to_dev(vocab_rows(w.get("model.embed_tokens.weight", (c.vocab_size, h))))
     layers: list[LayerWeights] = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -223,32 +257,38 @@ def _build(
                 input_norm=to_dev(w.get(p + "input_layernorm.weight", (h,))),
                 qkv=linear(
                     (
-                        w.get(a + "q_proj.weight", (c.q_size, h)),
-                        w.get(a + "k_proj.weight", (c.kv_size, h)),
-                        w.get(a + "v_proj.weight", (c.kv_size, h)),
+                        heads(w.get(a + "q_proj.weight", (c.q_size, h)), qh),
+                        heads(w.get(a + "k_proj.weight", (c.kv_size, h)), kvh),
+                        heads(w.get(a + "v_proj.weight", (c.kv_size, h)), kvh),
                     ),
                     (
-                        w.get(a + "q_proj.bias", (c.q_size,)),
-                        w.get(a + "k_proj.bias", (c.kv_size,)),
-                        w.get(a + "v_proj.bias", (c.kv_size,)),
+                        heads(w.get(a + "q_proj.bias", (c.q_size,)), qh),
+                        heads(w.get(a + "k_proj.bias", (c.kv_size,)), kvh),
+                        heads(w.get(a + "v_proj.bias", (c.kv_size,)), kvh),
                     )
                     if c.qkv_bias
                     else None,
                 ),
                 o=linear(
-                    (w.get(a + "o_proj.weight", (h, c.q_size)),),
-                    (w.get(a + "o_proj.bias", (h,)),) if c.o_bias else None,
+                    (heads(w.get(a + "o_proj.weight", (h, c.q_size)), qh, dim=1),),
+                    (_zeroed(w.get(a + "o_proj.bias", (h,)), first),) if c.o_bias else None,
                 ),
                 post_norm=to_dev(w.get(p + "post_attention_layernorm.weight", (h,))),
                 gate_up=linear(
-                    (w.get(m + "gate_proj.weight", (inter, h)), w.get(m + "up_proj.weight", (inter, h))),
-                    (w.get(m + "gate_proj.bias", (inter,)), w.get(m + "up_proj.bias", (inter,)))
+                    (
+                        part(w.get(m + "gate_proj.weight", (inter, h)), mlp),
+                        part(w.get(m + "up_proj.weight", (inter, h)), mlp),
+                    ),
+                    (
+                        part(w.get(m + "gate_proj.bias", (inter,)), mlp),
+                        part(w.get(m + "up_proj.bias", (inter,)), mlp),
+                    )
                     if c.mlp_bias
                     else None,
                 ),
                 down=linear(
-                    (w.get(m + "down_proj.weight", (h, inter)),),
-                    (w.get(m + "down_proj.bias", (h,)),) if c.mlp_bias else None,
+                    (part(w.get(m + "down_proj.weight", (h, inter)), mlp, dim=1),),
+                    (_zeroed(w.get(m + "down_proj.bias", (h,)), first),) if c.mlp_bias else None,
                 ),
             )
         )
@@ -258,5 +298,16 @@ def _build(
             raise ModelLoadError("weight 'lm_head.weight' is missing and tie_word_embeddings is false")
         lm_head = Linear(embed, None, backend)
     else:
-        lm_head = linear((w.get("lm_head.weight", (c.vocab_size, h)),), None)
-    return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions, engine_backend)
+        lm_head = linear((vocab_rows(w.get("lm_head.weight", (c.vocab_size, h))),), None)
+    if tp is None or s is None:
+        return LlamaModel(c, embed, layers, final_norm, lm_head, max_positions, engine_backend)
+    vocab = VocabShard(s.vocab[0], s.vocab[1], s.vocab_rows, c.vocab_size)
+    return LlamaModel(
+        rank_config(c, s), embed, layers, final_norm, lm_head, max_positions, engine_backend, tp.group, vocab
+    )
+
+
+def _zeroed(bias: torch.Tensor, keep: bool) -> torch.Tensor:
+    """A row-parallel projection's bias: kept on one rank, zero on the others, so the
+    all-reduce adds it once."""
+    return bias if keep else torch.zeros_like(bias)

@@ -15,9 +15,11 @@ split evenly or divide the degree. The vocabulary need not split evenly: each ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-DEGREES = (1, 2, 4, 8)  # the degrees a deployment may ask for (one node's GPUs)
+from pdserve.model_runtime.config import TP_DEGREES, ModelConfig
+
+DEGREES = TP_DEGREES
 
 
 class ShardingError(ValueError):
@@ -107,4 +109,16 @@ def shard(shape: ModelShape, tp: int, rank: int) -> RankShard:
         intermediate=(rank * inter, inter),
         vocab=(v0, min(rows, shape.vocab_size - v0)),
         vocab_rows=rows,
+    )
+
+
+def shape_of(config: ModelConfig) -> ModelShape:
+    return ModelShape(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size)
+
+
+def rank_config(config: ModelConfig, s: RankShard) -> ModelConfig:
+    """The model as one rank sees it: its heads and MLP width (the vocabulary stays whole: the
+    gathered logits, the sampler and request validation see every token id)."""
+    return replace(
+        config, num_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, intermediate_size=s.intermediate[1]
     )

@@ -29,12 +29,14 @@ def _common(**over: Any) -> dict[str, Any]:
     return base
 
 
-def make_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Any:
-    """Write a random model of ``kind`` (llama | qwen2 | mistral) to ``out_dir``; return it (float32)."""
+def make_hf_model(kind: str, out_dir: Path, seed: int = 0, **over: Any) -> Any:
+    """Write a random model of ``kind`` (llama | qwen2 | mistral) to ``out_dir``; return it
+    (float32). ``over``: config fields that differ from the kind's (e.g. head counts)."""
     torch.manual_seed(seed)
     if kind == "llama":
         cfg = transformers.LlamaConfig(
             **_common(
+                **over,
                 rope_scaling={
                     "rope_type": "llama3",
                     "factor": 8.0,
@@ -47,10 +49,10 @@ def make_hf_model(kind: str, out_dir: Path, seed: int = 0) -> Any:
         )
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**_common(tie_word_embeddings=True, num_key_value_heads=1))
+        cfg = transformers.Qwen2Config(**_common(**{"tie_word_embeddings": True, "num_key_value_heads": 1, **over}))
         model = transformers.Qwen2ForCausalLM(cfg)
     elif kind == "mistral":
-        cfg = transformers.MistralConfig(**_common(sliding_window=64, head_dim=24))
+        cfg = transformers.MistralConfig(**_common(**{"sliding_window": 64, "head_dim": 24, **over}))
         model = transformers.MistralForCausalLM(cfg)
     else:
         raise ValueError(kind)
