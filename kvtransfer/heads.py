@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kvtransfer.wire import MAX_KV_HEADS
-
+MAX_KV_HEADS = 1 << 12  # KV heads of one cache: a bound on what a head slice may name
 # The layout fields two peers must agree on; ``num_kv_heads`` may differ (tensor-parallel ranks).
 SHARED_LAYOUT_FIELDS = ("num_layers", "block_size", "head_dim", "dtype", "order")
 

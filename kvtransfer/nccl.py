@@ -302,11 +302,16 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
     import torch
 
     from pdserve.kvtransfer.channel import Connection
-    from pdserve.kvtransfer.datapath import DataPath, cuda_marker, order_after
+    from pdserve.kvtransfer.datapath import DataPath, data_range
+    from pdserve.kvtransfer.directwrite import cuda_marker, order_after
+    from pdserve.kvtransfer.heads import HeadSlice
+    from pdserve.kvtransfer.slices import Moved, head_bytes, pack, unpack
 
     class NcclPath(DataPath):
         """Sender is rank 0 and mints the unique id; the receiver is rank 1. The ``data`` frame
-        announces a layer's blocks; the bytes then move as grouped ncclSend/ncclRecv."""
+        announces a layer's blocks; the bytes then move as grouped ncclSend/ncclRecv. A head
+        slice is packed into one staging buffer per layer (one copy per run of blocks), sent as
+        one piece, and scattered on the receiver the same way."""
 
         name = "nccl"
         direct_write = False
@@ -318,7 +323,7 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             self.stream = torch.cuda.Stream(device=self.device)
             self.comms = CommRegistry(max_comms, self._create, self.lib.abort)
             self._pending_uid: dict[int, bytes] = {}
-            self._scratch: Any = None
+            self._heads = head_bytes(cache)
 
         def _create(self, rank: int, uid: bytes) -> int:
             with torch.cuda.device(self.device):
@@ -345,14 +350,21 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             self.comms.close(id(conn))
 
         def _run(
-            self, conn: Connection, op: Callable[[int, int, int, int, int], None], ptrs: list[int], peer: int
+            self,
+            conn: Connection,
+            op: Callable[[int, int, int, int, int], None],
+            ptrs: list[int],
+            peer: int,
+            nbytes: int | None = None,
         ) -> None:
+            """``op`` on each of ``ptrs`` (``nbytes`` each, a block by default), as one group."""
             comm: int = conn.nccl_comm  # type: ignore[attr-defined]
             stream = self.stream.cuda_stream
+            size = self.block_nbytes if nbytes is None else nbytes
 
             def calls() -> None:
                 for p in ptrs:
-                    op(p, self.block_nbytes, peer, comm, stream)
+                    op(p, size, peer, comm, stream)
 
             self.lib.group(calls)
             event = torch.cuda.Event()
@@ -380,17 +392,51 @@ def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
             return len(src) * self.block_nbytes
 
         def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
-            layer: int = frame["layer"]
-            first: int = frame["first"]
-            count: int = frame["count"]
-            if layer >= self.num_layers or first + count > len(dst):
-                raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
+            layer, blocks = data_range(self.num_layers, frame, dst)
             # The receive overwrites blocks the decode engine may have just freed: after its work.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._run(
-                conn, self.lib.recv, block_pointers(self.cache, layer, dst[first : first + count]), peer=0
-            )
-            return count * self.block_nbytes
+            self._run(conn, self.lib.recv, block_pointers(self.cache, layer, blocks), peer=0)
+            return len(blocks) * self.block_nbytes
+
+        def _staging(self, blocks: int, count: int) -> Any:
+            _, _, kv, block_size, _, head = self._heads.shape
+            # Allocated on the copy stream: the caching allocator reuses it only after that
+            # stream's work on it (the pack or scatter copies, the send or receive) is done.
+            with torch.cuda.stream(self.stream):
+                return torch.empty(
+                    (blocks, kv, block_size, count, head), dtype=torch.uint8, device=self.device
+                )
+
+        def _push_slice_layer(
+            self,
+            conn: Connection,
+            transfer_id: str,
+            layer: int,
+            src: Sequence[int],
+            heads: HeadSlice,
+            done: bool,
+        ) -> Moved:
+            staging = self._staging(len(src), heads.count)
+            with torch.cuda.stream(self.stream):  # ordered after the computed marker
+                copies = pack(self._heads, staging, layer, src, heads.src_start, torch.Tensor.copy_)
+            end: dict[str, Any] = {"done": True} if done else {}
+            conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src), heads=heads.count, **end)
+            nbytes = staging.numel()
+            self._run(conn, self.lib.send, [staging.data_ptr()], peer=1, nbytes=nbytes)
+            return Moved(nbytes, copies)
+
+        def receive_slice(
+            self, conn: Connection, frame: dict[str, Any], dst: Sequence[int], heads: HeadSlice
+        ) -> Moved:
+            layer, blocks = data_range(self.num_layers, frame, dst)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            staging = self._staging(len(blocks), heads.count)
+            nbytes = staging.numel()
+            self._run(conn, self.lib.recv, [staging.data_ptr()], peer=0, nbytes=nbytes)
+            with torch.cuda.stream(self.stream):
+                copies = unpack(staging, self._heads, layer, blocks, heads.dst_start, torch.Tensor.copy_)
+            self.stream.synchronize()  # the heads are in place before the layer counts as received
+            return Moved(nbytes, copies)
 
         def close(self) -> None:
             self.comms.close_all()

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from pdserve.kvtransfer.heads import MAX_KV_HEADS
+
 VERSION = 1
 # Features a receiver offers in its ``welcome`` info (``"features": [...]``); a sender uses one
 # only when offered (an older receiver refuses frames with fields it does not know).
@@ -25,7 +27,6 @@ MAX_DEPTH = 6
 MAX_LIST = 1 << 16
 MAX_STR = 4096
 MAX_ID_LEN = 256
-MAX_KV_HEADS = 1 << 12  # KV heads of one cache: a bound on what a head slice may name
 
 
 class FrameError(ValueError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvtransfer import wire
-from pdserve.kvtransfer.heads import HeadSlice, layout_mismatch, transfer_problem
+from pdserve.kvtransfer.heads import MAX_KV_HEADS, HeadSlice, layout_mismatch, transfer_problem
 
 LAYOUT = {
     "num_layers": 6,
@@ -37,8 +37,8 @@ def test_the_begin_frame_carries_an_optional_slice() -> None:
         ([0, 0, 0], "outside"),  # no heads
         ([0, 0], "src_start, dst_start, count"),
         ([0, 0, 1, 1], "heads"),
-        ([wire.MAX_KV_HEADS, 0, 1], "outside"),
-        ([0, wire.MAX_KV_HEADS - 1, 2], "outside"),
+        ([MAX_KV_HEADS, 0, 1], "outside"),
+        ([0, MAX_KV_HEADS - 1, 2], "outside"),
         ([-1, 0, 1], "non-negative"),
         (["0", 0, 1], "non-negative"),
         (5, "expected a list"),
