@@ -39,7 +39,7 @@ from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.datapath import DataPath, TcpPath
 from pdserve.kvtransfer.directwrite import CudaIpcPath, ShmPath
 from pdserve.kvtransfer.heads import HeadSlice
-from pdserve.kvtransfer.nccl import make_nccl_path
+from pdserve.kvtransfer.ncclpath import make_nccl_path
 from pdserve.kvtransfer.receiver import Receiver
 from pdserve.kvtransfer.sender import Sender
 from pdserve.kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
