@@ -308,7 +308,8 @@ class Receiver(TransferTable[Incoming]):
         self.stats.ignored_frames += 1
         if frame["t"] == "data":
             if frame["count"] > self.num_blocks or frame.get("heads", 0) > self.num_heads:
-                raise TransferError(FailureCause.PROTOCOL, f"data frame claims {frame['count']} blocks")
+                claim = f"{frame['count']} blocks of {frame.get('heads', self.num_heads)} heads"
+                raise TransferError(FailureCause.PROTOCOL, f"data frame claims {claim}")
             path.discard_data(conn, frame)
 
     def _dispatch(self, conn: Connection, path: DataPath, frame: dict[str, Any]) -> None:

@@ -214,3 +214,33 @@ def test_pack_and_unpack_are_one_copy_per_run_on_tensors() -> None:
     assert len(pairs) == LAYERS * RUNS
     torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     assert all(torch.equal(dst[:, d, :, :, 1], src[:, s, :, :, 3]) for s, d in zip(SRC, DST, strict=True))
+
+
+def test_an_ignored_sliced_data_frame_is_drained_by_its_own_size() -> None:
+    """A cancelled transfer's late data frame is skipped by the slice's bytes, not a whole
+    block's, so the next transfer on the connection reads in step."""
+    receiver = transport("tcp", shape=shape(2, 10))
+    layout = layout_of(new_kv_cache(shape(4, 12), torch.float32))
+    one = torch.arange(2 * BLOCK * DIM, dtype=torch.float32).reshape(1, 2, BLOCK, 1, DIM)
+    try:
+        receiver.listen()
+        receiver.expect("a", [1], heads=HeadSlice(3, 1, 1))
+        receiver.expect("b", [2], heads=HeadSlice(3, 1, 1))
+        conn = raw_client(receiver.address, layout=layout)
+        conn.send("begin", id="a", dst_blocks=[1], num_layers=LAYERS, layerwise=False, heads=[3, 1, 1])
+        assert conn.read_frame()["t"] == "ready"
+        receiver.cancel("a")
+        assert conn.read_frame()["t"] == "abort"
+        conn.send("data", [one.numpy()], id="a", layer=0, first=0, count=1, heads=1)  # ignored
+        conn.send("begin", id="b", dst_blocks=[2], num_layers=LAYERS, layerwise=False, heads=[3, 1, 1])
+        assert conn.read_frame()["t"] == "ready"
+        for layer in range(LAYERS):
+            end = layer == LAYERS - 1
+            conn.send("data", [one.numpy()], id="b", layer=layer, first=0, count=1, heads=1, done=end)
+        assert outcome(receiver, "b") == "received"
+        assert torch.equal(receiver.cache[:, 2, :, :, 1], one[0, :, :, 0].expand(LAYERS, -1, -1, -1))
+        assert not receiver.cache[:, 2, :, :, 0].any() and not receiver.cache[:, 1].any()
+        assert receiver.stats.bytes_received == LAYERS * one.numel() * 4
+        conn.close()
+    finally:
+        receiver.close()
