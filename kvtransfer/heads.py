@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.model_runtime.parallel.reshard import Route
 
 MAX_KV_HEADS = 1 << 12  # KV heads of one cache: a bound on what a head slice may name
 # The layout fields two peers must agree on; ``num_kv_heads`` may differ (tensor-parallel ranks).
@@ -48,6 +51,14 @@ class HeadSlice:
         """Whether both fill the same heads of the receiver (which of the sender's heads feed
         them is the sender's business)."""
         return (self.dst_start, self.count) == (other.dst_start, other.count)
+
+
+def for_route(route: Route, src_heads: int, dst_heads: int) -> HeadSlice | None:
+    """What a transfer along ``route`` names, between ranks whose caches hold ``src_heads`` and
+    ``dst_heads`` KV heads: None where it moves both ranks' every head (whole blocks)."""
+    if route.is_whole(src_heads, dst_heads):
+        return None
+    return HeadSlice(route.src_head, route.dst_head, route.count)
 
 
 def heads_of(layout: Any) -> int | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvtransfer import wire
-from pdserve.kvtransfer.heads import MAX_KV_HEADS, HeadSlice, layout_mismatch, transfer_problem
+from pdserve.kvtransfer.heads import MAX_KV_HEADS, HeadSlice, for_route, layout_mismatch, transfer_problem
+from pdserve.model_runtime.parallel.reshard import routes
+from pdserve.model_runtime.parallel.sharding import DEGREES, kv_heads_of
 
 LAYOUT = {
     "num_layers": 6,
@@ -85,3 +87,19 @@ def test_which_transfers_may_go_ahead() -> None:
     assert transfer_problem(HeadSlice(0, 1, 1), 1, 2) is None
     assert "reads past the sender's 4" in str(transfer_problem(HeadSlice(3, 0, 2), 4, 2))
     assert "writes past the receiver's 2" in str(transfer_problem(HeadSlice(0, 1, 2), 4, 2))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
+def test_every_reshard_route_names_a_slice_both_ranks_take(num_kv_heads: int) -> None:
+    """The plan's routes, as transfers: each one's slice fits both ranks' caches, and equal
+    degrees move whole blocks (no slice, today's path)."""
+    for p in DEGREES:
+        for d in DEGREES:
+            for r in routes(num_kv_heads, p, d):
+                src_heads = kv_heads_of(num_kv_heads, p, r.src_rank)[1]
+                dst_heads = kv_heads_of(num_kv_heads, d, r.dst_rank)[1]
+                heads = for_route(r, src_heads, dst_heads)
+                assert transfer_problem(heads, src_heads, dst_heads) is None, (p, d, r)
+                assert (heads is None) == (src_heads == dst_heads == r.count), (p, d, r)
+                if p == d:
+                    assert heads is None
