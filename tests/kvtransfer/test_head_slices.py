@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.directwrite import CudaIpcPath
 from pdserve.kvtransfer.heads import HeadSlice
 from pdserve.kvtransfer.slices import direct_pairs, head_bytes, pack, unpack
 from pdserve.kvtransfer.states import FailureCause, TransferState
@@ -244,3 +245,20 @@ def test_an_ignored_sliced_data_frame_is_drained_by_its_own_size() -> None:
         conn.close()
     finally:
         receiver.close()
+
+
+def test_cuda_ipc_slice_copy_on_cpu_tensors() -> None:
+    """``CudaIpcPath``'s slice copy, run on CPU tensors (its CUDA set-up skipped): the copies it
+    issues, one per layer and run, land exactly the slice."""
+    local = new_kv_cache(shape(4, 12), torch.float32).normal_()
+    peer = torch.full(shape(2, 10), SENTINEL)
+    path = CudaIpcPath.__new__(CudaIpcPath)  # no stream, no IPC handle: only the copy is under test
+    path._local_heads = head_bytes(local)
+    conn = object()
+    path._peer_caches = {id(conn): peer}
+    heads = HeadSlice(1, 0, 2)
+    assert path._copy_slice(conn, range(1, LAYERS), SRC, DST, heads) == (LAYERS - 1) * RUNS  # type: ignore[arg-type]
+    want = torch.full(shape(2, 10), SENTINEL)
+    for s, d in zip(SRC, DST, strict=True):
+        want[1:, d, :, :, 0:2] = local[1:, s, :, :, 1:3]
+    assert torch.equal(peer, want)
