@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.heads import layout_mismatch
 from pdserve.kvtransfer.states import FailureCause, TransferError
 from pdserve.kvtransfer.tls import InternalTls, TlsStream
 
@@ -134,6 +135,7 @@ class Connection:
         self.info: dict[str, Any] = {}
         self.remote_pid = 0
         self.backend = ""
+        self.peer_layout: dict[str, Any] = {}  # receiver side: the sender's layout from its hello
 
     def start_tls(self, tls: InternalTls, server_side: bool) -> None:
         """Run the TLS handshake; every byte after it is encrypted. ``TransferError(AUTH)`` for
@@ -302,8 +304,8 @@ def _server_exchange(
     if not hmac.compare_digest(hello["mac"], mac(secret, b"client", nonce)):
         conn.send("refuse", reason="authentication failed", cause=FailureCause.AUTH.value)
         raise TransferError(FailureCause.AUTH, f"client {conn.peer} failed authentication")
-    if hello["layout"] != layout:
-        reason = f"layout mismatch: ours {layout}, theirs {hello['layout']}"
+    reason = layout_mismatch(layout, hello["layout"])  # head counts may differ: TP ranks
+    if reason is not None:
         conn.send("refuse", reason=reason, cause=FailureCause.LAYOUT_MISMATCH.value)
         raise TransferError(FailureCause.LAYOUT_MISMATCH, reason)
     backend = hello["backend"]
@@ -313,6 +315,7 @@ def _server_exchange(
         raise TransferError(FailureCause.REJECTED, reason)
     conn.remote_pid = hello["pid"]
     conn.backend = backend
+    conn.peer_layout = hello["layout"]
     conn.send("welcome", mac=mac(secret, b"server", hello["nonce"]), backend=backend, info=offers[backend])
     return hello
 

@@ -1,4 +1,5 @@
-"""NCCL from Python through ctypes, and the ``nccl`` data path between GPUs.
+"""NCCL from Python through ctypes: the library, its calls, and the communicators (the ``nccl``
+data path that uses them is ``ncclpath``).
 
 The library is the ``libnccl.so.2`` inside the installed ``nvidia-nccl-cu12`` wheel
 (``PDSERVE_NCCL_LIB`` overrides the path). Without a GPU, loading, ``ncclGetVersion`` and
@@ -20,9 +21,8 @@ import importlib.util
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pdserve.kvtransfer.states import FailureCause, TransferError
 
@@ -275,124 +275,3 @@ class CommRegistry:
         for h in handles:
             if h:
                 self._destroy(h)
-
-
-def block_pointers(cache: Any, layer: int, blocks: Sequence[int]) -> list[int]:
-    """Device addresses of ``cache[layer, b]`` (contiguous runs of ``block_nbytes``)."""
-    base = cache[layer].data_ptr()
-    stride = cache[layer].stride(0) * cache.element_size()
-    return [base + b * stride for b in blocks]
-
-
-def _stream_wait(lib: NcclLibrary, comm: int, event: Any, deadline: float) -> None:
-    """Wait for ``event`` while watching the communicator; abort it on error or deadline."""
-    while not event.query():
-        err = lib.async_error(comm)
-        if err not in (0, NCCL_IN_PROGRESS):
-            lib.abort(comm)
-            lib.check(err, "NCCL transfer")
-        if time.monotonic() > deadline:
-            lib.abort(comm)
-            raise TransferError(FailureCause.TIMEOUT, "NCCL transfer did not finish before the deadline")
-        time.sleep(0.0002)
-
-
-def make_nccl_path(cache: Any, io_timeout_s: float, max_comms: int = 8) -> Any:
-    """An ``NcclPath`` for a CUDA cache (imported lazily: CPU-only processes never need it)."""
-    import torch
-
-    from pdserve.kvtransfer.channel import Connection
-    from pdserve.kvtransfer.datapath import DataPath, cuda_marker, order_after
-
-    class NcclPath(DataPath):
-        """Sender is rank 0 and mints the unique id; the receiver is rank 1. The ``data`` frame
-        announces a layer's blocks; the bytes then move as grouped ncclSend/ncclRecv."""
-
-        name = "nccl"
-        direct_write = False
-
-        def __init__(self) -> None:
-            super().__init__(cache)
-            self.lib = NcclLibrary()
-            self.device = cache.device
-            self.stream = torch.cuda.Stream(device=self.device)
-            self.comms = CommRegistry(max_comms, self._create, self.lib.abort)
-            self._pending_uid: dict[int, bytes] = {}
-            self._scratch: Any = None
-
-        def _create(self, rank: int, uid: bytes) -> int:
-            with torch.cuda.device(self.device):
-                comm = self.lib.init_rank(2, uid, rank, blocking=False)
-                wait_ready(self.lib, comm, time.monotonic() + io_timeout_s)
-            return comm
-
-        def hello_info(self) -> dict[str, Any]:
-            uid = self.lib.unique_id()
-            self._pending_uid[threading.get_ident()] = uid
-            return {"nccl_uid": uid}
-
-        def accept(self, conn: Connection, hello: dict[str, Any]) -> None:
-            uid = hello.get("info", {}).get("nccl_uid")
-            if not isinstance(uid, bytes) or len(uid) != NCCL_UNIQUE_ID_BYTES:
-                raise TransferError(FailureCause.PROTOCOL, "nccl peer sent no unique id")
-            conn.nccl_comm = self.comms.open(id(conn), 1, uid)  # type: ignore[attr-defined]
-
-        def attach(self, conn: Connection) -> None:
-            uid = self._pending_uid.pop(threading.get_ident())
-            conn.nccl_comm = self.comms.open(id(conn), 0, uid)  # type: ignore[attr-defined]
-
-        def detach(self, conn: Connection) -> None:
-            self.comms.close(id(conn))
-
-        def _run(
-            self, conn: Connection, op: Callable[[int, int, int, int, int], None], ptrs: list[int], peer: int
-        ) -> None:
-            comm: int = conn.nccl_comm  # type: ignore[attr-defined]
-            stream = self.stream.cuda_stream
-
-            def calls() -> None:
-                for p in ptrs:
-                    op(p, self.block_nbytes, peer, comm, stream)
-
-            self.lib.group(calls)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            _stream_wait(self.lib, comm, event, time.monotonic() + io_timeout_s)
-
-        def computed_marker(self) -> object | None:
-            return cuda_marker(self.device)
-
-        def _order_after(self, marker: object | None) -> None:
-            order_after(self.stream, marker)
-
-        def push_layer(
-            self,
-            conn: Connection,
-            transfer_id: str,
-            layer: int,
-            src: Sequence[int],
-            dst: Sequence[int],
-            done: bool = False,
-        ) -> int:
-            end: dict[str, Any] = {"done": True} if done else {}
-            conn.send("data", id=transfer_id, layer=layer, first=0, count=len(src), **end)
-            self._run(conn, self.lib.send, block_pointers(self.cache, layer, src), peer=1)
-            return len(src) * self.block_nbytes
-
-        def receive_data(self, conn: Connection, frame: dict[str, Any], dst: Sequence[int]) -> int:
-            layer: int = frame["layer"]
-            first: int = frame["first"]
-            count: int = frame["count"]
-            if layer >= self.num_layers or first + count > len(dst):
-                raise TransferError(FailureCause.PROTOCOL, f"data frame out of range: {frame}")
-            # The receive overwrites blocks the decode engine may have just freed: after its work.
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._run(
-                conn, self.lib.recv, block_pointers(self.cache, layer, dst[first : first + count]), peer=0
-            )
-            return count * self.block_nbytes
-
-        def close(self) -> None:
-            self.comms.close_all()
-
-    return NcclPath()

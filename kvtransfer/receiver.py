@@ -30,6 +30,8 @@ from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.admission import PendingConnections
 from pdserve.kvtransfer.channel import Connection, Peering, ThreadGroup, server_handshake
 from pdserve.kvtransfer.datapath import DataPath
+from pdserve.kvtransfer.heads import HeadSlice, heads_of, transfer_problem
+from pdserve.kvtransfer.slices import slice_block_nbytes
 from pdserve.kvtransfer.states import (
     CompletionQueue,
     FailureCause,
@@ -48,7 +50,7 @@ LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 # What this receiver understands beyond the first protocol, offered in its ``welcome``: a sender
 # uses only what its peer offers, so either side can be upgraded first.
-FEATURES = (wire.END_FLAG,)
+FEATURES = (wire.END_FLAG, wire.HEAD_SLICE)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Incoming:
     dst_blocks: tuple[int, ...]
     num_layers: int
     deadline: float
+    heads: HeadSlice | None = None  # the receiver's heads it fills (None: whole blocks)
     state: TransferState = TransferState.BOOTSTRAPPING
     conn: Connection | None = None
     direct_write: bool = False
@@ -64,6 +67,7 @@ class Incoming:
     received: dict[int, int] = field(default_factory=dict)  # layer -> blocks received (tcp)
     started: float = 0.0
     nbytes: int = 0
+    descriptors: int = 0  # copies this side made for it (a sliced transfer's scatter)
     stopping: FailureCause | None = None  # to fail once no writer can touch the blocks any more
     receiving: bool = False  # this receiver's reader is writing into the blocks right now
 
@@ -84,6 +88,7 @@ class Receiver(TransferTable[Incoming]):
         self.stats = stats
         self.num_layers = next(iter(paths.values())).num_layers
         self.num_blocks = next(iter(paths.values())).cache.shape[1]
+        self.num_heads = next(iter(paths.values())).num_heads
         self._lock: threading.Condition = threading.Condition()
         super().__init__(self._lock)
         self._conns: set[Connection] = set()  # every open one, authenticated or not
@@ -106,16 +111,20 @@ class Receiver(TransferTable[Incoming]):
         self._threads.spawn(self._accept_loop, name=f"kv-accept-{p}")
         return self.address
 
-    def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float) -> None:
+    def expect(
+        self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float, heads: HeadSlice | None = None
+    ) -> None:
         if not dst_blocks:
             raise ValueError("a transfer needs at least one destination block")
         if any(not 0 <= b < self.num_blocks for b in dst_blocks):
             raise ValueError(f"destination blocks outside 0..{self.num_blocks - 1}")
+        if heads is not None and heads.dst_start + heads.count > self.num_heads:
+            raise ValueError(f"head slice {heads} outside this cache's {self.num_heads} KV heads")
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already known")
             self._transfers[transfer_id] = Incoming(
-                transfer_id, tuple(dst_blocks), self.num_layers, time.monotonic() + lease_s
+                transfer_id, tuple(dst_blocks), self.num_layers, time.monotonic() + lease_s, heads
             )
 
     def cancel(self, transfer_id: str) -> None:
@@ -179,7 +188,10 @@ class Receiver(TransferTable[Incoming]):
         t.state = state
         if state is TransferState.DONE:
             self.stats.transfers_received += 1
-            self.stats.received_by_backend[t.conn.backend if t.conn else "unknown"] += t.nbytes
+            backend = t.conn.backend if t.conn else "unknown"
+            self.stats.received_by_backend[backend] += t.nbytes
+            if t.heads is not None:
+                self.stats.descriptors_received_by_backend[backend] += t.descriptors
             self.stats.receive_seconds += time.monotonic() - t.started
             self.completions.received(t.transfer_id)
         else:
@@ -256,7 +268,10 @@ class Receiver(TransferTable[Incoming]):
     def _serve(self, conn: Connection) -> None:
         try:
             features = list(FEATURES)
-            offers = {name: {**p.receiver_info(), "features": features} for name, p in self.paths.items()}
+            # Our layout and block count: a sender checks head slices against them, and a
+            # direct-write sender maps our cache by them.
+            mine = {"features": features, "layout": self.peering.layout, "num_blocks": self.num_blocks}
+            offers = {name: {**p.receiver_info(), **mine} for name, p in self.paths.items()}
             peering = self.peering
             hello = server_handshake(
                 conn, peering.secret, peering.layout, offers, peering.tls, peering.handshake_timeout_s
@@ -292,8 +307,9 @@ class Receiver(TransferTable[Incoming]):
     def _ignore(self, conn: Connection, frame: dict[str, Any], path: DataPath) -> None:
         self.stats.ignored_frames += 1
         if frame["t"] == "data":
-            if frame["count"] > self.num_blocks:
-                raise TransferError(FailureCause.PROTOCOL, f"data frame claims {frame['count']} blocks")
+            if frame["count"] > self.num_blocks or frame.get("heads", 0) > self.num_heads:
+                claim = f"{frame['count']} blocks of {frame.get('heads', self.num_heads)} heads"
+                raise TransferError(FailureCause.PROTOCOL, f"data frame claims {claim}")
             path.discard_data(conn, frame)
 
     def _dispatch(self, conn: Connection, path: DataPath, frame: dict[str, Any]) -> None:
@@ -317,6 +333,8 @@ class Receiver(TransferTable[Incoming]):
         return t
 
     def _on_begin(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
+        heads = HeadSlice.from_wire(f.get("heads"))
+        cause = FailureCause.REJECTED
         with self._lock:
             t = self._transfers.get(f["id"])
             reason = None
@@ -326,24 +344,38 @@ class Receiver(TransferTable[Incoming]):
                 reason = "destination blocks differ from the reservation"
             elif f["num_layers"] != t.num_layers:
                 reason = f"{f['num_layers']} layers, expected {t.num_layers}"
+            elif (reason := self._heads_problem(conn, heads)) is not None:
+                cause = FailureCause.LAYOUT_MISMATCH
+            elif (heads is None) != (t.heads is None) or (
+                heads is not None and t.heads is not None and not heads.same_destination(t.heads)
+            ):
+                reason = f"head slice {heads} differs from the expected {t.heads}"
             if reason is not None:
                 # A begun transfer is left alone: another begin must not fail it under its sender.
                 if t is not None and t.state is TransferState.BOOTSTRAPPING:
-                    self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
+                    self._finish(t, TransferState.FAILED, cause)
                 self.stats.ignored_frames += 1
             else:
                 assert t is not None
                 t.state = TransferState.TRANSFERRING
                 t.conn = conn
                 t.direct_write = path.direct_write
+                t.heads = heads
                 t.started = time.monotonic()
         if reason is not None:
-            conn.send("reject", id=f["id"], reason=reason, cause=FailureCause.REJECTED.value)
+            conn.send("reject", id=f["id"], reason=reason, cause=cause.value)
         elif path.direct_write:
             assert t is not None
             conn.send("ready", id=f["id"], write_until_ns=int(t.deadline * 1e9))
         else:
             conn.send("ready", id=f["id"])
+
+    def _heads_problem(self, conn: Connection, heads: HeadSlice | None) -> str | None:
+        """Why a transfer with ``heads`` from ``conn``'s sender cannot land here, or None."""
+        src_heads = heads_of(conn.peer_layout)
+        if src_heads is None:  # the handshake checked it; a connection set up otherwise is not ours
+            return "the sender's layout is unknown"
+        return transfer_problem(heads, src_heads, self.num_heads)
 
     def _on_data(self, conn: Connection, path: DataPath, f: dict[str, Any]) -> None:
         if path.direct_write:
@@ -353,6 +385,10 @@ class Receiver(TransferTable[Incoming]):
             if t is not None:
                 if f["layer"] >= t.num_layers or f["first"] != t.received.get(f["layer"], 0):
                     raise TransferError(FailureCause.PROTOCOL, f"data frame out of order: {f}")
+                if f.get("heads") != (t.heads.count if t.heads else None):
+                    raise TransferError(
+                        FailureCause.PROTOCOL, f"data frame's heads differ from its begin: {f}"
+                    )
                 t.receiving = True
         if t is None:
             self._ignore(conn, f, path)
@@ -360,7 +396,11 @@ class Receiver(TransferTable[Incoming]):
         # Only this connection's reader writes these blocks; the flag keeps a concurrent
         # lease expiry or cancel from releasing them until the read returns.
         try:
-            n = path.receive_data(conn, f, t.dst_blocks)
+            if t.heads is None:
+                n, copies = path.receive_data(conn, f, t.dst_blocks), 0
+            else:
+                moved = path.receive_slice(conn, f, t.dst_blocks, t.heads)
+                n, copies = moved.nbytes, moved.descriptors
         finally:
             with self._lock:
                 t.receiving = False
@@ -370,6 +410,7 @@ class Receiver(TransferTable[Incoming]):
             if t.state.terminal:
                 return
             t.nbytes += n
+            t.descriptors += copies
             got = t.received.get(f["layer"], 0) + f["count"]
             t.received[f["layer"]] = got
             if got >= len(t.dst_blocks):
@@ -390,7 +431,8 @@ class Receiver(TransferTable[Incoming]):
                 self.stats.ignored_frames += 1
                 return
             t.layers.update(range(first, first + count))
-            t.nbytes += count * len(t.dst_blocks) * path.block_nbytes
+            per_block = slice_block_nbytes(path.cache, t.heads.count) if t.heads else path.block_nbytes
+            t.nbytes += count * len(t.dst_blocks) * per_block
             self._lock.notify_all()
             if f.get("done"):
                 self._end(t)

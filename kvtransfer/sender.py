@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.channel import (
@@ -42,6 +43,7 @@ from pdserve.kvtransfer.channel import (
     client_handshake,
 )
 from pdserve.kvtransfer.datapath import DataPath
+from pdserve.kvtransfer.heads import HeadSlice, heads_of, transfer_problem
 from pdserve.kvtransfer.states import (
     CompletionQueue,
     FailureCause,
@@ -64,6 +66,14 @@ def offered(conn: Connection) -> frozenset[str]:
     return frozenset(f for f in features if isinstance(f, str)) if isinstance(features, list) else frozenset()
 
 
+def rejected_because(cause: str) -> FailureCause:
+    """A ``reject``'s cause as this side records it: a layout mismatch (head slices) as such,
+    anything else as a refusal."""
+    return (
+        FailureCause.LAYOUT_MISMATCH if cause == FailureCause.LAYOUT_MISMATCH.value else FailureCause.REJECTED
+    )
+
+
 @dataclass(eq=False)
 class Outgoing:
     transfer_id: str
@@ -72,6 +82,7 @@ class Outgoing:
     dst_blocks: tuple[int, ...]
     layerwise: bool
     deadline: float
+    heads: HeadSlice | None = None  # only these heads of each block move (None: whole blocks)
     state: TransferState = TransferState.BOOTSTRAPPING
     layers_ready: int = 0
     layers_sent: int = 0
@@ -84,6 +95,7 @@ class Outgoing:
     cause: FailureCause | None = None  # why it FAILED
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
+    descriptors: int = 0  # copies made for a sliced transfer
 
 
 class _Peer:
@@ -125,9 +137,12 @@ class Sender(TransferTable[Outgoing]):
         dst_blocks: Sequence[int],
         layerwise: bool,
         timeout_s: float,
+        heads: HeadSlice | None = None,
     ) -> None:
         if len(src_blocks) != len(dst_blocks) or not src_blocks:
             raise ValueError("source and destination block lists must be non-empty and equally long")
+        if heads is not None and heads.src_start + heads.count > self.path.num_heads:
+            raise ValueError(f"head slice {heads} outside this cache's {self.path.num_heads} KV heads")
         t = Outgoing(
             transfer_id,
             peer,
@@ -135,6 +150,7 @@ class Sender(TransferTable[Outgoing]):
             tuple(dst_blocks),
             layerwise,
             time.monotonic() + timeout_s,
+            heads,
             layers_ready=0 if layerwise else self.num_layers,
             computed=None if layerwise else self.path.computed_marker(),
         )
@@ -216,7 +232,10 @@ class Sender(TransferTable[Outgoing]):
         t.state = state
         if state is TransferState.DONE:
             self.stats.transfers_sent += 1
-            self.stats.sent_by_backend[t.conn.backend if t.conn else "unknown"] += t.nbytes
+            backend = t.conn.backend if t.conn else "unknown"
+            self.stats.sent_by_backend[backend] += t.nbytes
+            if t.heads is not None:
+                self.stats.descriptors_sent_by_backend[backend] += t.descriptors
             self.stats.send_seconds += time.monotonic() - t.started
             self.completions.sent(t.transfer_id)
         else:
@@ -357,18 +376,21 @@ class Sender(TransferTable[Outgoing]):
             conn = self._connect(p, t)
             with p.conn_lock:
                 p.conn = conn
+        self._check_heads(conn, t.heads)
         with t.lock:
             if t.state.terminal:
                 return  # cancelled while queued: no begin goes out
             t.conn = conn
             t.answer_by = time.monotonic() + self.peering.io_timeout_s
         # Outside the lock: a send may wait on a full socket, and a cancel must not wait with it.
+        sliced: dict[str, Any] = {} if t.heads is None else {"heads": t.heads.to_wire()}
         conn.send(
             "begin",
             id=t.transfer_id,
             dst_blocks=list(t.dst_blocks),
             num_layers=self.num_layers,
             layerwise=t.layerwise,
+            **sliced,
         )
         with t.lock:
             t.begun = True
@@ -381,6 +403,20 @@ class Sender(TransferTable[Outgoing]):
         if stopped:
             assert t.cause is not None
             conn.send("abort", id=t.transfer_id, reason=t.cause.value)
+
+    def _check_heads(self, conn: Connection, heads: HeadSlice | None) -> None:
+        """Refuse, before its begin, a transfer the receiver's cache cannot take: a missing or
+        out-of-range head slice (the receiver checks again), or one it cannot read."""
+        layout = conn.info.get("layout")
+        # A receiver that does not say predates head slices: it accepted us, so it has our heads.
+        dst_heads = self.path.num_heads if layout is None else heads_of(layout)
+        if dst_heads is None:
+            raise TransferError(FailureCause.PROTOCOL, f"{conn.peer} sent a malformed layout")
+        problem = transfer_problem(heads, self.path.num_heads, dst_heads)
+        if problem is not None:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"{conn.peer}: {problem}")
+        if heads is not None and wire.HEAD_SLICE not in offered(conn):
+            raise TransferError(FailureCause.REJECTED, f"{conn.peer} does not take head slices")
 
     def _push_on_own_connection(self, t: Outgoing) -> None:
         """Push ``t``'s ready layers on the connection its begin found (none yet: nothing to do)."""
@@ -400,9 +436,16 @@ class Sender(TransferTable[Outgoing]):
             layers = range(t.layers_sent, ready)
             last = layers.stop == self.num_layers
             flag = wire.END_FLAG in offered(conn)
-            t.nbytes += self.path.push_layers(
-                conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last and flag
-            )
+            if t.heads is None:
+                t.nbytes += self.path.push_layers(
+                    conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, after=marker, last=last and flag
+                )
+            else:
+                moved = self.path.push_slice_layers(
+                    conn, t.transfer_id, layers, t.src_blocks, t.dst_blocks, t.heads, marker, last and flag
+                )
+                t.nbytes += moved.nbytes
+                t.descriptors += moved.descriptors
             t.layers_sent = layers.stop
             if last:
                 if not flag:
@@ -434,7 +477,7 @@ class Sender(TransferTable[Outgoing]):
                         continue
                     if f["t"] == "reject":
                         log.info("kv transfer %s rejected by %s: %s", t.transfer_id, p.address, f["reason"])
-                        self._finish(t, TransferState.FAILED, FailureCause.REJECTED)
+                        self._finish(t, TransferState.FAILED, rejected_because(f["cause"]))
                         continue
                     t.write_until_ns = f.get("write_until_ns")
                     t.state = TransferState.TRANSFERRING

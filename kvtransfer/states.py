@@ -80,6 +80,10 @@ class TransferStats:
     # Bytes by the backend that moved them (tcp, shm, ...): where a deployment's KV really goes.
     sent_by_backend: Counter[str] = field(default_factory=Counter)
     received_by_backend: Counter[str] = field(default_factory=Counter)
+    # Copy operations of head-sliced transfers (``kvtransfer.slices``), by backend: one per layer
+    # and run of blocks on each side that copies (whole-block transfers are not counted).
+    descriptors_sent_by_backend: Counter[str] = field(default_factory=Counter)
+    descriptors_received_by_backend: Counter[str] = field(default_factory=Counter)
 
     @property
     def bytes_sent(self) -> int:
@@ -88,6 +92,14 @@ class TransferStats:
     @property
     def bytes_received(self) -> int:
         return sum(self.received_by_backend.values())
+
+    @property
+    def descriptors_sent(self) -> int:
+        return sum(self.descriptors_sent_by_backend.values())
+
+    @property
+    def descriptors_received(self) -> int:
+        return sum(self.descriptors_received_by_backend.values())
 
 
 class CompletionQueue:

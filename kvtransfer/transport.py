@@ -36,8 +36,10 @@ import torch
 
 from pdserve.kvtransfer.channel import Peering
 from pdserve.kvtransfer.config import TransportConfig
-from pdserve.kvtransfer.datapath import CudaIpcPath, DataPath, ShmPath, TcpPath
-from pdserve.kvtransfer.nccl import make_nccl_path
+from pdserve.kvtransfer.datapath import DataPath, TcpPath
+from pdserve.kvtransfer.directwrite import CudaIpcPath, ShmPath
+from pdserve.kvtransfer.heads import HeadSlice
+from pdserve.kvtransfer.ncclpath import make_nccl_path
 from pdserve.kvtransfer.receiver import Receiver
 from pdserve.kvtransfer.sender import Sender
 from pdserve.kvtransfer.states import CompletionQueue, Completions, TransferState, TransferStats
@@ -99,6 +101,8 @@ class KVTransport:
             # appears only with its first transfer loses that transfer's bytes to rate().
             self.stats.sent_by_backend[name] += 0
             self.stats.received_by_backend[name] += 0
+            self.stats.descriptors_sent_by_backend[name] += 0
+            self.stats.descriptors_received_by_backend[name] += 0
         receiver_paths = dict(self._paths)
         if shm_path is None:
             receiver_paths.pop("shm", None)  # peers cannot map a private cache
@@ -128,9 +132,20 @@ class KVTransport:
     def address(self) -> str:
         return self._receiver.address
 
-    def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float | None = None) -> None:
-        """Accept one transfer into ``dst_blocks`` (reserved by the caller) within the lease."""
-        self._receiver.expect(transfer_id, dst_blocks, self.config.lease_s if lease_s is None else lease_s)
+    def expect(
+        self,
+        transfer_id: str,
+        dst_blocks: Sequence[int],
+        lease_s: float | None = None,
+        heads: HeadSlice | None = None,
+    ) -> None:
+        """Accept one transfer into ``dst_blocks`` (reserved by the caller) within the lease.
+
+        ``heads``: the transfer fills only heads ``[dst_start, dst_start + count)`` of those
+        blocks (a tensor-parallel rank's share); a begin whose slice fills other heads, or
+        none, is refused. None: whole blocks, from a sender whose cache has our heads."""
+        lease = self.config.lease_s if lease_s is None else lease_s
+        self._receiver.expect(transfer_id, dst_blocks, lease, heads)
 
     def wait(self, transfer_id: str, timeout_s: float, layers: int | None = None) -> TransferState | None:
         return self._receiver.wait(transfer_id, timeout_s, layers)
@@ -176,11 +191,15 @@ class KVTransport:
         layerwise: bool = False,
         timeout_s: float | None = None,
         peer_offers: Sequence[str] | None = None,
+        heads: HeadSlice | None = None,
     ) -> None:
         """Queue a push of ``src_blocks`` into the peer's ``dst_blocks``; returns at once.
 
         With ``layerwise`` nothing moves until ``layer_ready`` says which layers are computed.
         ``peer_offers`` (the receiver's ``offers``) lets ``auto`` pick a backend it accepts.
+        ``heads``: move only heads ``[src_start, src_start + count)`` of each block, into heads
+        ``[dst_start, dst_start + count)`` of the peer's (caches of different head counts, as
+        tensor-parallel ranks have, need one; ``pdserve.model_runtime.parallel.reshard``).
         Call this and ``layer_ready`` on the thread that computed the blocks: GPU paths order
         their copies after that thread's stream (``DataPath.computed_marker``).
         """
@@ -192,6 +211,7 @@ class KVTransport:
             dst_blocks,
             layerwise,
             self.config.send_timeout_s if timeout_s is None else timeout_s,
+            heads,
         )
 
     def layer_ready(self, transfer_id: str, layer: int) -> None:

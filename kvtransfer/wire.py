@@ -14,10 +14,13 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from pdserve.kvtransfer.heads import MAX_KV_HEADS
+
 VERSION = 1
 # Features a receiver offers in its ``welcome`` info (``"features": [...]``); a sender uses one
 # only when offered (an older receiver refuses frames with fields it does not know).
 END_FLAG = "end_flag"  # ``done`` on the last ``data`` / ``layer`` frame instead of a ``done`` frame
+HEAD_SLICE = "head_slice"  # ``begin`` and ``data`` frames may carry ``heads`` (``kvtransfer.heads``)
 LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 20  # control frames carry block lists and handles, nothing bulky
 MAX_DEPTH = 6
@@ -38,6 +41,7 @@ def _ext_rejected(code: int, data: bytes) -> Any:
 _ID = str
 _UINT = int
 _BLOCKS = ("list", int)
+_HEADS = ("list", int, 3)  # a head slice: [src_start, dst_start, count]
 _SCHEMAS: dict[str, dict[str, Any]] = {
     # connection set-up: server challenge, client hello, server welcome or refuse
     "challenge": {"nonce": bytes},
@@ -45,9 +49,11 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "welcome": {"mac": bytes, "backend": str, "info": dict},
     "refuse": {"reason": str, "cause": str},
     # sender -> receiver
-    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool},
-    # + raw payload (tcp); done: this frame ends the transfer (no separate ``done``)
-    "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT, "done": bool},
+    # heads: only the slice of each block's KV heads moves (peers whose head counts differ)
+    "begin": {"id": _ID, "dst_blocks": _BLOCKS, "num_layers": _UINT, "layerwise": bool, "heads": _HEADS},
+    # + raw payload (tcp, nccl); done: this frame ends the transfer (no separate ``done``);
+    # heads: the payload holds that many heads of each block (a sliced transfer's count)
+    "data": {"id": _ID, "layer": _UINT, "first": _UINT, "count": _UINT, "done": bool, "heads": _UINT},
     "layer": {"id": _ID, "layer": _UINT, "count": _UINT, "done": bool},  # [layer, layer+count) written
     "done": {"id": _ID},
     "aborted": {"id": _ID},  # the sender stopped writing this transfer (answers "abort")
@@ -60,7 +66,8 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
 _OPTIONAL: dict[str, set[str]] = {
     "hello": {"info"},
     "ready": {"write_until_ns"},
-    "data": {"done"},
+    "data": {"done", "heads"},
+    "begin": {"heads"},
     "layer": {"done"},
 }
 
@@ -157,3 +164,15 @@ def validate(msg: Any) -> None:
                 continue
             raise FrameError(f"{ftype}: missing field {name!r}")
         _check_value(name, spec, msg[name])
+    if "heads" in msg:
+        _check_heads(ftype, msg["heads"])
+
+
+def _check_heads(ftype: str, heads: Any) -> None:
+    """A head slice names 1..``MAX_KV_HEADS`` heads of caches of at most ``MAX_KV_HEADS``
+    (whether they fit the two caches is the receiver's check: it knows both head counts)."""
+    if ftype == "begin" and len(heads) != 3:
+        raise FrameError("begin: heads must be [src_start, dst_start, count]")
+    src, dst, count = heads if ftype == "begin" else (0, 0, heads)
+    if count < 1 or max(src, dst) + count > MAX_KV_HEADS:
+        raise FrameError(f"{ftype}: head slice {heads} outside 1..{MAX_KV_HEADS} heads")

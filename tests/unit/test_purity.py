@@ -40,6 +40,7 @@ PURE = (
     "pdserve.worker.spec",
     "pdserve.kvtransfer.config",
     "pdserve.kvtransfer.admission",
+    "pdserve.kvtransfer.heads",
     "pdserve.model_runtime.config",
     "pdserve.model_runtime.attention_tuning",
     "pdserve.worker.ports",
