@@ -85,6 +85,7 @@ class PendingReservation:
     transfer_id: str
     deadline: float  # on the engine's clock
     future: Future[KVTarget | None]
+    source_ranks: int = 1
 
 
 class DecodeEngine(RoleEngineBase):
@@ -146,23 +147,26 @@ class DecodeEngine(RoleEngineBase):
         (``pdserve.decode_worker.offline``); None once it ended."""
         return self._requests.get(request_id)
 
-    def reserve(self, work: WorkItem, transfer_id: str, timeout_s: float = 0.0) -> Future[KVTarget | None]:
+    def reserve(
+        self, work: WorkItem, transfer_id: str, timeout_s: float = 0.0, source_ranks: int = 1
+    ) -> Future[KVTarget | None]:
         """Reserve blocks for the prompt's KV, waiting up to ``timeout_s`` for room; the future
         resolves to the target, or ``None`` if no room freed in time (or the request was
-        aborted meanwhile). Raises at once for a request this worker cannot serve."""
+        aborted meanwhile). Raises at once for a request this worker cannot serve.
+        ``source_ranks``: the KV ranks of the prefill worker that will push it."""
         if self.transport is None:
             raise RuntimeError("this worker has no KV transport (colocated)")
         fut: Future[KVTarget | None] = Future()
         req = self._new_request(work)  # validates, and refuses an id already here
-        target = None if self._pending else self._try_reserve(req, transfer_id)
+        target = None if self._pending else self._try_reserve(req, transfer_id, source_ranks)
         if target is not None or timeout_s <= 0:
             fut.set_result(target)
         else:
             deadline = self.clock() + timeout_s
-            self._pending[work.request_id] = PendingReservation(req, transfer_id, deadline, fut)
+            self._pending[work.request_id] = PendingReservation(req, transfer_id, deadline, fut, source_ranks)
         return fut
 
-    def _try_reserve(self, req: Request, transfer_id: str) -> KVTarget | None:
+    def _try_reserve(self, req: Request, transfer_id: str, source_ranks: int) -> KVTarget | None:
         """Keeps one free block per running request so they can keep growing."""
         assert self.transport is not None
         n = req.num_prompt_tokens
@@ -171,11 +175,12 @@ class DecodeEngine(RoleEngineBase):
             return None
         blocks = self.kv.block_table_view(req.request_id)
         try:
-            self.transport.expect(transfer_id, blocks)
+            self.transport.expect(transfer_id, blocks, source_ranks)
         except BaseException:
             self.kv.free(req.request_id)
             raise
-        target = KVTarget(transfer_id, self.transport.address, tuple(self.transport.offers), blocks)
+        t = self.transport
+        target = KVTarget(transfer_id, t.address, tuple(t.offers), blocks, t.rank_addresses)
         self._requests[req.request_id] = req
         self._reserved[req.request_id] = Reservation(transfer_id, target)
         self._by_transfer[transfer_id] = req.request_id
@@ -189,7 +194,7 @@ class DecodeEngine(RoleEngineBase):
             target = None
             if not blocked:
                 try:
-                    target = self._try_reserve(p.request, p.transfer_id)
+                    target = self._try_reserve(p.request, p.transfer_id, p.source_ranks)
                 except Exception as e:  # this reservation's fault (say, a transfer id in use)
                     del self._pending[rid]
                     p.future.set_exception(e)

@@ -30,7 +30,7 @@ COLOCATED_HANDLERS: Handlers = {
 
 DECODE_HANDLERS: Handlers = {
     **COLOCATED_HANDLERS,
-    QueueReservation: lambda eng, c: _queued(eng.reserve(c.work, c.transfer_id, c.timeout_s)),
+    QueueReservation: lambda eng, c: _queued(eng.reserve(c.work, c.transfer_id, c.timeout_s, c.source_ranks)),
     AwaitReservation: lambda eng, c: eng.reservation(c.request_id),
     Start: lambda eng, c: eng.start(c.request_id, c.first_token, c.cached_tokens),
     KvLost: lambda eng, c: eng.kv_lost(c.request_id),

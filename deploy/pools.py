@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.tls import InternalTls
-from pdserve.model_runtime.config import EngineConfig
+from pdserve.model_runtime.config import TP_DEGREES, EngineConfig
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
 
@@ -21,8 +21,11 @@ class PoolSpec:
     colocated: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    cpus_per_worker: int = 1
-    gpus_per_worker: int = 0  # 0: CPU workers
+    cpus_per_worker: int = 1  # per rank: a TP worker of degree t takes t times as many
+    gpus_per_worker: int = 0  # 0: CPU workers; per rank, like cpus_per_worker
+    # Tensor-parallel degree of each pool's workers (a colocated pool runs ``engine.tp``).
+    prefill_tp: int = 1
+    decode_tp: int = 1
     replace_lost: bool = True  # a worker the router lost is replaced by a fresh one
     drain_timeout_s: float = 30.0  # a worker told to stop (SIGTERM) lets its requests finish this long
     internal_tls: bool = False  # the KV and worker channels over TLS (a CA per deployment)
@@ -39,6 +42,9 @@ class PoolSpec:
             raise ValueError(f"max_workers must be >= 0, not {self.max_workers}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) not in TP_DEGREES:
+                raise ValueError(f"{name} must be one of {TP_DEGREES}, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
@@ -52,8 +58,15 @@ class PoolSpec:
 
     @property
     def capacity(self) -> int:
-        """Workers a private Ray instance must have room for."""
-        return max(self.num_workers, self.max_workers)
+        """Ranks a private Ray instance must have room for (a TP worker counts its ranks)."""
+        widest = max(self.tp_of(role) for role, _ in self.roles)
+        return max(self.num_workers, self.max_workers) * widest
+
+    def tp_of(self, role: WorkerRole) -> int:
+        """The tensor-parallel degree of pool ``role``'s workers."""
+        if role is WorkerRole.PREFILL:
+            return self.prefill_tp
+        return self.decode_tp if role is WorkerRole.DECODE else self.engine.tp
 
     @property
     def roles(self) -> tuple[tuple[WorkerRole, int], ...]:
@@ -78,7 +91,7 @@ class PoolSpec:
         return WorkerSpec(
             worker_id=worker_id,
             role=role,
-            engine=self.engine,
+            engine=replace(self.engine, tp=self.tp_of(role)),
             transport=self.transport,
             secret=secret,
             internal_tls=tls if self.internal_tls else None,

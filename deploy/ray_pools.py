@@ -69,7 +69,13 @@ class Placement:
 
     @property
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        return self.bundle_of(1)
+
+    def bundle_of(self, tp: int) -> dict[str, float]:
+        """A worker of degree ``tp``: one bundle holding all its ranks' CPUs and GPUs, so the
+        group places them on one node (rank 0's actor takes it; its ranks are its children,
+        rank ``r`` on the ``r``-th GPU the actor sees)."""
+        return {"CPU": self.cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})}
 
 
 def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
@@ -77,7 +83,7 @@ def _place(ws: WorkerSpec, where: Placement) -> tuple[Any, Any]:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     name = f"pdserve-{where.deployment}-{ws.worker_id}"
-    pg = placement_group([where.bundle], strategy="STRICT_PACK", name=name)
+    pg = placement_group([where.bundle_of(ws.engine.tp)], strategy="STRICT_PACK", name=name)
     try:
         actor = _start_actor(ws, where, name, pg)
     except BaseException:
@@ -94,8 +100,8 @@ def _start_actor(ws: WorkerSpec, where: Placement, name: str, pg: Any) -> Any:
         ray.remote(worker_class())
         .options(
             name=name,
-            num_cpus=where.cpus,
-            num_gpus=where.gpus,
+            num_cpus=where.cpus * ws.engine.tp,
+            num_gpus=where.gpus * ws.engine.tp,
             max_concurrency=ACTOR_CONCURRENCY,
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
@@ -177,4 +183,5 @@ def request_capacity(spec: PoolSpec, workers: int) -> None:
     cluster without an autoscaler ignores it)."""
     from ray.autoscaler.sdk import request_resources
 
-    request_resources(bundles=[Placement.of(spec).bundle] * max(0, workers))
+    widest = max(spec.tp_of(role) for role, _ in spec.roles)
+    request_resources(bundles=[Placement.of(spec).bundle_of(widest)] * max(0, workers))

@@ -203,6 +203,7 @@ class PrefillEngine(RoleEngineBase):
                 target.blocks,
                 layerwise=layerwise,
                 peer_offers=target.offers,
+                peer_ranks=target.ranks,
             )
         except ValueError as e:  # no backend in common: fail the request, not the worker
             log.warning("%s: cannot push KV to %s: %s", request_id, target.address, e)

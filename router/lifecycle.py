@@ -154,8 +154,12 @@ Effect = Send | Hold | Drop | Deliver | Fail | Relocate | TakenIn | Reserved
 
 
 class Attempt:
-    def __init__(self, work: WorkItem, decode: str, prefill: str | None, timeouts: Timeouts) -> None:
+    def __init__(
+        self, work: WorkItem, decode: str, prefill: str | None, timeouts: Timeouts, source_ranks: int = 1
+    ) -> None:
+        """``source_ranks``: the prefill worker's KV ranks (decode expects a part from each)."""
         self.work = work
+        self.source_ranks = source_ranks
         self.request_id = work.request_id
         self.decode = decode
         self.prefill = prefill  # None: decode prefills it itself
@@ -189,7 +193,11 @@ class Attempt:
             self._hold(self.decode),
             self._hold(self.prefill),
             Send(self.prefill, Prefill(work), t.call_s),
-            Send(self.decode, QueueReservation(work, self.transfer_id, t.reserve_s), t.call_s),
+            Send(
+                self.decode,
+                QueueReservation(work, self.transfer_id, t.reserve_s, self.source_ranks),
+                t.call_s,
+            ),
         ]
 
     def answered(self, sent: Send, answer: object) -> list[Effect]:

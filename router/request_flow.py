@@ -71,7 +71,9 @@ class RequestFlow:
 
     def start(self, stream: RequestStream, work: WorkItem, decision: Decision) -> None:
         """Send the request where ``decision`` says: a new attempt under ``work``'s id."""
-        attempt = Attempt(work, decision.decode_worker, decision.prefill_worker, self.timeouts)
+        prefill = self.workers.get(decision.prefill_worker or "")
+        source_ranks = prefill.info.kv_ranks if prefill is not None else 1
+        attempt = Attempt(work, decision.decode_worker, decision.prefill_worker, self.timeouts, source_ranks)
         stream.work, stream.attempt = work, attempt
         stream.decode_worker, stream.prefill_worker = attempt.decode, attempt.prefill or ""
         self.apply(stream, attempt, attempt.dispatch())

@@ -142,6 +142,7 @@ class SimTransport:
     def __init__(self, address: str, link: Link, on_completion: Callable[[], None]) -> None:
         self.address = address
         self.offers = ["sim"]
+        self.rank_addresses: tuple[str, ...] = ()  # one rank: the simulator moves no shards
         self.link = link
         link.ends[address] = self
         self._on_completion = on_completion
@@ -150,7 +151,9 @@ class SimTransport:
         self._ended: set[str] = set()  # reported finished or failed, until forgotten
         self._queued: list[tuple[str, str]] = []  # (transfer id, peer): sent, not started yet
 
-    def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float | None = None) -> None:
+    def expect(
+        self, transfer_id: str, dst_blocks: Sequence[int], source_ranks: int = 1, lease_s: float | None = None
+    ) -> None:
         self._records.add(transfer_id)
 
     def send(
@@ -162,6 +165,7 @@ class SimTransport:
         layerwise: bool = False,
         timeout_s: float | None = None,
         peer_offers: Sequence[str] | None = None,
+        peer_ranks: Sequence[str] = (),
     ) -> None:
         self._records.add(transfer_id)
         self._queued.append((transfer_id, peer))

@@ -42,6 +42,7 @@ MAX_COMMAND_BYTES = 16 << 20
 MAX_ID_CHARS = 256
 MAX_TOKENS = 1 << 22  # prompt token ids in one command
 MAX_LIST = 4096  # stop strings, stop token ids, backends, ...
+MAX_TP = 8  # a worker's ranks
 MAX_STOP_CHARS = 1024
 MAX_MESSAGE_CHARS = 4096
 
@@ -138,16 +139,17 @@ def _decode_work(x: Any) -> WorkItem:
 
 
 def _encode_target(t: KVTarget) -> list[Any]:
-    return [t.transfer_id, t.address, list(t.offers), list(t.blocks)]
+    return [t.transfer_id, t.address, list(t.offers), list(t.blocks), list(t.ranks)]
 
 
 def _decode_target(x: Any) -> KVTarget:
-    tid, address, offers, blocks = _args(x, 4)
+    tid, address, offers, blocks, ranks = _args(x, 5)
     return KVTarget(
         _id(tid),
         _str(address),
         tuple(_str(o, 64) for o in _list(offers, 16)),
         tuple(_int(b, 0, (1 << 31) - 1) for b in _list(blocks, MAX_TOKENS)),
+        tuple(_str(r) for r in _list(ranks, MAX_TP)),
     )
 
 
@@ -166,8 +168,8 @@ _CODECS: dict[str, tuple[type, Any, Any]] = {
     "withdraw": (Withdraw, lambda c: [c.request_id], lambda a: Withdraw(_id(a[0]))),
     "queue_reservation": (
         QueueReservation,
-        lambda c: [_encode_work(c.work), c.transfer_id, float(c.timeout_s)],
-        lambda a: QueueReservation(_decode_work(a[0]), _id(a[1]), _float(a[2])),
+        lambda c: [_encode_work(c.work), c.transfer_id, float(c.timeout_s), c.source_ranks],
+        lambda a: QueueReservation(_decode_work(a[0]), _id(a[1]), _float(a[2]), _int(a[3], 1, MAX_TP)),
     ),
     "await_reservation": (AwaitReservation, lambda c: [c.request_id], lambda a: AwaitReservation(_id(a[0]))),
     "start": (

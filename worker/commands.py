@@ -43,6 +43,7 @@ class QueueReservation:
     work: WorkItem
     transfer_id: str
     timeout_s: float
+    source_ranks: int = 1  # the prefill worker's KV ranks: decode expects a part from each route
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 
 from pdserve.kvtransfer.emulated_link import EmulatedLink
 from pdserve.kvtransfer.transport import KVTransport
+from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
 from pdserve.model_runtime.platform import use_threads
@@ -48,6 +49,9 @@ from pdserve.worker.handlers import Handlers, answer_of, handler_for
 from pdserve.worker.loop import EngineLoop, RoleEngine
 from pdserve.worker.messages import OutputBatch, WorkerHealth, WorkerInfo, WorkerLoad, WorkerRole
 from pdserve.worker.push import OutputPusher
+from pdserve.worker.rank_main import RankTransportSettings
+from pdserve.worker.rank_main import main as rank_main
+from pdserve.worker.ranked_transport import RankedTransport
 from pdserve.worker.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -94,14 +98,19 @@ class WorkerHost:
             raise ValueError(f"{type(self).__name__} cannot run a {spec.role.value} worker")
         use_threads(spec.num_threads)
         self.spec = spec
-        allocator, shm_paths = _shared_cache_allocator(spec, any(r.listens for r in self.ROLES.values()))
-        self.rt: Runtime = build_runtime(spec.engine, allocator)
+        receives = any(r.listens for r in self.ROLES.values())
+        allocator, shm_paths = _shared_cache_allocator(spec, receives)
+        # A tensor-parallel worker's other ranks open their own transports with these settings.
+        rank_settings = RankTransportSettings(
+            spec.secret, spec.transport, allocator is not None, spec.internal_tls
+        )
+        self.rt: Runtime = build_runtime(spec.engine, allocator, rank_main, rank_settings)
         self._shm_path = shm_paths[0] if shm_paths else None  # (filled while the runtime was built)
         self.step_log: StepLog | None = None
         if spec.engine.step_log:
             self.step_log = StepLog(Path(spec.engine.step_log) / f"{spec.worker_id}.jsonl")
             self.rt.runner = LoggedRunner(self.rt.runner, self.step_log)
-        self.transport: KVTransport | EmulatedLink | None = None
+        self.transport: RankedTransport | None = None
         self.address = ""  # the transport's, once it listens
         role = self.ROLES[spec.role]
         self._open_transport(role)
@@ -136,6 +145,8 @@ class WorkerHost:
             pid=os.getpid(),
             node=socket.gethostname(),
             step_tokens=spec.engine.scheduler.max_num_batched_tokens,
+            tp=spec.engine.tp,
+            kv_ranks=self.rt.ranks.group.size if self.rt.ranks is not None else 1,
         )
         self._terminating = threading.Event()
         self._released = threading.Event()  # the router routes nothing new here (``Release``)
@@ -157,11 +168,23 @@ class WorkerHost:
             )
             profile = self.rt.profile
             # An emulated GPU's stand-in cache moves in microseconds; its link would not.
-            self.transport = (
+            own = (
                 transport
                 if profile is None
                 else EmulatedLink(transport, profile.transfer_time, self.rt.block_size)
             )
+            setup = self.rt.ranks
+            self.transport = RankedTransport(
+                own,
+                setup.ranks if setup is not None else None,
+                setup.group.size if setup is not None else 1,
+                self.rt.model_config.num_kv_heads,
+            )
+            if setup is not None:
+                runner = self.rt.runner
+                inner = getattr(runner, "inner", runner)  # (under a step log's wrapper)
+                if isinstance(inner, ModelRunner):
+                    inner.layer_pushes = self.transport.take_layer_pushes
         if role.listens and not self.address:
             assert self.transport is not None
             self.address = self.transport.listen()
@@ -284,7 +307,10 @@ class WorkerHost:
         if self.pusher is not None:
             self.pusher.close()
         self.loop.stop()
-        if self.transport is not None:
-            self.transport.close()
+        try:
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.rt.close()  # a TP worker's other ranks stop with it
         if self.step_log is not None:
             self.step_log.close()

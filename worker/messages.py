@@ -76,6 +76,9 @@ class KVTarget:
     address: str  # the decode worker's transport, "host:port"
     offers: tuple[str, ...]  # backends that transport accepts
     blocks: tuple[int, ...]  # destination block ids, one per prompt block, in order
+    # A tensor-parallel decode worker's ranks' transports, rank 0's first (its degree is their
+    # count); empty for a one-rank worker, reached at ``address``.
+    ranks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class WorkerInfo:
     pid: int
     node: str
     step_tokens: int = 0  # the scheduler's token budget per step (bounds local prefill chunks)
+    tp: int = 1  # tensor-parallel degree: GPUs the worker spans (part of its identity)
+    kv_ranks: int = 1  # ranks that hold KV shards and move them (1 for an emulated worker)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,16 @@ class Transport(Protocol):
     @property
     def offers(self) -> list[str]: ...
 
-    def expect(self, transfer_id: str, dst_blocks: Sequence[int], lease_s: float | None = None) -> None: ...
+    @property
+    def rank_addresses(self) -> tuple[str, ...]:
+        """Every rank's address, rank 0's first, for a worker of several KV ranks; else empty."""
+        ...
+
+    def expect(
+        self, transfer_id: str, dst_blocks: Sequence[int], source_ranks: int = 1, lease_s: float | None = None
+    ) -> None:
+        """Accept one transfer from a worker with ``source_ranks`` KV ranks."""
+        ...
 
     def send(
         self,
@@ -43,7 +52,10 @@ class Transport(Protocol):
         layerwise: bool = False,
         timeout_s: float | None = None,
         peer_offers: Sequence[str] | None = None,
-    ) -> None: ...
+        peer_ranks: Sequence[str] = (),
+    ) -> None:
+        """``peer_ranks``: the receiving worker's ranks (``KVTarget.ranks``)."""
+        ...
 
     def layer_ready(self, transfer_id: str, layer: int) -> None: ...
 

@@ -49,7 +49,9 @@ def make_hf_model(kind: str, out_dir: Path, seed: int = 0, **over: Any) -> Any:
         )
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**_common(**{"tie_word_embeddings": True, "num_key_value_heads": 1, **over}))
+        cfg = transformers.Qwen2Config(
+            **_common(**{"tie_word_embeddings": True, "num_key_value_heads": 1, **over})
+        )
         model = transformers.Qwen2ForCausalLM(cfg)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**_common(**{"sliding_window": 64, "head_dim": 24, **over}))
