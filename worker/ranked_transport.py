@@ -24,6 +24,7 @@ from typing import Any
 from pdserve.kvtransfer.heads import HeadSlice, for_route
 from pdserve.kvtransfer.parts import Part, PartTable, part_id
 from pdserve.kvtransfer.states import Completions
+from pdserve.model_runtime.parallel.group import RankLost
 from pdserve.model_runtime.parallel.ranks import Ranks
 from pdserve.model_runtime.parallel.reshard import routes
 from pdserve.model_runtime.parallel.sharding import kv_heads_of
@@ -224,5 +225,7 @@ class RankedTransport:
     def close(self) -> None:
         try:
             self._call([(r, ops.Close()) for r in range(1, self.tp)])
+        except RankLost:  # a rank that is gone has nothing left to close
+            pass
         finally:
             self.own.close()

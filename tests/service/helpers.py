@@ -52,6 +52,8 @@ def start_service(
     replace_lost: bool = False,
     tls: TlsConfig | None = None,
     internal_tls: bool = False,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
@@ -65,6 +67,8 @@ def start_service(
         transport=TransportConfig(backend=transport),
         replace_lost=replace_lost,
         internal_tls=internal_tls,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
     )
     config = RouterConfig(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048),
