@@ -61,6 +61,7 @@ def dashboard_data(router: Router, horizon_s: float, step_s: float) -> dict[str,
             {
                 "worker": w.worker_id,
                 "role": w.role.value,
+                "tp": w.info.tp,
                 "healthy": w.routable,
                 "health": w.health.value,
                 "running": load.running,
@@ -210,7 +211,7 @@ PAGE = """<!doctype html>
         <th>attainment</th><th>TTFT p50/p99</th><th>TPOT p50/p99</th></tr></thead>
         <tbody id="classes"></tbody></table></div>
     <div class="panel"><h2>Workers</h2>
-      <table><thead><tr><th>worker</th><th>role</th><th>health</th><th>running</th><th>waiting</th>
+      <table><thead><tr><th>worker</th><th>role</th><th>TP</th><th>health</th><th>running</th><th>waiting</th>
         <th>KV usage</th></tr></thead><tbody id="workers"></tbody></table></div>
     <div class="panel" id="p-changes" hidden><h2>Planner changes</h2>
       <table><thead><tr><th>when</th><th>change</th><th>to</th><th>why</th></tr></thead>
@@ -372,7 +373,7 @@ function render(d) {
     bar.className = "bar";
     bar.style.width = Math.round(60 * (w.kv_usage || 0)) + "px";
     kv.append(bar, " " + pct(w.kv_usage));
-    workers.append(row([w.worker, w.role, health, String(w.running), String(w.waiting), kv]));
+    workers.append(row([w.worker, w.role, String(w.tp), health, String(w.running), String(w.waiting), kv]));
   }
 }
 

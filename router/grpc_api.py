@@ -212,6 +212,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     waiting=w.waiting,
                     kv_blocks=pb.KvBlocks(total=w.kv_total, free=w.kv_free, cached=w.kv_cached),
                     health=HEALTH[w.health],
+                    tp=w.tp,
                 )
                 for w in loads
             ],

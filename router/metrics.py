@@ -65,14 +65,18 @@ class _Workers(Collector):
         busy = CounterMetricFamily(
             P + "worker_busy_seconds", "Wall time of the worker's computing steps", labels=["worker", "role"]
         )
+        degree = GaugeMetricFamily(
+            P + "worker_tp_degree", "GPUs (tensor-parallel ranks) the worker spans", labels=["worker", "role"]
+        )
         for w in self.loads():
             labels = [w.worker_id, w.role.value]
+            degree.add_metric(labels, w.tp)
             running.add_metric(labels, w.running)
             waiting.add_metric(labels, w.waiting)
             kv.add_metric(labels, w.kv_usage)
             healthy.add_metric(labels, 1.0 if w.health is WorkerHealth.HEALTHY else 0.0)
             busy.add_metric(labels, w.busy_s)
-        return [running, waiting, kv, healthy, busy, *self._transfers()]
+        return [running, waiting, kv, healthy, busy, degree, *self._transfers()]
 
     def _transfers(self) -> list[Metric]:
         labels = ["worker", "role"]

@@ -179,7 +179,10 @@ class Router:
 
     def _loads(self) -> list[WorkerLoad]:
         unhealthy = WorkerHealth.UNHEALTHY
-        return [w.load if w.alive else replace(w.load, health=unhealthy) for w in self.workers.values()]
+        return [
+            replace(w.load, tp=w.info.tp) if w.alive else replace(w.load, health=unhealthy, tp=w.info.tp)
+            for w in self.workers.values()
+        ]
 
     @property
     def ready(self) -> bool:
@@ -330,10 +333,10 @@ class Router:
             if w.alive:
                 try:
                     w.load = await w.control(GetLoad(), timeout_s=2.0)
-                    return w.load
+                    return replace(w.load, tp=w.info.tp)
                 except Exception as e:
                     log.warning("status of %s: %s", w.worker_id, e)
-            return replace(w.load, health=WorkerHealth.UNHEALTHY)
+            return replace(w.load, health=WorkerHealth.UNHEALTHY, tp=w.info.tp)
 
         loads = await asyncio.gather(*(one(w) for w in self.workers.values()))
         mode = "colocated" if self.colocated else "disaggregated"

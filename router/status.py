@@ -17,6 +17,7 @@ def worker_json(w: WorkerLoad) -> dict[str, Any]:
         "waiting": w.waiting,
         "kv_blocks": {"total": w.kv_total, "free": w.kv_free, "cached": w.kv_cached},
         "health": w.health.value,
+        "tp": w.tp,
     }
 
 

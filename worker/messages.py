@@ -158,6 +158,7 @@ class WorkerLoad:
     # seconds of wall time its steps that computed something took since it started (polls for
     # transfers alone excluded): the pool planner reads the pool's speed off its differences
     busy_s: float = 0.0
+    tp: int = 1  # the worker's degree (``WorkerInfo.tp``; the router fills it in for its status)
 
     @property
     def kv_usage(self) -> float:

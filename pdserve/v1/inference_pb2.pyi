@@ -251,7 +251,7 @@ class KvBlocks(_message.Message):
     def __init__(self, total: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "running", "waiting", "kv_blocks", "health")
+    __slots__ = ("worker_id", "role", "address", "running", "waiting", "kv_blocks", "health", "tp")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class WorkerStatus(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -266,7 +267,8 @@ class WorkerStatus(_message.Message):
     waiting: int
     kv_blocks: KvBlocks
     health: WorkerHealth
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KvBlocks, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, str]] = ...) -> None: ...
+    tp: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks: _Optional[_Union[KvBlocks, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, str]] = ..., tp: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("ready", "mode", "workers")

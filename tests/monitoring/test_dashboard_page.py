@@ -29,7 +29,10 @@ def fake_router(tracker: Any) -> Any:
     def worker(wid: str, role: WorkerRole, free: int, health: WorkerHealth) -> Any:
         load = WorkerLoad(wid, role, "", 1, 2, 100, free, 0)
         routable = health is WorkerHealth.HEALTHY
-        return SimpleNamespace(worker_id=wid, role=role, load=load, health=health, routable=routable)
+        info = SimpleNamespace(tp=2 if role is WorkerRole.DECODE else 1)
+        return SimpleNamespace(
+            worker_id=wid, role=role, load=load, health=health, routable=routable, info=info
+        )
 
     workers = [
         worker("decode-0", WorkerRole.DECODE, 25, WorkerHealth.HEALTHY),
@@ -82,9 +85,9 @@ def test_data_json_nan_is_null_and_behind_the_key() -> None:
     assert {k: v for k, v in chat.items() if k != "targets"} == d["current"]
     load = {"running": 1, "waiting": 2}
     assert d["workers"] == [
-        {"worker": "decode-0", "role": "decode", "healthy": True, "health": "healthy", **load,
+        {"worker": "decode-0", "role": "decode", "tp": 2, "healthy": True, "health": "healthy", **load,
          "kv_usage": 0.75},
-        {"worker": "prefill-0", "role": "prefill", "healthy": False, "health": "unhealthy", **load,
+        {"worker": "prefill-0", "role": "prefill", "tp": 1, "healthy": False, "health": "unhealthy", **load,
          "kv_usage": 0.0},
     ]  # fmt: skip
     assert client.get("/dashboard/data", params={"step_s": 0}, headers=auth).status_code == 400

@@ -16,6 +16,7 @@ from tests.service.helpers import (
     grpc_request,
     hf_reference,
     start_service,
+    status,
     stub,
     wait_for,
 )
@@ -45,6 +46,8 @@ def _gone(pid: int) -> bool:
 def test_a_decode_rank_killed_mid_stream_moves_its_streams_token_exact() -> None:
     st, ep = start_service(use_ray=False, prefill=1, decode=2, decode_tp=2, tp_timeout_s=10.0)
     try:
+        degrees = {w["worker_id"]: w["tp"] for w in status(ep)["workers"]}
+        assert degrees == {"prefill-0": 1, "decode-0": 2, "decode-1": 2}  # the degree is part of a worker
         s = stub(ep)
         ps = prompts(4, seed=61)
         calls = start_streams(s, ps)
