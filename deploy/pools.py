@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.config import EngineConfig
+from pdserve.steptime.roofline import TP_DEGREES
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
 
@@ -29,8 +30,16 @@ class PoolSpec:
     # The most workers it may run at once (an autoscaled deployment's maximum); a private Ray
     # instance is sized for it, or a pool could never grow past its first size. 0: num_workers.
     max_workers: int = 0
+    # Tensor-parallel degree: the GPUs each prefill / decode worker spans (colocated engines
+    # take decode_tp). Parsed from --prefill-tp / --decode-tp; placing a worker on several GPUs
+    # is the TP engine's (not yet wired: workers start on gpus_per_worker).
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
+        for name, tp in (("prefill_tp", self.prefill_tp), ("decode_tp", self.decode_tp)):
+            if tp not in TP_DEGREES:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, TP_DEGREES))}, not {tp}")
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be >= 0")
         if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):

@@ -243,7 +243,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
-        _ = self.profile  # an unknown profile fails here, before any worker starts
+        profile = self.profile  # an unknown profile fails here, before any worker starts
+        if profile is not None:
+            _ = profile.kv_capacity_tokens  # as does a tensor-parallel degree it does not fit at
         check_overlap(self.overlap)
 
     @property
