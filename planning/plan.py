@@ -23,8 +23,9 @@ bisection (the rate doubled until joint attainment falls below 90 %, then bisect
   smallest degree the model fits (``--prefill-tp`` / ``--decode-tp`` fix the degrees instead);
   then the best split is tried with the prefill pool at each other degree (the prefill GPUs'
   share held, the worker count just below and above it), then with the decode pool at each
-  other degree beside the best prefill degree, and the best colocated layout at each other
-  degree. Degrees are those of 1, 2, 4, 8 the model fits at and the GPUs hold.
+  other degree beside the best prefill degree (and one prefill worker either side of the best
+  split found so), and the best colocated layout at each other degree. Degrees are those of 1,
+  2, 4, 8 the model fits at and the GPUs hold.
 
 Colocated layouts are candidates like any other, so the answer may be "do not split". A
 candidate is first measured at the best goodput of its family so far and stops there if it
@@ -433,8 +434,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pt = top[1].prefill_tp
         return fresh(tp_neighbours(top[1], args.gpus, [(pt, dt) for dt in decode_degrees if dt != bd]))
 
+    def tp_refine() -> list[Candidate]:
+        """One prefill worker more and one fewer around the best split at other degrees (the
+        pairs above held a pool's GPUs: the balance at the new degrees may lie beside it)."""
+        top = best_row(colocated=False)
+        if top is None or (top[1].prefill_tp, top[1].decode_tp) == (bp, bd):
+            return []
+        c = top[1]
+        near = [split(args.gpus, p, c.budget, c.prefill_tp, c.decode_tp, conditional=c.conditional)
+                for p in (c.prefill - 1, c.prefill + 1)]  # fmt: skip
+        return fresh([n for n in near if n.prefill >= 1 and n.decode >= 1])
+
     if len(prefill_degrees) > 1 or len(decode_degrees) > 1:
-        stages += [Stage(idle, tp_prefill), Stage(idle, tp_decode)]
+        stages += [Stage(idle, tp_prefill), Stage(idle, tp_decode), Stage(idle, tp_refine)]
     pool: SearchPool[Candidate] = SearchPool(jobs, functools.partial(measure_point, args), progress)
     try:
         run(stages)

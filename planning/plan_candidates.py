@@ -109,10 +109,10 @@ def most_prefill(gpus: int, prefill_tp: int = 1, decode_tp: int = 1) -> int:
 
 def splits(gpus: int, max_splits: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[int]:
     """Prefill worker counts to try: 1..``most_prefill`` with a stride that keeps about
-    ``max_splits``."""
-    top = most_prefill(gpus, prefill_tp, decode_tp)
-    stride = max(1, top // max(1, max_splits))
-    return list(range(1, top + 1, stride))
+    ``max_splits`` (in GPUs: workers of several GPUs take the stride of one GPU each)."""
+    gpu_stride = (gpus - 1) // max(1, max_splits)
+    stride = max(1, -(-gpu_stride // prefill_tp))
+    return list(range(1, most_prefill(gpus, prefill_tp, decode_tp) + 1, stride))
 
 
 def split(

@@ -119,3 +119,26 @@ def test_plan_chooses_each_pools_degree_where_a_mixed_one_wins(
     big = ["--profile", "h100-llama3-70b", "--gpus", "8", "--goodput", "ttft:250", "tpot:100"]
     assert cmd_plan(p.parse_args([*big, "--decode-tp", "1"])) == 2
     assert "valid degrees 2, 4, 8" in capsys.readouterr().err
+
+
+def test_layouts_at_other_degrees_hold_a_pools_gpus_within_the_budget() -> None:
+    from pdserve.planning.plan_candidates import Candidate, candidates, splits, tp_neighbours
+
+    assert splits(64, 16) == list(range(1, 64, 3))  # one GPU a worker: as before
+    assert splits(64, 16, 2, 2) == list(range(1, 32, 2))  # about as many splits of two-GPU workers
+    first = candidates(64, 16, (2048,), (), (8192,), prefill_tp=2, decode_tp=2)
+    assert all(c.gpus <= 64 and (c.colocated == 32 or c.prefill + c.decode == 32) for c in first)
+    best = Candidate(10, 22, 0, 8192, prefill_tp=2, decode_tp=2)  # 20 prefill GPUs, 44 decode
+    near = tp_neighbours(best, 64, [(4, 2), (8, 2), (2, 8)])
+    # each pair: the prefill pool's 20 GPUs held as near as its workers come, then the decode
+    # pool's 44; the other pool takes what is left
+    assert [(c.prefill, c.prefill_tp, c.decode, c.decode_tp) for c in near] == [
+        (5, 4, 22, 2),  # 20 prefill GPUs; holding decode's gives the same layout
+        (3, 8, 20, 2),  # 24 prefill GPUs (the nearest), 40 left for decode
+        (2, 8, 22, 2),  # 44 decode GPUs held
+        (10, 2, 5, 8),  # 20 prefill GPUs held: 40 left for decode
+        (8, 2, 6, 8),  # 48 decode GPUs (the nearest to 44), 16 left for prefill
+    ]
+    assert all(c.gpus <= 64 and c.budget == 8192 for c in near)
+    assert Candidate(0, 0, 8, 2048, decode_tp=8).gpus == 64
+    assert Candidate(3, 2, 0, 2048, prefill_tp=4, decode_tp=8).gpus == 28
