@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.kvtransfer.config import TransportConfig
 from pdserve.kvtransfer.tls import InternalTls
-from pdserve.model_runtime.config import TP_DEGREES, EngineConfig
+from pdserve.model_runtime.config import EngineConfig
+from pdserve.steptime.roofline import TP_DEGREES
 from pdserve.worker.messages import WorkerRole
 from pdserve.worker.spec import WorkerSpec
 
@@ -23,7 +24,8 @@ class PoolSpec:
     transport: TransportConfig = field(default_factory=TransportConfig)
     cpus_per_worker: int = 1  # per rank: a TP worker of degree t takes t times as many
     gpus_per_worker: int = 0  # 0: CPU workers; per rank, like cpus_per_worker
-    # Tensor-parallel degree of each pool's workers (a colocated pool runs ``engine.tp``).
+    # Tensor-parallel degree: the GPUs (ranks) each prefill / decode worker spans; colocated
+    # engines take decode_tp (``--prefill-tp`` / ``--decode-tp``).
     prefill_tp: int = 1
     decode_tp: int = 1
     replace_lost: bool = True  # a worker the router lost is replaced by a fresh one
@@ -34,6 +36,9 @@ class PoolSpec:
     max_workers: int = 0
 
     def __post_init__(self) -> None:
+        for name, tp in (("prefill_tp", self.prefill_tp), ("decode_tp", self.decode_tp)):
+            if tp not in TP_DEGREES:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, TP_DEGREES))}, not {tp}")
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be >= 0")
         if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
@@ -42,9 +47,6 @@ class PoolSpec:
             raise ValueError(f"max_workers must be >= 0, not {self.max_workers}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
-        for name in ("prefill_tp", "decode_tp"):
-            if getattr(self, name) not in TP_DEGREES:
-                raise ValueError(f"{name} must be one of {TP_DEGREES}, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, not {self.drain_timeout_s}")
 
@@ -64,9 +66,7 @@ class PoolSpec:
 
     def tp_of(self, role: WorkerRole) -> int:
         """The tensor-parallel degree of pool ``role``'s workers."""
-        if role is WorkerRole.PREFILL:
-            return self.prefill_tp
-        return self.decode_tp if role is WorkerRole.DECODE else self.engine.tp
+        return self.prefill_tp if role is WorkerRole.PREFILL else self.decode_tp
 
     @property
     def roles(self) -> tuple[tuple[WorkerRole, int], ...]:

@@ -20,6 +20,8 @@ from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.steptime.load import load_profile
 from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.parallel import at_tp
+from pdserve.steptime.roofline import TP_DEGREES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -223,7 +225,6 @@ class CacheConfig:
 
 
 COMPUTE_MODES = ("model", "zero", "emulated:<profile>")
-TP_DEGREES = (1, 2, 4, 8)  # ``parallel.sharding.DEGREES``: one node's GPUs
 
 
 @dataclass(frozen=True)
@@ -250,9 +251,16 @@ class EngineConfig:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s}")
         if self.compute not in ("model", "zero") and not self.compute.startswith("emulated:"):
             raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {self.compute!r}")
-        _ = self.profile  # an unknown profile fails here, before any worker starts
+        profile = self.profile  # an unknown profile fails here, before any worker starts
+        if profile is not None:
+            _ = profile.kv_capacity_tokens  # as does a tensor-parallel degree it does not fit at
         check_overlap(self.overlap)
 
     @property
     def profile(self) -> StepTimeModel | None:
-        return load_profile(self.compute.split(":", 1)[1]) if self.compute.startswith("emulated:") else None
+        """The emulated GPU worker's step-time model, at this engine's degree when it is > 1
+        (a profile named ``…@tpN`` keeps its own otherwise)."""
+        if not self.compute.startswith("emulated:"):
+            return None
+        profile = load_profile(self.compute.split(":", 1)[1])
+        return at_tp(profile, self.tp) if self.tp > 1 else profile

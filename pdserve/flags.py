@@ -18,6 +18,7 @@ from typing import Any
 
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule
 from pdserve.router.policy import POLICIES
+from pdserve.steptime.roofline import TP_DEGREES
 
 
 # Value checks for ``type=``: argparse then names the flag in its error. Each states the range it
@@ -82,6 +83,52 @@ def add_layout(p: argparse.ArgumentParser) -> None:
         help="colocated engines: chunked prefill riding along decodes (default), or whole prompts "
         "first (vLLM v0's schedule; `pdserve plan` says when it wins)",
     )
+    add_tp(p)
+
+
+def tp_degree(text: str) -> int:
+    """A worker's tensor-parallel degree: the GPUs it spans, a power of two within a node."""
+    value = int(text)
+    if value not in TP_DEGREES:
+        raise argparse.ArgumentTypeError(
+            f"must be a power of two from 1 to {TP_DEGREES[-1]} (GPUs a worker spans), got {value}"
+        )
+    return value
+
+
+def add_tp(p: argparse.ArgumentParser) -> None:
+    """``--prefill-tp`` / ``--decode-tp``: the GPUs each worker of a pool spans (colocated
+    engines take ``--decode-tp``, as they take the decode workers' settings). ``pdserve plan``
+    searches a degree not given (its default: None)."""
+    for pool, whose in (("prefill", "prefill worker"), ("decode", "decode worker and colocated engine")):
+        p.add_argument(
+            f"--{pool}-tp",
+            type=tp_degree,
+            default=1,
+            metavar="N",
+            help=f"tensor-parallel degree: the GPUs each {whose} spans, 1/2/4/8 (default 1; "
+            "pdserve plan searches it unless given)",
+        )
+
+
+def pool_degrees(args: argparse.Namespace) -> tuple[int, int]:
+    """``(prefill, decode)`` degrees of a served or simulated layout (colocated engines: the
+    decode degree, and a different prefill degree is refused: no prefill pool runs)."""
+    ptp, dtp = int(getattr(args, "prefill_tp", 1) or 1), int(getattr(args, "decode_tp", 1) or 1)
+    if colocated_count(args) and ptp not in (1, dtp):
+        raise ValueError("colocated engines run at --decode-tp; --prefill-tp sizes a prefill pool")
+    return (dtp if colocated_count(args) else ptp), dtp
+
+
+def layout_label(prefill: int, decode: int, colocated: int, prefill_tp: int = 1, decode_tp: int = 1) -> str:
+    """``"4P+4D"``, ``"8 colocated"``; a degree above 1 as ``@tp<N>`` (``"2P@tp4+3D@tp8"``)."""
+
+    def at(tp: int) -> str:
+        return f"@tp{tp}" if tp > 1 else ""
+
+    if colocated:
+        return f"{colocated} colocated{at(decode_tp)}"
+    return f"{prefill}P{at(prefill_tp)}+{decode}D{at(decode_tp)}"
 
 
 def colocated_count(args: argparse.Namespace) -> int:

@@ -204,6 +204,8 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         replace_lost=args.replace_lost,
         drain_timeout_s=args.worker_drain_timeout,
         internal_tls=args.internal_tls,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
     config = RouterConfig(
         host=args.host,

@@ -10,6 +10,11 @@ batching and perfect overlap of prefill and decode would reach. Prefix-cache hit
 if the cache were infinite (a block any earlier prompt had is free), so the bound stays an upper
 bound on workloads with shared prefixes.
 
+With tensor parallelism the bound is in GPU-seconds at the smallest degree the model runs at:
+the linear, attention and KV-read work a token does on ``t`` GPUs takes ``t`` times its step share
+in GPU-seconds, the same at every degree, while the all-reduces (and replicated KV heads past
+``kv_heads``) only add with ``t``, so no degree does a token's work in fewer GPU-seconds.
+
 Two uses: a simulated or measured goodput reads against it (how close to the hardware a layout
 gets), and a target above it is out of reach for every router unless requests are shed, since in
 steady state the work arriving per second must fit in the GPU-seconds available. Finite runs can
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pdserve.bench.workload import RequestSpec
 from pdserve.simulator.prompt_memo import prompt_keys
 from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.parallel import at_tp, valid_tp
 
 # Marginal costs are taken inside a step this large: compute-bound for any profile, with a
 # prefill chunk and a decode token already present so that neither kind's base cost is charged.
@@ -76,8 +82,9 @@ class MarginalCost:
 
 
 def work_bound(model: StepTimeModel, specs: Sequence[RequestSpec], block_size: int = 16) -> WorkBound:
-    """The work bound of ``specs`` on ``model`` (see the module docstring)."""
-    cost = MarginalCost(model)
+    """The work bound of ``specs`` on ``model`` at any degree (see the module docstring)."""
+    tp = valid_tp(model)[0]
+    cost = MarginalCost(at_tp(model, tp))
     seen: set[bytes] = set()
     prefill = decode = 0.0
     prompt_tokens = cached_tokens = 0
@@ -99,7 +106,7 @@ def work_bound(model: StepTimeModel, specs: Sequence[RequestSpec], block_size: i
     n = len(specs)
     return WorkBound(
         requests=n,
-        prefill_s=prefill / n if n else 0.0,
-        decode_s=decode / n if n else 0.0,
+        prefill_s=tp * prefill / n if n else 0.0,  # GPU-seconds: each of the tp GPUs held
+        decode_s=tp * decode / n if n else 0.0,
         cached_fraction=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
     )

@@ -19,6 +19,14 @@ bisection (the rate doubled until joint attainment falls below 90 %, then bisect
   family; ``--no-conditional`` skips it). Its best is compared with the better of the pure
   layouts, per the question "does conditional disaggregation ever lose to a fixed choice?".
 
+* **tensor parallelism** (DistServe's per-phase parallelism): every family above runs at the
+  smallest degree the model fits (``--prefill-tp`` / ``--decode-tp`` fix the degrees instead);
+  then the best split is tried with the prefill pool at each other degree (the prefill GPUs'
+  share held, the worker count just below and above it), then with the decode pool at each
+  other degree beside the best prefill degree (and one prefill worker either side of the best
+  split found so), and the best colocated layout at each other degree. Degrees are those of 1,
+  2, 4, 8 the model fits at and the GPUs hold.
+
 Colocated layouts are candidates like any other, so the answer may be "do not split". A
 candidate is first measured at the best goodput of its family so far and stops there if it
 misses (``pruned``: its goodput is below that rate); ``--no-prune`` measures all.
@@ -31,6 +39,7 @@ DistServe measured against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -54,14 +63,18 @@ from pdserve.planning.plan_candidates import (
     Row,
     candidates,
     coarse_to_fine,
+    most_prefill,
     rank,
+    split,
     splits,
+    tp_neighbours,
 )
 from pdserve.planning.plan_jobs import SearchPool
 from pdserve.planning.plan_report import report
 from pdserve.planning.simulate import add_simulate_args, simulate
 from pdserve.simulator.calibration import load_sim_profile
 from pdserve.simulator.run import workload
+from pdserve.steptime.parallel import valid_tp
 
 
 def _ints(text: str) -> list[int]:
@@ -70,7 +83,8 @@ def _ints(text: str) -> list[int]:
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     add_simulate_args(p)
-    p.add_argument("--gpus", type=int, required=True, help="GPUs (workers) to lay out")
+    p.set_defaults(prefill_tp=None, decode_tp=None)  # searched per pool unless given
+    p.add_argument("--gpus", type=int, required=True, help="GPUs to lay out")
     p.add_argument("--max-splits", type=int, default=16, help="prefill:decode splits in the first pass")
     p.add_argument("--no-refine", dest="refine", action="store_false", help="no second pass of splits")
     p.add_argument("--colocated-budgets", type=_ints, default=list(COLOCATED_BUDGETS), help="e.g. 512,2048")
@@ -212,6 +226,23 @@ def _work_bound_rate(args: argparse.Namespace) -> float:
     return work_bound(load_sim_profile(args.profile), specs, args.block_size).rate_per_gpu * gpus
 
 
+def degrees(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The degrees the plan tries for the prefill and the decode pool (smallest first): those
+    the model fits at and ``--gpus`` holds, or the one ``--prefill-tp`` / ``--decode-tp`` fix."""
+    fits = [t for t in valid_tp(load_sim_profile(args.profile)) if t <= args.gpus]
+    out = []
+    for fixed in (args.prefill_tp, args.decode_tp):
+        if fixed is not None and fixed not in fits:
+            raise ValueError(
+                f"{args.profile} does not run at tp={fixed} on {args.gpus} GPUs: valid degrees "
+                f"{', '.join(map(str, fits)) or 'none'}"
+            )
+        if not fits:
+            raise ValueError(f"{args.profile} fits no degree of 1, 2, 4, 8 within {args.gpus} GPUs")
+        out.append([fixed] if fixed is not None else fits)
+    return out[0], out[1]
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
         slo = Slo.parse(args.goodput)
@@ -240,8 +271,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        prefill_degrees, decode_degrees = degrees(args)
+    except ValueError as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    bp, bd = prefill_degrees[0], decode_degrees[0]  # every family's first pass
     rows: list[Row] = []
-    best: dict[str, float] = {}  # family -> best goodput (req/s) so far
+    # family -> best goodput so far (req/s over all --gpus: a layout that leaves GPUs idle scaled up)
+    best: dict[str, float] = {}
+
+    def scaled(rate: float, c: Candidate, to_plan: bool = False) -> float:
+        """``rate`` of a ``--gpus`` layout as ``c``'s GPUs would hold it (or ``c``'s rate as
+        ``--gpus`` would, ``to_plan``); exact where they are the same."""
+        gpus: int = args.gpus
+        if c.gpus == gpus:
+            return rate
+        return rate * gpus / c.gpus if to_plan else rate * c.gpus / gpus
 
     skipped: list[str] = []
     if args.exhaustive:
@@ -287,8 +333,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 if time.monotonic() >= deadline:
                     skipped.append(c.label)
                     continue
-                bound = best.get(c.family, 0.0) if args.prune else 0.0
-                hint = (best.get(c.family) or max(best.values(), default=0.0) or bound_rate) if warm else 0.0
+                bound = scaled(best.get(c.family, 0.0), c) if args.prune else 0.0
+                known = best.get(c.family) or max(best.values(), default=0.0) or bound_rate
+                hint = scaled(known, c) if warm else 0.0
                 pool.start(c, functools.partial(goodput_search, c, args, bound, deadline, hint))
             # idle jobs measure ahead only when no candidate waits for one
             for c, found, points in pool.wait(ahead=not todo):
@@ -297,7 +344,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def record(c: Candidate, res: dict[str, Any]) -> None:
         per_gpu = res["goodput_rate"] / c.gpus
         rows.append((per_gpu, c, res))
-        best[c.family] = max(best.get(c.family, 0.0), res["goodput_rate"])
+        best[c.family] = max(best.get(c.family, 0.0), scaled(res["goodput_rate"], c, to_plan=True))
         if res["pruned"] and not res["goodput_rate"]:  # missed the family's best at once
             print(f"  {c.label:<40} goodput < {res['failed_at']:.2f} req/s (pruned)", flush=True)
             return
@@ -310,12 +357,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    first = candidates(
-        args.gpus, args.max_splits, args.colocated_budgets, args.priority_budgets, args.prefill_budgets
-    )
+    budgets = (args.colocated_budgets, args.priority_budgets, args.prefill_budgets)
+    first = candidates(args.gpus, args.max_splits, *budgets, prefill_tp=bp, decode_tp=bd)
     order = coarse_to_fine if warm else list
     pairs = [c for c in first if not c.colocated]
-    coarse = splits(args.gpus, args.max_splits)
+    coarse = splits(args.gpus, args.max_splits, bp, bd)
     tried = {(c.prefill, c.budget) for c in pairs}
     # The local search around the best split halves its step each round; a round reads the
     # best split of all before it, so it waits for them (and goes ahead of other work: the
@@ -326,8 +372,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # on the best chunked-colocation budget: settled by now
         chunked_best = max((r for r in rows if r[1].family == CHUNKED), key=rank, default=None)
         budget = chunked_best[1].budget if chunked_best else max(args.prefill_budgets)
-        on = [Candidate(p, args.gpus - p, 0, budget, conditional=True) for p in coarse]
-        return [Candidate(0, 0, args.gpus, budget, conditional=True), *order(on)]
+        on = [split(args.gpus, p, budget, bp, bd, conditional=True) for p in coarse]
+        return [Candidate(0, 0, args.gpus // bd, budget, conditional=True, decode_tp=bd), *order(on)]
 
     def refine() -> list[Candidate]:
         nonlocal step
@@ -338,9 +384,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         near = []
         for p in (top - step, top + step):
             for b in args.prefill_budgets:
-                if 0 < p < args.gpus and (p, b) not in tried:
+                if 0 < p <= most_prefill(args.gpus, bp, bd) and (p, b) not in tried:
                     tried.add((p, b))
-                    near.append(Candidate(p, args.gpus - p, 0, b))
+                    near.append(split(args.gpus, p, b, bp, bd))
         step //= 2
         if step >= 1:
             stages.append(Stage(lambda: settled(SPLIT), refine, urgent=True))
@@ -354,6 +400,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
         stages.append(Stage(lambda: settled(CHUNKED), conditional))
     if step >= 1:
         stages.append(Stage(lambda: settled(SPLIT), refine, urgent=True))
+
+    # Tensor parallelism, one pool at a time once the first pass (and its refinement) settled.
+    seen = {c for c in first}
+
+    def idle() -> bool:
+        return step < 1 and not todo and not pool.running
+
+    def fresh(cs: list[Candidate]) -> list[Candidate]:
+        out = [c for c in dict.fromkeys(cs) if c not in seen]
+        seen.update(out)
+        return out
+
+    def best_row(colocated: bool) -> Row | None:
+        return max((r for r in rows if bool(r[1].colocated) == colocated), key=rank, default=None)
+
+    def tp_prefill() -> list[Candidate]:
+        out: list[Candidate] = []
+        top = best_row(colocated=False)
+        if top is not None:
+            out += tp_neighbours(top[1], args.gpus, [(pt, bd) for pt in prefill_degrees[1:]])
+        coloc = best_row(colocated=True)
+        if coloc is not None:
+            c = coloc[1]
+            for dt in decode_degrees[1:]:
+                out.append(dataclasses.replace(c, colocated=args.gpus // dt, decode_tp=dt))
+        return fresh(out)
+
+    def tp_decode() -> list[Candidate]:
+        top = best_row(colocated=False)
+        if top is None:
+            return []
+        pt = top[1].prefill_tp
+        return fresh(tp_neighbours(top[1], args.gpus, [(pt, dt) for dt in decode_degrees if dt != bd]))
+
+    def tp_refine() -> list[Candidate]:
+        """One prefill worker more and one fewer around the best split at other degrees (the
+        pairs above held a pool's GPUs: the balance at the new degrees may lie beside it)."""
+        top = best_row(colocated=False)
+        if top is None or (top[1].prefill_tp, top[1].decode_tp) == (bp, bd):
+            return []
+        c = top[1]
+        near = [split(args.gpus, p, c.budget, c.prefill_tp, c.decode_tp, conditional=c.conditional)
+                for p in (c.prefill - 1, c.prefill + 1)]  # fmt: skip
+        return fresh([n for n in near if n.prefill >= 1 and n.decode >= 1])
+
+    if len(prefill_degrees) > 1 or len(decode_degrees) > 1:
+        stages += [Stage(idle, tp_prefill), Stage(idle, tp_decode), Stage(idle, tp_refine)]
     pool: SearchPool[Candidate] = SearchPool(jobs, functools.partial(measure_point, args), progress)
     try:
         run(stages)

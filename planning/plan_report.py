@@ -27,12 +27,18 @@ def report(args: argparse.Namespace, rows: list[Row], skipped: list[str]) -> Non
     coloc = max(pure_coloc, key=rank, default=None)
     chunked, priority, split = family_best(CHUNKED), family_best(PRIORITY), family_best(SPLIT)
     conditional = family_best(CONDITIONAL)
+    # one degree everywhere: what a search without per-pool parallelism would have found
+    equal_tp = max((r for r in rows if r[1].equal_tp), key=rank, default=None)
+    prefill_tp = rec.decode_tp if rec.colocated else rec.prefill_tp
     print(f"\nrecommended: {rec.label}: {best_per_gpu:.3f} req/s per GPU")
     summary: dict[str, Any] = {
         "gpus": args.gpus,
         "goodput_slo": " ".join(args.goodput),
         "recommended": rec.label,
         "recommended_per_gpu": round(best_per_gpu, 3),
+        "recommended_gpus": rec.gpus,
+        "recommended_prefill_tp": prefill_tp,
+        "recommended_decode_tp": rec.decode_tp,
         "not_measured": skipped,  # past --time-budget
     }
     if skipped:
@@ -50,7 +56,11 @@ def report(args: argparse.Namespace, rows: list[Row], skipped: list[str]) -> Non
                 "the backlog they build is felt); give each point more arrivals (--duration SECONDS)",
                 flush=True,
             )
+    if rows_tp := any(r[1].prefill_tp > 1 or r[1].decode_tp > 1 for r in rows):
+        held = f"{rec.gpus} GPUs held"
+        print(f"  tensor parallelism: prefill tp {prefill_tp}, decode tp {rec.decode_tp} ({held})")
     for name, row in (
+        ("best with equal TP everywhere", equal_tp if rows_tp else None),
         ("best colocated", coloc),
         ("best chunked colocated", chunked),
         ("prefill-priority colocated", priority),
@@ -66,6 +76,7 @@ def report(args: argparse.Namespace, rows: list[Row], skipped: list[str]) -> Non
         ("best_prefill_priority", priority),
         ("best_split", split),
         ("best_conditional", conditional),
+        ("best_equal_tp", equal_tp),
     ):
         if row is not None:
             summary[key] = row[1].label

@@ -17,7 +17,7 @@ from typing import Any
 from pdserve.bench.metrics import Slo
 from pdserve.bench.runner import print_summary
 from pdserve.bench.workload import RequestSpec
-from pdserve.flags import save_result
+from pdserve.flags import pool_degrees, save_result
 from pdserve.planning.bound import work_bound
 from pdserve.planning.planner import Planner
 from pdserve.planning.settings import add_autoscale, planner_settings
@@ -59,7 +59,7 @@ def simulate(args: argparse.Namespace, specs: list[RequestSpec] | None = None) -
         if any(shed)
         else bound  # nothing shed: the same workload, no second pass over its prompts
     )
-    gpus = sim.colocated or args.prefill + args.decode
+    gpus = sim.gpus
     finite = math.isfinite(args.request_rate)  # all at once: no load to speak of (None in the JSON)
     rate = args.request_rate if finite else 0.0
     m.update(
@@ -86,6 +86,8 @@ def autoscaler(args: argparse.Namespace, sim: Simulation) -> SimAutoscaler | Non
         return None
     if sim.colocated:
         raise ValueError("--autoscale resizes prefill and decode pools: not with --colocated")
+    if sim.degrees[0] != sim.degrees[1]:
+        raise ValueError("--autoscale moves workers between the pools: give both the same degree")
     slo = sim.slo
     if not (slo.ttft_ms and slo.tpot_ms):
         raise ValueError("--autoscale needs both targets: --goodput ttft:MS tpot:MS")
@@ -101,6 +103,10 @@ def autoscaler(args: argparse.Namespace, sim: Simulation) -> SimAutoscaler | Non
 def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         if args.fluid:
+            if pool_degrees(args) != (1, 1):
+                raise ValueError(
+                    "--fluid counts workers, not GPUs: run it on workers of N GPUs with --profile NAME@tpN"
+                )
             from pdserve.planning.fluid_run import print_fluid, simulate_fluid
 
             m = simulate_fluid(args, None if args.trace else workload(args), progress=True)

@@ -18,13 +18,14 @@ def make_dispatcher(
     on_error: ErrorSink | None = None,
     local_step_tokens: int = 0,
     prefill_step_tokens: int = 0,
+    prefill_profile: StepTimeModel | None = None,
 ) -> Dispatcher:
     if name in LOAD_POLICIES:
         return PairPolicy(LOAD_POLICIES[name])
     if name == "goodput":
         # Without a profile the built-in one is the prior: online correction rescales it per
         # worker from the first observed request on.
-        model = StepPredictor(profile or H100_LLAMA3_8B)
+        model = StepPredictor(profile or H100_LLAMA3_8B, prefill_profile=prefill_profile)
         config = GoodputConfig(
             block_size,
             local_prefill,

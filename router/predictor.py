@@ -57,10 +57,13 @@ class StepPredictor:
         profile: StepTimeModel,
         decay: float = 0.2,
         bounds: tuple[float, float] = (1e-3, 1e4),
+        prefill_profile: StepTimeModel | None = None,
     ) -> None:
         if not 0 < decay <= 1:
             raise ValueError("decay must be in (0, 1]")
         self.profile = profile
+        # the prefill pool's workers where they run at another tensor-parallel degree
+        self.prefill_profile = prefill_profile or profile
         self.decay = decay
         self.bounds = bounds
         self._corr: dict[tuple[str, Phase], Correction] = {}
@@ -93,7 +96,9 @@ class StepPredictor:
         return self.profile.mixed_time(chunks, decodes, decode_context) * self.factor(worker, phase)
 
     def prefill_s(self, worker: str, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.step_s(worker, [(max(1, new_tokens), cached_tokens)], Phase.PREFILL)
+        """A prompt on prefill worker ``worker``."""
+        chunks = [(max(1, new_tokens), cached_tokens)]
+        return self.prefill_profile.step_time(chunks) * self.factor(worker, Phase.PREFILL)
 
     def decode_step_s(self, worker: str, batch: int, total_context: int) -> float:
         if batch <= 0:

@@ -73,6 +73,7 @@ class Cluster:
         rebalance_prefill: bool = RouterConfig.rebalance_prefill,
         fast_steps: bool = True,
         migration_limit: int = RouterConfig.migration_limit,
+        prefill_profile: StepTimeModel | None = None,
     ) -> None:
         if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
             raise ValueError(
@@ -91,7 +92,9 @@ class Cluster:
         self.timeouts = Timeouts(RouterConfig.call_timeout_s, reserve_timeout_s)
         self.migration_limit = migration_limit
         self.on_send: Callable[[Send], None] | None = None  # every command sent (tests read them)
-        self.profile = profile
+        self.profile = profile  # decode workers' and colocated engines'
+        # prefill workers' (another tensor-parallel degree: its own step times and KV pool)
+        self.prefill_profile = prefill_profile or profile
         self.calibration = calibration_of(profile)
         self.link = Link(self.clock, profile)
         self.shared_host = shared_host
@@ -142,7 +145,8 @@ class Cluster:
     def add_worker(self, role: WorkerRole, ready_in_s: float = 0.0) -> SimWorker:
         """Start a worker; it takes requests ``ready_in_s`` from now (its start-up: a GPU is
         held, and counted, from now)."""
-        w = SimWorker(f"{role.value}-{next(self._ids)}", role, self.profile, self.configs[role],
+        profile = self.prefill_profile if role is WorkerRole.PREFILL else self.profile
+        w = SimWorker(f"{role.value}-{next(self._ids)}", role, profile, self.configs[role],
                       self.block_size, self)  # fmt: skip
         self.by_id[w.wid] = w
         self.lifetimes[w.wid] = [self.clock.now, math.inf]
@@ -177,6 +181,8 @@ class Cluster:
         self, w: SimWorker, role: WorkerRole, switch_s: float, on_join: Callable[[], object] | None = None
     ) -> None:
         """Drain ``w``, then run it as ``role`` (same KV pool) after ``switch_s``."""
+        if self.prefill_profile is not self.profile:
+            raise ValueError("a worker does not switch between pools of different tensor-parallel degrees")
 
         def swap() -> None:
             def join() -> None:

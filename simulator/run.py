@@ -26,6 +26,8 @@ from pdserve.flags import (
     add_result,
     add_scheduler,
     colocated_count,
+    layout_label,
+    pool_degrees,
 )
 from pdserve.model_runtime.backend import GPU_MAX_SEQS, GPU_STEP_TOKENS
 from pdserve.model_runtime.scheduler.plan import ColocatedSchedule, QueuePolicy, SchedulerConfig
@@ -38,6 +40,7 @@ from pdserve.simulator.early_stop import EarlyStop
 from pdserve.simulator.prompt_memo import checked
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.steptime.model import StepTimeModel
+from pdserve.steptime.parallel import at_tp
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +130,7 @@ class Simulation:
     attach to the cluster what acts on it meanwhile (``pdserve.planning.sim_autoscale``)."""
 
     args: argparse.Namespace
-    profile: StepTimeModel
+    profile: StepTimeModel  # the decode workers' (colocated engines') at their degree
     specs: list[RequestSpec]
     cluster: Cluster
     tracked: list[SimRequest]
@@ -138,11 +141,21 @@ class Simulation:
     colocated: int
     schedule: ColocatedSchedule
     admission: Admission
+    degrees: tuple[int, int] = (1, 1)  # tensor-parallel (prefill, decode): GPUs a worker spans
     end: float = 0.0  # the last token's time, once run
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the layout holds: each worker spans its pool's degree."""
+        ptp, dtp = self.degrees
+        return self.colocated * dtp if self.colocated else self.args.prefill * ptp + self.args.decode * dtp
 
     @classmethod
     def build(cls, args: argparse.Namespace, specs: list[RequestSpec] | None = None) -> Simulation:
-        profile = load_sim_profile(args.profile)
+        degrees = pool_degrees(args)
+        base = load_sim_profile(args.profile)
+        # each pool's workers at their degree (refused, naming the valid ones, where it does not fit)
+        profile, prefill_profile = at_tp(base, degrees[1]), at_tp(base, degrees[0])
         specs = specs if specs is not None else workload(args)
         schedule = ColocatedSchedule(getattr(args, "colocated_schedule", ColocatedSchedule.CHUNKED.value))
         cfg = SchedulerConfig(
@@ -160,14 +173,14 @@ class Simulation:
         dispatcher = make_dispatcher(
             args.policy, profile, args.block_size, getattr(args, "local_prefill", True),
             local_step_tokens=decode_cfg.max_num_batched_tokens,
-            prefill_step_tokens=cfg.max_num_batched_tokens,
+            prefill_step_tokens=cfg.max_num_batched_tokens, prefill_profile=prefill_profile,
         )  # fmt: skip
         cluster = Cluster(
             profile, args.prefill, args.decode, colocated, dispatcher, cfg, decode_cfg, args.block_size,
             slo_class, shared_host=getattr(args, "shared_host", False),
             jitter_seed=getattr(args, "jitter_seed", 0),
             reserve_timeout_s=getattr(args, "reserve_timeout_s", RouterConfig.reserve_timeout_s),
-            fast_steps=getattr(args, "fast_steps", True),
+            fast_steps=getattr(args, "fast_steps", True), prefill_profile=prefill_profile,
         )  # fmt: skip
         capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
         results: list[RequestResult] = []
@@ -181,8 +194,9 @@ class Simulation:
             tracked.append(cluster.submit(s.arrival_s, f"r{i}", prompt, s.output_len))
             submitted.append(RequestSpec(s.arrival_s, prompt, s.prompt_len, s.output_len))
         return cls(
-            args, profile, specs, cluster, tracked, submitted, results, slo, colocated, schedule, admission
-        )
+            args, profile, specs, cluster, tracked, submitted, results, slo, colocated, schedule, admission,
+            degrees,
+        )  # fmt: skip
 
     def run(self) -> dict[str, Any]:
         """Runs the cluster to its end; the workload's metrics (``pdserve bench``'s names)."""
@@ -217,7 +231,8 @@ class Simulation:
             {
                 "simulated": True,
                 "profile": self.profile.name,
-                "layout": f"{colocated} colocated" if colocated else f"{args.prefill}P+{args.decode}D",
+                "layout": layout_label(args.prefill, args.decode, colocated, *self.degrees),
+                "gpus": self.gpus,
                 "policy": args.policy,
                 "colocated_schedule": self.schedule.value,
                 "admission": self.admission.value,

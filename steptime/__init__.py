@@ -5,6 +5,7 @@ predictions, the simulator and the planner (pure Python, standard library only).
 - ``roofline``: ``RooflineProfile``, a GPU's time from FLOPs and bytes (the built-ins);
 - ``fitted``: ``FittedProfile``, coefficients fitted to a real engine's steps (``pdserve profile``);
 - ``dilation``: ``Dilated``, any model with every duration stretched (``<profile>@x<factor>``);
+- ``parallel``: any model at a tensor-parallel degree (``<profile>@tp<N>``);
 - ``load``: ``load_profile``, a built-in by name or a JSON file of either kind.
 
 What a serving host adds on top of a model (the simulator's calibration: service factors,

@@ -4,7 +4,8 @@ A file holds one object with a ``kind``: ``"roofline"`` (``RooflineProfile``'s f
 default when ``kind`` is absent), ``"fitted"`` (``FittedProfile``'s: ``pdserve profile`` writes
 these) or ``"dilated"`` (``{"factor": x, "base": {...}}``). Other rooms add kinds of their own
 (the simulator's host calibration) by passing ``kinds``. A name or path may end in
-``@x<factor>``: every duration stretched (``pdserve.steptime.dilation``).
+``@x<factor>``: every duration stretched (``pdserve.steptime.dilation``); a name may end in
+``@tp<N>`` (before any ``@x``): the model on workers of ``N`` GPUs (``pdserve.steptime.parallel``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, TypeVar
 from pdserve.steptime.dilation import Dilated, split_dilation
 from pdserve.steptime.fitted import FittedProfile
 from pdserve.steptime.model import StepTimeModel
-from pdserve.steptime.roofline import PROFILES, RooflineProfile
+from pdserve.steptime.parallel import at_tp
+from pdserve.steptime.roofline import PROFILES, RooflineProfile, split_tp
 
 Parser = Callable[[dict[str, Any]], StepTimeModel]
 
@@ -76,6 +78,9 @@ def load_profile(name_or_path: str, kinds: Mapping[str, Parser] = KINDS) -> Step
         return Dilated(load_profile(base, kinds), factor) if factor != 1.0 else load_profile(base, kinds)
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
+    name, tp = split_tp(name_or_path)
+    if tp is not None and not Path(name_or_path).is_file():
+        return at_tp(load_profile(name, kinds), tp)
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(

@@ -270,7 +270,8 @@ def _build(
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = resolve_model(config.model)
     model_config = checkpoint.model_config()
-    check_tp(model_config, config.tp)  # before any process starts: the valid degrees named
+    if config.compute == "model":  # (an emulated worker's degree is its profile's)
+        check_tp(model_config, config.tp)  # before any process starts: the valid degrees named
     profile = config.profile
     block_size = config.cache.block_size
     t0 = time.perf_counter()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pdserve.model_runtime.config import TP_DEGREES, ModelConfig
+from pdserve.model_runtime.config import ModelConfig
+from pdserve.steptime.roofline import TP_DEGREES
 
 DEGREES = TP_DEGREES
 
