@@ -21,7 +21,9 @@ from pdserve.deploy.pools import PoolSpec
 from pdserve.kvtransfer.config import NODE_ADDRESS
 from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.checkpoint import Checkpoint
+from pdserve.model_runtime.errors import ModelLoadError
 from pdserve.model_runtime.model.loader import check_checkpoint
+from pdserve.model_runtime.parallel.sharding import ShardingError, check_degree, shape_of
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.config import RouterConfig
@@ -50,8 +52,16 @@ class Endpoints:
     grpc: str  # host:port
 
 
-def _check_model(checkpoint: Checkpoint) -> TextTokenizer | None:
-    check_checkpoint(checkpoint)
+def _check_model(checkpoint: Checkpoint, spec: PoolSpec) -> TextTokenizer | None:
+    """The model's files and configuration, and each pool's degree against its heads."""
+    config = check_checkpoint(checkpoint)
+    if spec.engine.compute == "model":
+        for role, _ in spec.roles:
+            flag = "--prefill-tp" if role is WorkerRole.PREFILL else "--decode-tp"
+            try:
+                check_degree(shape_of(config), spec.tp_of(role), what=flag)
+            except ShardingError as e:
+                raise ModelLoadError(str(e)) from None
     return TextTokenizer.load(checkpoint)
 
 
@@ -91,7 +101,7 @@ class Service:
         # The router reads the model's tokenizer and configuration too: doing it first turns a
         # wrong path or config into an error before any worker (or Ray) starts.
         checkpoint = resolve_model(self.spec.engine.model)
-        tokenizer = await asyncio.to_thread(_check_model, checkpoint)
+        tokenizer = await asyncio.to_thread(_check_model, checkpoint, self.spec)
         tls = load_tls(self.config.tls) if self.config.tls is not None else None
         # The front ends' ports first: a taken port fails now, not after Ray and the workers
         # started, and nothing those start can take it meanwhile.
