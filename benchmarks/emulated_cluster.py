@@ -8,6 +8,7 @@ finds the highest rate with >= 90 % joint TTFT/TPOT attainment.
 
     .venv/bin/python -m benchmarks.emulated_cluster        # ~15 minutes on 2 cores
     .venv/bin/python -m benchmarks.emulated_cluster --layouts 4p4d --policies goodput,least_loaded,round_robin
+    .venv/bin/python -m benchmarks.emulated_cluster --profile h100-llama3-70b --layouts 1p8t12d2t
 
 The ceiling in the same run: each layout's attainment at the lowest rate (an unloaded cluster).
 Limits: router, workers' Python and client share this VM's 2 cores, which cap the serving path
@@ -33,12 +34,26 @@ from benchmarks.client import start_pdserve
 from benchmarks.common import emit
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/AzureLLMInferenceTrace_conv_2023.csv"
+# ``pdserve plan``'s 70B recommendation on 64 GPUs (2P@tp8+24D@tp2), at half scale.
+_PLAN_70B = ["--prefill", "1", "--prefill-tp", "8", "--decode", "12", "--decode-tp", "2"]
 LAYOUTS = {
     "2p6d": ["--prefill", "2", "--decode", "6", "--max-num-batched-tokens", "8192"],
     "4p4d": ["--prefill", "4", "--decode", "4", "--max-num-batched-tokens", "8192"],
     "6p2d": ["--prefill", "6", "--decode", "2", "--max-num-batched-tokens", "8192"],
     "8coloc": ["--colocated", "8", "--max-num-batched-tokens", "2048"],
+    "1p8t12d2t": [*_PLAN_70B, "--max-num-batched-tokens", "2048"],  # --profile h100-llama3-70b
 }
+
+
+def gpus_of(flags: list[str]) -> int:
+    """The GPUs a layout's workers span (each worker its pool's degree)."""
+
+    def value(flag: str, default: int) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+    if "--colocated" in flags:
+        return value("--colocated", 0) * value("--decode-tp", 1)
+    return value("--prefill", 0) * value("--prefill-tp", 1) + value("--decode", 0) * value("--decode-tp", 1)
 
 
 def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespace) -> dict[str, float]:
@@ -53,7 +68,7 @@ def simulate_layout(name: str, policy: str, rate: float, args: argparse.Namespac
     ns = p.parse_args(
         [*layout, "--trace", str(args.trace), "--num-prompts", str(args.num_prompts),
          "--request-rate", str(rate), "--max-num-batched-tokens", budget, "--goodput", *args.goodput,
-         "--duration", str(args.duration),
+         "--duration", str(args.duration), "--profile", args.profile,
          "--policy", policy]
     )  # fmt: skip
     return simulate(ns)
@@ -121,7 +136,7 @@ def router_slo(goodput: list[str], k: float) -> str:
 
 def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Namespace) -> dict[str, object]:
     k = args.time_scale if args.rates else 1.0
-    profile = "h100-llama3-8b" if k == 1.0 else f"h100-llama3-8b@x{k:g}"
+    profile = args.profile if k == 1.0 else f"{args.profile}@x{k:g}"
     serve = ["--model", "tiny", "--compute", f"emulated:{profile}", "--max-num-seqs", "256",
              "--policy", policy, "--slo", router_slo(args.goodput, k), *LAYOUTS[name]]  # fmt: skip
     print(f"{name}: pdserve serve {' '.join(serve)}", file=sys.stderr, flush=True)
@@ -146,7 +161,7 @@ def run_layout(name: str, policy: str, exe: str, tmp: Path, args: argparse.Names
     res = json.loads((tmp / f"{key}.json").read_text())
     out: dict[str, object] = {
         f"{key}_goodput_rps": round(res["goodput_rate"], 2),
-        f"{key}_goodput_rps_per_gpu": round(res["goodput_rate"] / 8, 3),
+        f"{key}_goodput_rps_per_gpu": round(res["goodput_rate"] / gpus_of(LAYOUTS[name]), 3),
         f"{key}_bracketed": res["bracketed"],
     }
     keep = ("rate", "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -170,6 +185,7 @@ def main() -> None:
         "--time-scale", type=float, default=1.0, help="with --rates: GPUs K times slower (time dilation)"
     )
     p.add_argument("--min-rate", type=float, default=8.0)
+    p.add_argument("--profile", default="h100-llama3-8b", help="the emulated GPUs' step-time model")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     if not args.trace.exists():

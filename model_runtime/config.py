@@ -20,7 +20,7 @@ from pdserve.model_runtime.sampling_params import MAX_LOGPROBS_DEFAULT
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.steptime.load import load_profile
 from pdserve.steptime.model import StepTimeModel
-from pdserve.steptime.parallel import at_tp
+from pdserve.steptime.parallel import at_degree
 from pdserve.steptime.roofline import TP_DEGREES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -262,5 +262,4 @@ class EngineConfig:
         (a profile named ``…@tpN`` keeps its own otherwise)."""
         if not self.compute.startswith("emulated:"):
             return None
-        profile = load_profile(self.compute.split(":", 1)[1])
-        return at_tp(profile, self.tp) if self.tp > 1 else profile
+        return at_degree(load_profile(self.compute.split(":", 1)[1]), self.tp)

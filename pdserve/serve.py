@@ -37,6 +37,7 @@ from pdserve.router.server import StopSignals, chat_summary, first_of, serve_unt
 from pdserve.router.slo import Admission, SloBook, SloClass
 from pdserve.router.tls import TlsConfig, load_tls, tls_from_flags
 from pdserve.steptime.load import load_profile
+from pdserve.steptime.parallel import at_degree
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -189,6 +190,8 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         overlap=args.overlap,
     )
     colocated = colocated_count(args)
+    # The goodput policy's prior, at each pool's degree (its workers' GPUs).
+    prior = load_profile(args.latency_profile or _emulated(args.compute) or "h100-llama3-8b")
     kv_host = args.kv_host or (NODE_ADDRESS if args.address else "127.0.0.1")
     tls = tls_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
     if tls is not None:
@@ -221,7 +224,10 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
             max_logprobs=args.max_logprobs,
         ),
         policy=args.policy,
-        latency_profile=load_profile(args.latency_profile or _emulated(args.compute) or "h100-llama3-8b"),
+        latency_profile=at_degree(prior, args.decode_tp),
+        prefill_latency_profile=at_degree(prior, args.prefill_tp)
+        if args.prefill_tp != args.decode_tp
+        else None,
         local_prefill=args.local_prefill,
         slo_classes=tuple(SloClass.parse(c) for c in args.slo),
         default_slo_class=args.default_slo_class,

@@ -44,7 +44,7 @@ class Accounting:
         self.dispatcher = make_dispatcher(
             config.policy, config.latency_profile, block_size, config.local_prefill,
             on_error=self.metrics.prediction_error, local_step_tokens=local_step_tokens,
-            prefill_step_tokens=prefill_step_tokens,
+            prefill_step_tokens=prefill_step_tokens, prefill_profile=config.prefill_latency_profile,
         )  # fmt: skip
         model = getattr(self.dispatcher, "model", None)
         if model is not None:

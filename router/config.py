@@ -58,6 +58,9 @@ class RouterConfig:
     caps: Caps = Caps()
     policy: str = "goodput"  # goodput | least_loaded | round_robin
     latency_profile: StepTimeModel | None = None  # goodput prior (None: h100-llama3-8b); corrected online
+    # The prefill pool's, where its degree differs (None: ``latency_profile``): prompts are
+    # priced on the GPUs that compute them.
+    prefill_latency_profile: StepTimeModel | None = None
     local_prefill: bool = True  # goodput: decode workers may prefill (conditional disaggregation)
     slo_classes: tuple[SloClass, ...] = ()  # none: one class "default" without targets
     default_slo_class: str = ""  # "": the first class

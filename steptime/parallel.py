@@ -47,3 +47,9 @@ def at_tp(model: StepTimeModel, tp: int) -> StepTimeModel:
             f"on workers of {tp} GPUs (pdserve profile)"
         )
     return model
+
+
+def at_degree(model: StepTimeModel, tp: int) -> StepTimeModel:
+    """A pool's model: ``model`` at the pool's degree when that is above 1; at degree 1 the
+    model as named (a profile named ``…@tpN`` keeps its own)."""
+    return at_tp(model, tp) if tp > 1 else model

@@ -42,6 +42,7 @@ from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
+from pdserve.model_runtime.parallel.group import RankLost
 from pdserve.model_runtime.platform import use_threads
 from pdserve.worker.commands import Answer, Command, Release, UnsupportedCommand
 from pdserve.worker.control import Control, run_control
@@ -116,6 +117,9 @@ class WorkerHost:
         self._open_transport(role)
         self.engine: RoleEngine = role.make_engine(self)
         self.loop = EngineLoop(self.engine, name="engine-loop", address=self.address if role.listens else "")
+        setup = self.rt.ranks
+        if setup is not None and setup.ranks is not None:  # a rank that exits fails the worker at once
+            setup.ranks.watch(lambda rank: self.loop.fail(RankLost(f"rank {rank} of the worker exited")))
         if self.transport is not None:
             self.transport.on_completion(self.loop.wake)
         self.pusher: OutputPusher | None = None

@@ -67,6 +67,7 @@ class EngineLoop:
         self.load: WorkerLoad = engine.load(address)
         self._health = WorkerHealth.HEALTHY  # what every load this loop reports says
         self.error: BaseException | None = None
+        self._failure: BaseException | None = None  # ``fail``'s, raised on the loop thread
         self.steps = 0
         self.busy_s = 0.0  # wall time of the steps that computed something (``WorkerLoad.busy_s``)
         self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
@@ -96,6 +97,12 @@ class EngineLoop:
         if not self._thread.is_alive():  # it stopped meanwhile: its last drain may be over
             self._fail_queued()
         return fut
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the loop as if a step had raised ``error``: a part of the worker outside the
+        loop is gone (a tensor-parallel rank), so nothing it would step can succeed."""
+        self._failure = error
+        self._wake.set()
 
     def wake(self) -> None:
         """Something outside the engine changed (a transfer completed): step soon."""
@@ -131,6 +138,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self._failure is not None:
+                    raise self._failure
                 self._wake.clear()
                 if self._cmds:
                     self._run_commands()

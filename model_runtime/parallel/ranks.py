@@ -15,6 +15,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ class Ranks:
         self.answer_timeout_s = answer_timeout_s
         self._conns: list[mpc.Connection] = []
         self._procs: list[Any] = []
+        self._stopping = False
         for a in args:
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=entry, args=(a, theirs), name=f"pdserve-rank-{a.rank}", daemon=True)
@@ -74,6 +76,19 @@ class Ranks:
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
+
+    def watch(self, on_lost: Callable[[int], None]) -> None:
+        """Call ``on_lost(rank)`` (from a thread of its own) as soon as a rank's process ends
+        other than by ``stop``: an idle worker learns of a dead rank at once, not at its next
+        step."""
+        sentinels = [p.sentinel for p in self._procs]
+
+        def run() -> None:
+            ended = mpc.wait(sentinels)
+            if not self._stopping:
+                on_lost(1 + sentinels.index(ended[0]))
+
+        threading.Thread(target=run, name="rank-watch", daemon=True).start()
 
     def send(self, msg: messages.Message) -> None:
         frame = messages.encode(msg)
@@ -101,6 +116,7 @@ class Ranks:
 
     def stop(self) -> None:
         """Stop every rank: a ``Stop`` and a grace period, then a kill for any that lingers."""
+        self._stopping = True
         with contextlib.suppress(RankLost):
             self.send(messages.Stop())
         for p in self._procs:

@@ -117,3 +117,39 @@ def test_kernels_on_cuda_match_their_references(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **tol)
     gu = torch.randn(64, 2 * 1024, generator=gen, device="cuda").to(dtype)
     torch.testing.assert_close(fused.silu_mul(gu), reference.silu_mul(gu), **tol)
+
+
+def test_tp_code_paths_run_on_cuda_at_degree_one(tmp_path: Path) -> None:
+    """A one-rank NCCL group through the TP forward (vocabulary-sharded embedding and head,
+    all-reduces after O and down, the logits gather): one GPU cannot hold two NCCL ranks, so
+    this is the TP path's CUDA check; the degrees above one run under gloo on CPU."""
+    from pdserve.model_runtime.engine.model_runner import ModelRunner
+    from pdserve.model_runtime.model.loader import TPRank, load_model
+    from pdserve.model_runtime.parallel.group import TPGroup, serve_store
+    from pdserve.model_runtime.parallel.launch import RankSetup
+    from pdserve.model_runtime.parallel.sharding import shape_of, shard
+    from pdserve.model_runtime.presets import resolve_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_hf_model("llama", tmp_path, seed=4, num_attention_heads=8, num_key_value_heads=4)
+    prompts = [list(range(3, 3 + n)) for n in (1, 17, 100)]
+    expected = [hf_greedy(model, p, 16)[0] for p in prompts]
+    checkpoint = resolve_model(str(tmp_path))
+    config = checkpoint.model_config()
+    dev = torch.device("cuda", 0)
+    group = TPGroup(0, 1, serve_store(), dev)
+    try:
+        tp = TPRank(shard(shape_of(config), 1, 0), group)
+        engine = OfflineDriver(  # no decode graphs: they would replay the unsharded model
+            EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", cuda_graphs=False)
+        )
+        sharded = load_model(checkpoint, config, dev, torch.float32, 1024, engine.runner.model.backend, tp)
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        runner.model = sharded
+        runner.tp = RankSetup(tp.shard, group)
+        greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        got = [o.token_ids for o in engine.generate(prompts, greedy)]
+        assert got == expected
+    finally:
+        group.close()

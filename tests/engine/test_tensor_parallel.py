@@ -3,7 +3,10 @@ seeded sampling draws the TP 1 tokens, and a degree the model cannot shard is re
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 from pdserve.decode_worker.offline import OfflineDriver
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.errors import ModelLoadError
+from pdserve.model_runtime.parallel.group import RankLost
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from tests.engine.hf_models import VOCAB, hf_greedy, make_hf_model
@@ -101,15 +105,29 @@ def test_a_rank_that_dies_fails_the_next_step_instead_of_hanging(tmp_path: Path)
     try:
         setup = engine.runtime.ranks
         assert setup is not None and setup.ranks is not None
-        import os
-        import signal
-
         os.kill(setup.ranks.pids[0], signal.SIGKILL)
         engine.add_request("r", [5, 6, 7], GREEDY)
-        from pdserve.model_runtime.parallel.group import RankLost
-
         with pytest.raises(RankLost):
             while engine.has_unfinished:
                 engine.step()
     finally:
+        engine.runtime.close()
+
+
+def test_a_stalled_rank_fails_the_step_within_the_collective_timeout(tmp_path: Path) -> None:
+    make_hf_model("llama", tmp_path, seed=2, num_attention_heads=8, num_key_value_heads=4)
+    engine = _engine(tmp_path, 2, tp_timeout_s=1.5)
+    setup = engine.runtime.ranks
+    assert setup is not None and setup.ranks is not None
+    pid = setup.ranks.pids[0]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        engine.add_request("r", [5, 6, 7], GREEDY)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost):
+            while engine.has_unfinished:
+                engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
         engine.runtime.close()

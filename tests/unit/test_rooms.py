@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_worker": {"model_runtime", "kvtransfer", "worker"},
     "decode_worker": {"model_runtime", "kvtransfer", "worker"},
     "router": _RUNTIME | {"kvtransfer", "worker", "v1"},
-    "flags": {"model_runtime", "router"},
+    "flags": {"steptime", "model_runtime", "router"},
     "bench": {"flags", "v1"},
     "deploy": _WORKERS | {"router"},
     "simulator": _WORKERS | {"router", "flags", "bench"},

@@ -157,3 +157,27 @@ def test_every_pair_of_degrees_decodes_the_reference_tokens(
     # No prefill rank sent more than its own heads' share: the bytes leave every rank directly.
     sent = [a[0] - b[0] for a, b in zip(sent_after, sent_before, strict=True)]
     assert sum(sent) == sum(after[r][1] - before[r][1] for r in range(dtp))
+
+
+def test_an_idle_worker_whose_rank_exits_fails_at_once(model: Any) -> None:
+    """No step needs to run into the dead rank: the worker's loop fails as soon as the rank's
+    process ends, so its channel closes and the router replaces it before a request meets it."""
+    import os
+    import signal
+
+    from pdserve.model_runtime.parallel.group import RankLost
+    from pdserve.worker.loop import WorkerFailed
+
+    d = DecodeWorker(WorkerSpec("dx", WorkerRole.DECODE, _engine(model[0], 2), TransportConfig(), SECRET))
+    try:
+        setup = d.rt.ranks
+        assert setup is not None and setup.ranks is not None
+        os.kill(setup.ranks.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while d.loop.error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert isinstance(d.loop.error, RankLost)
+        with pytest.raises(WorkerFailed):
+            d.collect(0.01)
+    finally:
+        d.shutdown()
