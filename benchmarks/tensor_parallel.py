@@ -86,11 +86,13 @@ class Ranks:
 
 
 def _move(src: KVTransport, dst: KVTransport, blocks: list[int], heads: HeadSlice | None) -> float:
-    """One transfer of ``blocks`` (same ids both sides), sent to completion; seconds."""
+    """One layer-wise transfer of ``blocks`` (same ids both sides), to completion; seconds."""
     tid = uuid.uuid4().hex
     dst.expect(tid, blocks, heads=heads)
     t0 = time.perf_counter()
-    src.send(tid, dst.address, blocks, blocks, peer_offers=dst.offers, heads=heads)
+    src.send(tid, dst.address, blocks, blocks, layerwise=True, peer_offers=dst.offers, heads=heads)
+    for layer in range(LAYERS):  # as a prefill worker ships them: layer by layer
+        src.layer_ready(tid, layer)
     state = dst.wait(tid, 60.0)
     dt = time.perf_counter() - t0
     if state is not TransferState.DONE:
