@@ -188,6 +188,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         compute=args.compute,
         step_log=str(Path(args.step_log).resolve()) if args.step_log else "",
         overlap=args.overlap,
+        tp=args.decode_tp,  # each pool's workers at its own degree (``PoolSpec.tp_of``)
     )
     colocated = colocated_count(args)
     # The goodput policy's prior, at each pool's degree (its workers' GPUs).
