@@ -84,3 +84,26 @@ def test_a_prefill_rank_killed_moves_its_prompts_and_stops_its_other_ranks() -> 
         assert_no_request_state(st)
     finally:
         st.stop()
+
+
+def test_a_colocated_tp2_worker_serves_and_is_replaced_at_its_degree() -> None:
+    st, ep = start_service(use_ray=False, colocated=1, decode_tp=2, replace_lost=True, tp_timeout_s=10.0)
+    try:
+        s = stub(ep)
+        p = prompts(1, seed=63)[0]
+        first = finish([(s.Generate(grpc_request(p, 8, stream=True)), [])])[0][0]
+        assert first == hf_reference(p, 8)
+        old = next(h for h in st.service.handles if h.alive)
+        os.kill(_rank_pids(st, old.worker_id)[0], signal.SIGKILL)
+        wait_for(lambda: not old.alive, 10.0, f"{old.worker_id} seen lost")
+
+        def replaced() -> bool:
+            live = [w for w in status(ep)["workers"] if w["worker_id"] != old.worker_id]
+            return any(w["health"] == "healthy" and w["tp"] == 2 for w in live)
+
+        wait_for(replaced, 60.0, "a replacement at degree 2")
+        again = finish([(s.Generate(grpc_request(p, 8, stream=True)), [])])[0][0]
+        assert again == first
+        assert_no_request_state(st)
+    finally:
+        st.stop()
