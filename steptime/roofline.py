@@ -33,6 +33,7 @@ The built-in ``h100-llama3-70b`` (Llama-3-70B's shape on H100s, all-reduce over 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -231,22 +232,9 @@ H100_LLAMA3_8B = RooflineProfile(
     link_latency_s=50e-6,
 )
 
-# Llama-3-70B's shape (GQA: 8 KV heads) on H100s: fits at tp >= 2 only.
-H100_LLAMA3_70B = RooflineProfile(
-    name="h100-llama3-70b",
-    params=70.6e9,
-    layers=80,
-    heads=64,
-    kv_heads=8,
-    head_dim=128,
-    dtype_bytes=2,
-    max_model_len=131072,
-    peak_flops=989e12,
-    mem_bw=3.35e12,
-    memory_bytes=80e9,
-    link_bw=100e9,
-    link_latency_s=50e-6,
-    tp_link_bw=450e9,
+# Llama-3-70B's shape (GQA: 8 KV heads) on the same H100s: fits at tp >= 2 only.
+H100_LLAMA3_70B = dataclasses.replace(
+    H100_LLAMA3_8B, name="h100-llama3-70b", params=70.6e9, layers=80, heads=64, kv_heads=8
 )
 
 PROFILES: dict[str, RooflineProfile] = {p.name: p for p in (H100_LLAMA3_8B, H100_LLAMA3_70B)}

@@ -60,6 +60,18 @@ def finish(calls: list[tuple[Any, list[int]]]) -> list[tuple[list[int], Any]]:
     return out
 
 
+def assert_moved_token_exact(ps: list[list[int]], results: list[tuple[list[int], Any]], to: str) -> None:
+    """Every stream finished on ``to`` with the reference's tokens (nothing lost, nothing
+    repeated), and at least one of them moved there."""
+    moved = 0
+    for p, (tokens, result) in zip(ps, results, strict=True):
+        assert result is not None and result.finish_reason == pb.FINISH_REASON_LENGTH
+        assert tokens == hf_reference(p, N_TOKENS)
+        assert result.decode_worker == to
+        moved += result.migrations
+    assert moved >= 1, "no stream moved"
+
+
 def one_prefill_two_decode() -> tuple[Any, Any, Router]:
     """An in-process 1 prefill + 2 decode service, its gRPC stub and its router."""
     st, ep = start_service(use_ray=False, prefill=1, decode=2)
@@ -80,14 +92,7 @@ def test_streams_of_a_lost_decode_worker_finish_elsewhere_token_exact() -> None:
         ps = prompts(6, seed=51)
         calls = start_streams(s, ps)
         kill(st, "decode-0")
-        results = finish(calls)
-        moved = 0
-        for p, (tokens, result) in zip(ps, results, strict=True):
-            assert result is not None and result.finish_reason == pb.FINISH_REASON_LENGTH
-            assert tokens == hf_reference(p, N_TOKENS)  # nothing lost, nothing repeated
-            assert result.decode_worker == "decode-1"
-            moved += result.migrations
-        assert moved >= 1, "no stream was on decode-0"
+        assert_moved_token_exact(ps, finish(calls), "decode-1")
         assert_no_request_state(st)
     finally:
         st.stop()

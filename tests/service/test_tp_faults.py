@@ -20,7 +20,7 @@ from tests.service.helpers import (
     stub,
     wait_for,
 )
-from tests.service.test_migration import N_TOKENS, finish, prompts, start_streams
+from tests.service.test_migration import assert_moved_token_exact, finish, prompts, start_streams
 
 pytest.importorskip("transformers")
 
@@ -55,13 +55,7 @@ def test_a_decode_rank_killed_mid_stream_moves_its_streams_token_exact() -> None
         os.kill(pids[0], signal.SIGKILL)
         handle = next(h for h in st.service.handles if h.worker_id == "decode-0")
         wait_for(lambda: not handle.alive, 10.0, "decode-0 seen lost")
-        moved = 0
-        for p, (tokens, result) in zip(ps, finish(calls), strict=True):
-            assert result is not None and result.finish_reason == pb.FINISH_REASON_LENGTH
-            assert tokens == hf_reference(p, N_TOKENS)  # nothing lost, nothing repeated
-            assert result.decode_worker == "decode-1"
-            moved += result.migrations
-        assert moved >= 1, "no stream was on decode-0"
+        assert_moved_token_exact(ps, finish(calls), "decode-1")
         assert_no_request_state(st)
     finally:
         st.stop()
