@@ -184,3 +184,43 @@ def test_an_idle_worker_whose_rank_exits_fails_at_once(model: Any) -> None:
             d.collect(0.01)
     finally:
         d.shutdown()
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(2, 4), (4, 1)])
+def test_aborts_racing_re_sharded_hand_offs_leave_no_part_on_any_rank(
+    model: Any, workers: Any, ptp: int, dtp: int
+) -> None:
+    """Requests aborted on both sides at every point of their hand-off — queued, reserved,
+    prefilled while parts fly — end with every block and every part's record gone on every
+    rank of both workers."""
+    from pdserve.worker.commands import Abort
+
+    _, prompts, _ = model
+    prefill, decode = workers
+    p, d = prefill[ptp], decode[dtp]
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    rng = random.Random(ptp * 10 + dtp)
+    for i in range(12):
+        w = WorkItem(f"a{i}-{uuid.uuid4().hex[:6]}", prompts[i % len(prompts)] * (1 + i % 3), params)
+        tid = f"t-{uuid.uuid4().hex}"
+        assert d.run(QueueReservation(w, tid, 10.0, p.info().kv_ranks))
+        point = rng.randrange(3)
+        if point >= 1:
+            target = d.run(AwaitReservation(w.request_id), 40.0)
+            assert isinstance(target, KVTarget)
+            if point == 2:
+                p.run(Prefill(w, target))
+                time.sleep(rng.random() * 0.01)
+        d.run(Abort(w.request_id))
+        p.run(Abort(w.request_id))
+    for w in (p, d):
+        assert w.wait_idle(10.0)
+        deadline = time.monotonic() + 10
+        while True:  # the parts' last outcomes come in on the next polls
+            try:
+                w.check_integrity()
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
