@@ -319,7 +319,8 @@ class DecodeEngine(RoleEngineBase):
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._reserved or self._cancelling or self._pending)
+        settling = self.transport is not None and self.transport.settling
+        return bool(self._reserved or self._cancelling or self._pending or settling)
 
     @property
     def idle(self) -> bool:

@@ -123,5 +123,11 @@ class PartTable:
             del self._transfers[tid]
         return done
 
+    @property
+    def settling(self) -> bool:
+        """Parts of a transfer the engine already forgot are still to end (a failed part's
+        siblings, cancelled): their outcomes must still be polled for, to release them."""
+        return any(t.forgotten for t in self._transfers.values())
+
     def __len__(self) -> int:
         return len(self._transfers)

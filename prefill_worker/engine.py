@@ -132,7 +132,7 @@ class PrefillEngine(RoleEngineBase):
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._sending or self._pending_errors)
+        return bool(self._sending or self._pending_errors or self.transport.settling)
 
     @property
     def idle(self) -> bool:

@@ -143,6 +143,7 @@ class SimTransport:
         self.address = address
         self.offers = ["sim"]
         self.rank_addresses: tuple[str, ...] = ()  # one rank: the simulator moves no shards
+        self.settling = False  # (one part a transfer: nothing outlives its transfer)
         self.link = link
         link.ends[address] = self
         self._on_completion = on_completion

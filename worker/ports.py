@@ -67,6 +67,11 @@ class Transport(Protocol):
 
     def num_records(self) -> int: ...
 
+    @property
+    def settling(self) -> bool:
+        """Transfers the engine forgot still have parts ending: keep polling (``poll``)."""
+        ...
+
 
 class RoleRuntime(Protocol):
     """The loaded model's side of a worker, as the role engines use it."""

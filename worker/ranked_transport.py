@@ -210,13 +210,17 @@ class RankedTransport:
         for p in self._table.forget(transfer_id):
             self._route_op(p, self.own.forget, ops.ForgetPart(p.id))
 
+    @property
+    def settling(self) -> bool:
+        return self._table.settling
+
     def on_completion(self, callback: Callable[[], None]) -> None:
         self.own.on_completion(callback)
 
     def num_records(self) -> int:
         """Transfers any rank still keeps a record of (a fresh count from every rank)."""
         comps, records = self._gather() if self.tp > 1 else ([], 0)
-        self._fold(comps)
+        self._fold([self.own.poll(), *comps])
         if self._queued:  # the forgets that fold just queued, delivered and counted
             comps, records = self._gather()
             self._fold(comps)

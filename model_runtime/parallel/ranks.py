@@ -1,12 +1,12 @@
 """Rank 0's side of a tensor-parallel worker: it starts the other ranks, sends each its
 messages and reads their answers.
 
-The other ranks are child processes of rank 0 (``spawn``), each on its own device, joined to
-rank 0 by a pipe for messages (``messages``) and by the worker's process group for tensors.
-Children of rank 0, they live and die with it: a rank whose pipe reaches end-of-file (rank 0
-is gone) exits at once, and rank 0 stops them all when it stops. A child that dies makes rank
-0's next send, read or collective raise ``RankLost``: the worker fails as one, its requests
-move to other workers, and nothing waits on a rank that is gone.
+The other ranks are child processes of rank 0 (from a fork server), each on its own device,
+joined to rank 0 by a pipe for messages (``messages``) and by the worker's process group for
+tensors. They live and die with rank 0: a rank whose pipe reaches end-of-file (rank 0 is gone)
+exits at once, and rank 0 stops them all when it stops. A rank that dies is seen at once
+(``watch``), and makes rank 0's next send, read or collective raise ``RankLost``: the worker
+fails as one, its requests move to other workers, and nothing waits on a rank that is gone.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _prompts(seed: int) -> list[list[int]]:
 # (kind, config overrides, the degrees run): four KV heads split over 2 and 4 ranks; two KV heads
 # replicated over 4 ranks; Qwen2's biases, tied head and single KV head replicated on every rank.
 CASES = {
-    "llama-4kv": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4}, (2, 4)),
+    "llama-4kv": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4}, (4,)),
     "llama-2kv": ("llama", {}, (4,)),
     "qwen2": ("qwen2", {}, (2,)),
 }

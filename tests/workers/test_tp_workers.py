@@ -224,3 +224,26 @@ def test_aborts_racing_re_sharded_hand_offs_leave_no_part_on_any_rank(
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+def test_a_colocated_tp2_worker_decodes_the_reference_tokens(model: Any) -> None:
+    from pdserve.worker.commands import AddLocal
+
+    path, prompts, expected = model
+    w = DecodeWorker(WorkerSpec("c2", WorkerRole.COLOCATED, _engine(path, 2), TransportConfig(), SECRET))
+    try:
+        params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+        got: dict[str, list[int]] = {}
+        for i, pr in enumerate(prompts):
+            w.run(AddLocal(WorkItem(f"c{i}", pr, params)))
+            got[f"c{i}"] = []
+        deadline = time.monotonic() + 30
+        while sum(len(v) for v in got.values()) < GEN * len(prompts):
+            assert time.monotonic() < deadline
+            for delta in w.collect(0.01).deltas:
+                got[delta.request_id].extend(delta.token_ids)
+        assert list(got.values()) == expected
+        assert w.wait_idle(5.0)
+        w.check_integrity()
+    finally:
+        w.shutdown()
