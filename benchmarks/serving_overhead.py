@@ -9,7 +9,9 @@ streams over HTTP and gRPC.
 Reported per (protocol, concurrency): aggregate streamed tokens/s and TTFT percentiles at the
 client. With zero compute, pdserve's TTFT is entirely serving-path time (router, two worker hops,
 KV transfer, first-token relay), so ``router_added_ttft_ms_p50`` is its median at 1 stream minus
-the bare server's (what a user would see added in front of an engine).
+the bare server's (what a user would see added in front of an engine). ``router_cpu_us_per_token``
+is the router process's CPU time (user + system) over the tokens it streamed at 128 streams, per
+protocol; the headline is the larger of the two.
 
     .venv/bin/python -m benchmarks.serving_overhead            # ~1-2 minutes on 2 cores
 """
@@ -128,8 +130,13 @@ async def grpc_stream(backend: PdserveGrpcBackend, tokens: int) -> tuple[float, 
 
 
 async def load(
-    one: Callable[[], Awaitable[tuple[float, int]]], streams: int, per_stream: int
+    one: Callable[[], Awaitable[tuple[float, int]]],
+    streams: int,
+    per_stream: int,
+    cpu: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
+    """``streams`` concurrent streams of ``per_stream`` requests each; ``cpu``: the server's CPU
+    seconds so far, read around the run."""
     ttfts: list[float] = []
     total = 0
 
@@ -141,27 +148,34 @@ async def load(
             total += n
 
     await one()  # warm the connection and the path
+    cpu0 = cpu() if cpu is not None else 0.0
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(streams)))
     wall = time.perf_counter() - t0
+    cpu_s = cpu() - cpu0 if cpu is not None else 0.0
     ttfts.sort()
-    return {
+    out = {
         "streams": streams,
         "tokens_per_s": total / wall,
         "ttft_ms_p50": 1000 * statistics.median(ttfts),
         "ttft_ms_p90": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
         "requests": len(ttfts),
     }
+    if cpu is not None:
+        out["server_cpu_us_per_token"] = 1e6 * cpu_s / max(1, total)
+    return out
 
 
-async def measure(http_base: str, grpc_addr: str | None, levels: list[int], tokens: int) -> dict[str, Any]:
+async def measure(
+    http_base: str, grpc_addr: str | None, levels: list[int], tokens: int, cpu: Callable[[], float] | None
+) -> dict[str, Any]:
     """Every level over HTTP, then (given an address) over gRPC."""
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         for c in levels:
             per = max(1, 32 // c)
-            out[f"http_{c}"] = await load(lambda: http_stream(client, http_base, tokens), c, per)
+            out[f"http_{c}"] = await load(lambda: http_stream(client, http_base, tokens), c, per, cpu)
             print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
     if grpc_addr is None:
         return out
@@ -169,18 +183,29 @@ async def measure(http_base: str, grpc_addr: str | None, levels: list[int], toke
     try:
         for c in levels:
             per = max(1, 32 // c)
-            out[f"grpc_{c}"] = await load(lambda: grpc_stream(backend, tokens), c, per)
+            out[f"grpc_{c}"] = await load(lambda: grpc_stream(backend, tokens), c, per, cpu)
             print(f"  grpc  {c:4d} streams: {out[f'grpc_{c}']}", file=sys.stderr, flush=True)
     finally:
         await backend.close()
     return out
 
 
-def run_levels(args: argparse.Namespace, http_base: str, grpc_addr: str | None) -> dict[str, Any]:
+def run_levels(
+    args: argparse.Namespace, http_base: str, grpc_addr: str | None, server_pid: int | None = None
+) -> dict[str, Any]:
+    import psutil
     import uvloop
 
     levels = [int(x) for x in args.streams.split(",")]
-    return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens))
+    cpu = None
+    if server_pid is not None:
+        proc = psutil.Process(server_pid)
+
+        def cpu() -> float:
+            t = proc.cpu_times()
+            return float(t.user + t.system)
+
+    return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens, cpu))
 
 
 def measure_peer(args: argparse.Namespace, me: list[str], root: Path) -> dict[str, Any]:
@@ -251,7 +276,7 @@ def main() -> None:
             "--transport", args.transport, "--max-num-seqs", "256",
         )  # fmt: skip
         procs = [server.proc]
-        results["pdserve"] = run_levels(args, server.http, server.grpc)
+        results["pdserve"] = run_levels(args, server.http, server.grpc, server.proc.pid)
     finally:
         for pr in procs:
             if pr.poll() is None:
@@ -272,6 +297,12 @@ def main() -> None:
         "ttft_ms_p50_grpc_1": ours["grpc_1"]["ttft_ms_p50"],
         "tokens_per_request": args.tokens,
     }
+    top = max(levels)
+    cpu_per_token = {p: ours[f"{p}_{top}"]["server_cpu_us_per_token"] for p in ("http", "grpc")}
+    summary["router_cpu_streams"] = top
+    summary["router_cpu_us_per_token_http"] = round(cpu_per_token["http"], 1)
+    summary["router_cpu_us_per_token_grpc"] = round(cpu_per_token["grpc"], 1)
+    summary["router_cpu_us_per_token"] = round(max(cpu_per_token.values()), 1)
     for proto in ("http", "grpc"):
         for c in levels:
             k = f"{proto}_{c}"
