@@ -74,9 +74,6 @@ class Ranks:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
-
     def watch(self, on_lost: Callable[[int], None]) -> None:
         """Call ``on_lost(rank)`` (from a thread of its own) as soon as a rank's process ends
         other than by ``stop``: an idle worker learns of a dead rank at once, not at its next

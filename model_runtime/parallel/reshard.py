@@ -69,21 +69,5 @@ def routes(num_kv_heads: int, p: int, d: int) -> tuple[Route, ...]:
     return tuple(out)
 
 
-def routes_from(num_kv_heads: int, p: int, d: int, src_rank: int) -> tuple[Route, ...]:
-    return tuple(r for r in routes(num_kv_heads, p, d) if r.src_rank == src_rank)
-
-
 def routes_to(num_kv_heads: int, p: int, d: int, dst_rank: int) -> tuple[Route, ...]:
     return tuple(r for r in routes(num_kv_heads, p, d) if r.dst_rank == dst_rank)
-
-
-def block_runs(blocks: list[int] | tuple[int, ...], dst: list[int] | tuple[int, ...]) -> int:
-    """Contiguous runs in a transfer's (source, destination) block lists: a run is a stretch
-    where both advance by one, what one strided copy (one descriptor) covers."""
-    if not blocks:
-        return 0
-    runs = 1
-    for i in range(1, len(blocks)):
-        if blocks[i] != blocks[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-            runs += 1
-    return runs

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.model_runtime.parallel.reshard import block_runs, routes, routes_to
+from pdserve.model_runtime.parallel.reshard import routes, routes_to
 from pdserve.model_runtime.parallel.sharding import (
     ModelShape,
     ShardingError,
@@ -72,9 +72,3 @@ def test_replicated_sources_are_spread_over_receivers() -> None:
     assert [(r.src_rank, r.dst_rank) for r in routes(2, 8, 2)] == [(0, 0), (5, 1)]
     # decode TP 4 over 2 heads: ranks 0, 1 need head 0 from distinct replicas of prefill TP 4.
     assert [(r.src_rank, r.dst_rank) for r in routes(2, 4, 4)] == [(0, 0), (1, 1), (2, 2), (3, 3)]
-
-
-def test_block_runs_count_stretches_where_both_sides_advance() -> None:
-    assert block_runs([3, 4, 5, 9], [0, 1, 2, 3]) == 2
-    assert block_runs([3, 4, 5], [0, 2, 3]) == 2
-    assert block_runs([], []) == 0
