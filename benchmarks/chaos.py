@@ -57,8 +57,10 @@ from benchmarks import flood
 from benchmarks.common import emit
 
 SCENARIOS = ("none", "decode_kill", "prefill_kill", "prefill_push_kill", "decode_stop", "decode_term",
-             "shrink_then_crash", "kv_drop", "kv_listener_flood", "router_term", "group_sigterm")  # fmt: skip
+             "shrink_then_crash", "kv_drop", "kv_listener_flood", "router_term", "group_sigterm",
+             "router_kill")  # fmt: skip
 SERVE_ALONE = ("router_term", "group_sigterm")  # a ``pdserve serve`` of their own
+REPLICATED = ("router_kill",)  # a deployment of their own, with router replicas (``chaos_routers``)
 SIGNALS = {"decode_kill": signal.SIGKILL, "prefill_kill": signal.SIGKILL, "prefill_push_kill": signal.SIGKILL,
            "decode_stop": signal.SIGSTOP, "decode_term": signal.SIGTERM,
            "shrink_then_crash": signal.SIGKILL}  # fmt: skip
@@ -76,6 +78,7 @@ class StreamLog:
     migrations: int = 0
     error: str = ""
     code: str = ""  # the gRPC status code name of a failed stream
+    router: str = ""  # the router replica that served it (``chaos_routers``)
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,14 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
 
     if name in SERVE_ALONE:
         return router_term(work, group=name == "group_sigterm")
+    if name in REPLICATED:
+        from benchmarks.chaos_routers import router_kill, start_replicated
+
+        rst = start_replicated(prefill=2, decode=2)
+        try:
+            return router_kill(work, rst, rst.service.endpoints.grpc)
+        finally:
+            rst.stop()
     st, s = deployment if deployment is not None else start(prefill=2, decode=2)
     resume: threading.Timer | None = None
     flooding: subprocess.Popen[str] | None = None

@@ -83,9 +83,11 @@ class PoolSpec:
         router_address: str = "",
         own_process: bool = False,
         tls: InternalTls | None = None,
+        replicas: tuple[str, ...] = (),
     ) -> WorkerSpec:
         """One worker of pool ``role``; ``own_process``: it drains and exits on SIGTERM; ``tls``:
-        the deployment's internal TLS material (required when ``internal_tls`` is set)."""
+        the deployment's internal TLS material (required when ``internal_tls`` is set);
+        ``replicas``: the router replicas' worker channels (``pdserve serve --routers N``)."""
         if self.internal_tls and tls is None:
             raise ValueError("internal_tls is set: give the workers the deployment's TLS material")
         return WorkerSpec(
@@ -97,6 +99,7 @@ class PoolSpec:
             internal_tls=tls if self.internal_tls else None,
             num_threads=self.cpus_per_worker,
             router_address=router_address,
+            replica_addresses=replicas,
             drain_timeout_s=self.drain_timeout_s,
             drain_on_sigterm=own_process,
         )
@@ -107,6 +110,7 @@ class PoolSpec:
         router_address: str = "",
         own_process: bool = False,
         tls: InternalTls | None = None,
+        replicas: tuple[str, ...] = (),
     ) -> list[WorkerSpec]:
         """One spec per worker (ids ``<role>-<i>``), all sharing ``secret`` (fresh if not given)
         and ``tls`` (fresh if ``internal_tls`` and not given)."""
@@ -114,7 +118,7 @@ class PoolSpec:
         if self.internal_tls and tls is None:
             tls = InternalTls.generate()
         return [
-            self.worker_spec(role, f"{role.value}-{i}", secret, router_address, own_process, tls)
+            self.worker_spec(role, f"{role.value}-{i}", secret, router_address, own_process, tls, replicas)
             for role, n in self.roles
             for i in range(n)
         ]

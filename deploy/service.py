@@ -13,11 +13,12 @@ import secrets
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.deploy.keeper import PoolKeeper
 from pdserve.deploy.pools import PoolSpec
+from pdserve.deploy.replicas import ReplicaSet
 from pdserve.kvtransfer.config import NODE_ADDRESS
 from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.checkpoint import Checkpoint
@@ -26,9 +27,11 @@ from pdserve.model_runtime.model.loader import check_checkpoint
 from pdserve.model_runtime.parallel.sharding import ShardingError, check_degree, shape_of
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
+from pdserve.router.chat import ChatTemplate
 from pdserve.router.config import RouterConfig
 from pdserve.router.membership import PoolChange
 from pdserve.router.outputs import OutputListener
+from pdserve.router.replica import ReplicaSpec
 from pdserve.router.server import Frontends
 from pdserve.router.service import Router
 from pdserve.router.tls import load_tls
@@ -87,6 +90,7 @@ class Service:
         # change side by side, so one pool's growth never waits out the other's start or drain.
         self._resizing = {role: asyncio.Lock() for role in WorkerRole}
         self._outputs: OutputListener | None = None
+        self.replicas: ReplicaSet | None = None  # ``--routers N`` > 1: the router replicas
         self.ray_lost = ""  # why the Ray instance went away under the deployment ("": it did not)
         self.on_ray_lost: Callable[[str], None] | None = None  # told once, with why
         self._ray_watch: RayWatch | None = None
@@ -103,9 +107,15 @@ class Service:
         checkpoint = resolve_model(self.spec.engine.model)
         tokenizer = await asyncio.to_thread(_check_model, checkpoint, self.spec)
         tls = load_tls(self.config.tls) if self.config.tls is not None else None
+        routers = self.config.routers
+        if routers > 1 and self.config.tls is not None and self.config.tls.mutual:
+            raise ValueError(
+                "router replicas (--routers > 1) do not support mutual TLS on the front ends yet"
+            )
         # The front ends' ports first: a taken port fails now, not after Ray and the workers
-        # started, and nothing those start can take it meanwhile.
-        self.frontends = frontends = Frontends(self.config, tls)
+        # started, and nothing those start can take it meanwhile. (Router replicas serve them:
+        # this process holds them for the replicas.)
+        self.frontends = frontends = Frontends(self.config, tls, shared_ports=routers > 1)
         if self.use_ray:
             from pdserve.deploy.ray_instance import (
                 RayWatch,
@@ -144,8 +154,10 @@ class Service:
             tls=self._tls,
         )
         self._channel_address = await outputs.start()
+        if routers > 1:
+            self.replicas = ReplicaSet(routers, channel_host)
         specs = self.spec.worker_specs(
-            self._secret, self._channel_address, own_process=self.use_ray, tls=self._tls
+            self._secret, self._channel_address, self.use_ray, self._tls, self._replica_addresses
         )
         self.handles = await asyncio.to_thread(self._launch, specs, progress)
         generation = checkpoint.generation_config()
@@ -165,8 +177,34 @@ class Service:
             self.router, outputs, self._launch_one, first, self._joined, replace_lost=self.spec.replace_lost
         )
         await outputs.wait_connected([h.worker_id for h in self.handles], timeout_s=60)
-        await frontends.start(self.router)
+        if self.replicas is not None:
+            frontends.chat_template = ChatTemplate.of(tokenizer)
+            await self.replicas.start(self._replica_spec)
+        else:
+            await frontends.start(self.router)
         return self.endpoints
+
+    @property
+    def _replica_addresses(self) -> tuple[str, ...]:
+        return self.replicas.addresses if self.replicas is not None else ()
+
+    def _replica_spec(self, index: int) -> ReplicaSpec:
+        """What router replica ``index`` is told when it (re)starts: the pool as it is now."""
+        router, frontends, replicas = self.router, self.frontends, self.replicas
+        assert router is not None and frontends is not None and replicas is not None
+        config = replace(
+            self.config, http_port=frontends.http_port, grpc_port=frontends.grpc_port, router_id=str(index)
+        )
+        return ReplicaSpec(
+            index=index,
+            config=config,
+            model=self.spec.engine.model,
+            colocated=self.spec.is_colocated,
+            secret=self._secret,
+            internal_tls=self._tls,
+            workers=tuple(h.info for h in router.workers.values() if h.alive),
+            channel_fd=replicas.replicas[index].channel.fileno(),
+        )
 
     def _launch(
         self, specs: list[WorkerSpec], progress: bool, cancel: threading.Event | None = None
@@ -191,8 +229,9 @@ class Service:
 
     async def _launch_one(self, role: WorkerRole, worker_id: str) -> WorkerHandle:
         ws = self.spec.worker_spec(
-            role, worker_id, self._secret, self._channel_address, self.use_ray, self._tls
-        )
+            role, worker_id, self._secret, self._channel_address, self.use_ray, self._tls,
+            self._replica_addresses,
+        )  # fmt: skip
         cancel = threading.Event()
         launch = asyncio.ensure_future(asyncio.to_thread(self._launch, [ws], False, cancel))
         try:
@@ -306,7 +345,15 @@ class Service:
             if self._ray_watch is not None:
                 self._ray_watch.stop()
 
+    async def stop_replicas(self, drain_timeout_s: float) -> bool:
+        """Drain and stop the router replicas (each finishes its own streams for up to
+        ``drain_timeout_s``); True if all of them finished theirs. Nothing to do without."""
+        if self.replicas is None:
+            return True
+        return await self.replicas.stop(drain_timeout_s)  # (again: SIGTERM twice stops them now)
+
     async def _stop_with_ray(self) -> None:
+        await self.stop_replicas(0.0)
         if self.keeper is not None:
             await self.keeper.close()
         if self.frontends is not None:
@@ -336,6 +383,7 @@ class Service:
         and the instance's processes, if this process started them, are stopped directly, on
         this thread."""
         steps = [
+            self.stop_replicas(0.0),
             self.keeper.close() if self.keeper is not None else None,
             self.frontends.stop() if self.frontends is not None else None,
             self.router.stop()

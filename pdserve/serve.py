@@ -156,6 +156,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a worker that sends nothing (not even its heartbeat) for S seconds is lost: its streams move",
     )  # fmt: skip
     p.add_argument(
+        "--routers", type=int, default=1, metavar="N",
+        help="router replicas in front of the one pool (default 1: this process routes); N > 1: "
+        "this process owns the pool and N replica processes share the HTTP and gRPC ports, so a "
+        "router that dies costs only its own streams",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-host",
         default="",
         help="cluster-internal bind address of KV transfer and the worker channels (default: "
@@ -238,6 +244,7 @@ def build(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
         rebalance_prefill=args.rebalance_prefill,
         liveness_timeout_s=args.liveness_timeout,
         worker_channel_host=kv_host,
+        routers=args.routers,
     )
     return spec, config
 
@@ -338,6 +345,7 @@ async def _serve(
         f"  OpenAI HTTP  {ep.http}/v1   (model {service.router.model.model_id!r})\n"
         f"  gRPC         {ep.grpc}   (pdserve.v1.Inference, health, reflection)\n"
         f"  chat         {chat_summary(service.router, service.frontends.chat_template)}\n"
+        f"  routers      {_routers_summary(service)}\n"
         f"  auth         {'API key required' if service.config.api_key else 'off'}\n"
         f"  tls          {tls_summary(service.config.tls)}\n"
         f"  internal     {'TLS (deployment CA)' if service.spec.internal_tls else 'plaintext'} KV and worker "
@@ -362,10 +370,13 @@ async def _serve(
         )
     drained = False
     try:
-        clean = await serve_until_signal(
-            service.router, service.frontends, service.config.drain_timeout_s, signals
-        )
-        drained = True
+        if service.replicas is not None:
+            clean = await _serve_replicas(service, signals)
+        else:
+            clean = await serve_until_signal(
+                service.router, service.frontends, service.config.drain_timeout_s, signals
+            )
+            drained = True
     finally:
         if scaler is not None:
             await scaler.stop()
@@ -375,6 +386,23 @@ async def _serve(
         await service.stop()
     print("pdserve: stopped" + ("" if clean else " (some requests were aborted)"), flush=True)
     return clean
+
+
+async def _serve_replicas(service: Service, signals: StopSignals) -> bool:
+    """The pool owner of router replicas: serve until a signal, then drain the replicas (each
+    its own streams; a second signal stops them at once)."""
+    await signals.drain.wait()
+    timeout = service.config.drain_timeout_s
+    print(f"draining {service.config.routers} router replicas (up to {timeout:g}s)...", flush=True)
+    finished, clean = await first_of(service.stop_replicas(timeout), signals.now)
+    return bool(finished and clean)
+
+
+def _routers_summary(service: Service) -> str:
+    if service.replicas is None:
+        return "1 (this process)"
+    pids = ", ".join(str(p) for p in service.replicas.pids())
+    return f"{service.config.routers} replicas sharing both ports (pids {pids}); this process owns the pool"
 
 
 def tls_summary(tls: TlsConfig | None) -> str:

@@ -46,6 +46,7 @@ class Caps:
 # The shortest liveness timeout: twice the heartbeat of an idle worker
 # (``pdserve.worker.push.HEARTBEAT_S``), so that a live worker is never taken for a lost one.
 MIN_LIVENESS_S = 1.0
+MAX_ROUTERS = 64  # router replicas: every worker keeps a connection to each
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class RouterConfig:
     rebalance_prefill: bool = True
     liveness_timeout_s: float = 4.0  # a worker silent this long (no heartbeat) is lost
     worker_channel_host: str = "127.0.0.1"  # where workers push outputs (a node IP for multi-node)
+    # Router replicas over the one pool (``pdserve serve --routers N``); above 1, the serve
+    # process owns the pool and N replica processes serve the front ends (``deploy/replicas.py``).
+    routers: int = 1
+    # A replica's name, sent with every response (HTTP header ``x-pdserve-router``, gRPC
+    # metadata ``pdserve-router``) so a client or a test knows which replica served it; "": none.
+    router_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -96,5 +103,9 @@ class RouterConfig:
                 f"liveness_timeout_s must be a finite number >= {MIN_LIVENESS_S:g} (twice the workers' "
                 f"heartbeat), got {self.liveness_timeout_s}"
             )
+        if not 1 <= self.routers <= MAX_ROUTERS:
+            raise ValueError(f"routers must be 1-{MAX_ROUTERS}, got {self.routers}")
+        if len(self.router_id) > 64 or not self.router_id.isprintable():
+            raise ValueError("router_id must be printable and at most 64 characters")
         if self.max_inflight < 1 or self.grpc_max_message_bytes < 1 or self.migration_limit < 0:
             raise ValueError("max_inflight and grpc_max_message_bytes must be >= 1, migration_limit >= 0")

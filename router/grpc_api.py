@@ -148,6 +148,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             if e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(int(e.retry_after_s * 1000))),))
             await context.abort(STATUS[e.code], e.message)
+        if self.router.config.router_id:  # which replica serves it (with the first message)
+            await context.send_initial_metadata((("pdserve-router", self.router.config.router_id),))
         with_prompt = request.return_prompt_token_ids
         ids: list[int] = []
         text: list[str] = []
@@ -263,14 +265,17 @@ class GrpcServer:
         max_message_bytes: int,
         api_key: str | None = None,
         tls: TlsMaterial | None = None,
+        reuse_port: bool = False,
     ) -> None:
+        """``reuse_port``: router replicas share the port (the kernel spreads connections over
+        them and stops sending to one whose process ended); off, a taken port is an error."""
         self.router: Router | None = None
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(reuse_port)),
             ],
         )
         try:

@@ -33,10 +33,10 @@ from pdserve.router.prefix import block_keys
 from pdserve.router.rebalance import Queued, Waiting, queue_of, withdrawals
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.stream import RequestStream
-from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost
+from pdserve.router.workers import Leaving, WorkerHandle, WorkerLost, attached
 from pdserve.worker.commands import Release, Withdraw
-from pdserve.worker.control import SwitchRole
-from pdserve.worker.messages import WorkerHealth, WorkerRole
+from pdserve.worker.control import SetLeaving, SwitchRole
+from pdserve.worker.messages import WorkerHealth, WorkerInfo, WorkerRole
 
 if TYPE_CHECKING:
     from pdserve.router.service import ModelInfo
@@ -96,6 +96,7 @@ class Membership:
         # Told of every worker that began to drain after SIGTERM (a pool keeper starts its
         # replacement at once); None: no replacement comes, so none is waited for.
         self.on_worker_leaving: Callable[[WorkerHandle], None] | None = None
+        self.releases = True  # False on a router replica (``attach``): the owner releases workers
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.flow.spawn(coro)
@@ -134,6 +135,26 @@ class Membership:
         self.outputs.registered(wid)
         log.info("worker %s joined%s", wid, f" (replacing {replaces})" if replaces else "")
 
+    def attach(self, info: WorkerInfo) -> None:
+        """A router replica takes in a worker the pool owner started, from the info frame its
+        channel opens with: a new worker, or one whose channel to this replica ended and came
+        back (what it held for this replica was moved off when it ended, and the worker
+        aborted it). Raises ``ValueError`` if it cannot serve this deployment's requests."""
+        old = self.workers.get(info.worker_id)
+        if old is not None and not old.alive:
+            del self.workers[info.worker_id]
+        self.add_worker(attached(info))
+
+    def switched(self, worker: WorkerHandle, info: WorkerInfo) -> None:
+        """A router replica hears that the pool owner switched ``worker``'s role (the owner
+        drained it of every router's requests first; anything this replica still had there
+        moves, as off a worker that left)."""
+        self._move_off(worker, f"worker {worker.worker_id} switched role", planned=True)
+        worker.info, worker.role = info, info.role
+        worker.load = replace(worker.load, role=info.role, address=info.address)
+        log.info("worker %s is now a %s worker", worker.worker_id, info.role.value)
+        self.on_pool_change(worker)
+
     def on_pool_change(self, worker: WorkerHandle) -> None:
         """Whether ``worker`` takes requests changed: its channel came up, or it is draining
         (told to stop after SIGTERM: its replacement starts now, and it takes nothing new once
@@ -149,7 +170,10 @@ class Membership:
     def _release_drained(self) -> None:
         """Send ``Release`` to every worker draining after SIGTERM that new requests no longer
         need: another worker of its role takes requests, its role is not the one that decodes
-        (decode workers prefill themselves), or no replacement is coming for it."""
+        (decode workers prefill themselves), or no replacement is coming for it. A router
+        replica sends none (``releases``): letting a worker go is the pool owner's call."""
+        if not self.releases:
+            return
         for w in self.workers.values():
             needed = (
                 w.role is self.pools.decode_role
@@ -202,16 +226,34 @@ class Membership:
         w.leaving, w.kept_because = Leaving.DRAINING, ""
         if w.role is WorkerRole.PREFILL:  # its prompts that have not started go elsewhere now
             self._spawn(self._rebalance_prefill())
+        await self._tell_leaving(w, True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s
         while (
-            w.inflight
+            (w.inflight or self._foreign(w))
             and w.alive
             and w.leaving is Leaving.DRAINING
             and (loop.time() < deadline or self.config.migration_limit <= 0)
         ):
             await asyncio.sleep(0.05)
         return w
+
+    def _foreign(self, w: WorkerHandle) -> int:
+        """Requests router replicas placed on ``w`` (as its last load says; 0 without them)."""
+        if self.config.routers <= 1:
+            return 0
+        return w.load.others.prefills + w.load.others.decodes
+
+    async def _tell_leaving(self, w: WorkerHandle, leaving: bool) -> None:
+        """Router replicas learn that a planned change takes ``w`` out of its pool (or gave that
+        up) from its own loads only: tell the worker (``SetLeaving``). Nothing to tell with one
+        router, which knows it already."""
+        if self.config.routers <= 1 or not w.alive:
+            return
+        try:
+            await w.control(SetLeaving(leaving), timeout_s=self.config.call_timeout_s)
+        except (WorkerLost, asyncio.TimeoutError) as e:  # gone: its channel's end says the rest
+            log.debug("%s leaving=%s: %s", w.worker_id, leaving, e)
 
     def _keep_a_decoder(self) -> None:
         """A planned change must not leave the deployment without a worker that decodes: when
@@ -240,6 +282,7 @@ class Membership:
         if w.alive and w.leaving is Leaving.DRAINING:
             self._keep_a_decoder()
         if w.leaving is Leaving.STAYING:
+            self._spawn(self._tell_leaving(w, False))
             return PoolChange(w.worker_id, done=False, why_not=w.kept_because)
         return None
 
@@ -260,6 +303,11 @@ class Membership:
         ):
             raise ValueError(f"worker {worker_id!r} is the last {w.role.value} worker")
         w = await self._drain(worker_id, drain_timeout_s)
+        if w.alive and w.leaving is Leaving.DRAINING and self._foreign(w):
+            # Their router replicas' requests cannot move from here, and a worker switches
+            # only when idle: it stays, and serves them on.
+            w.leaving = Leaving.STAYING
+            w.kept_because = f"router replicas still hold {self._foreign(w)} request(s) on it"
         kept = self._given_up(w)
         if kept is not None:
             return kept
@@ -279,6 +327,7 @@ class Membership:
                     await asyncio.sleep(0.01)
             w.info, w.role = info, info.role
             w.load = replace(w.load, role=info.role, address=info.address)
+            await self._tell_leaving(w, False)  # (before it stays: a DRAINING load is no SIGTERM)
         finally:
             w.leaving = Leaving.STAYING
         if w.role is WorkerRole.PREFILL:

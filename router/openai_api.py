@@ -162,7 +162,7 @@ async def respond(
     builder = ChoiceBuilder(router.tokenizer, rid, chat, body.return_token_ids, body.model, len(admitted))
     events = merged(router, admitted)
     if not body.stream:
-        return await _until_disconnected(request, collect(builder, events))
+        return await _until_disconnected(request, collect(builder, events), named(router))
     try:
         first = await anext(events)
     except StopAsyncIteration:
@@ -173,8 +173,14 @@ async def respond(
     return StreamingResponse(
         sse(builder, first, events, body.include_usage),
         media_type="text/event-stream",
-        headers=SSE_HEADERS,
+        headers={**SSE_HEADERS, **named(router)},
     )
+
+
+def named(router: Router) -> dict[str, str]:
+    """The header naming the router replica that served a response ("": one router, none)."""
+    rid = router.config.router_id
+    return {"x-pdserve-router": rid} if rid else {}
 
 
 async def merged(router: Router, admitted: Sequence[Admitted]) -> AsyncGenerator[tuple[int, Event], None]:
@@ -253,7 +259,7 @@ def _data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _until_disconnected(request: Request, work: Any) -> Response:
+async def _until_disconnected(request: Request, work: Any, headers: dict[str, str]) -> Response:
     """Run a non-streaming request, aborting it if the client goes away first."""
     task = asyncio.ensure_future(work)
 
@@ -271,4 +277,4 @@ async def _until_disconnected(request: Request, work: Any) -> Response:
         return Response(status_code=499)
     finally:
         watcher.cancel()
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers or None)

@@ -33,13 +33,15 @@ from pdserve.worker.codec import (
 )
 from pdserve.worker.command_codec import decode_from_worker, encode_command
 from pdserve.worker.commands import Answer, Command, CommandError
-from pdserve.worker.messages import OutputBatch, TokenDelta
+from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerInfo
 
 log = logging.getLogger(__name__)
 
 OnDeltas = Callable[[WorkerHandle, tuple[TokenDelta, ...]], None]
 OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
 OnPoolChange = Callable[[WorkerHandle], None]
+OnJoin = Callable[[WorkerInfo], None]
+OnSwitch = Callable[[WorkerHandle, WorkerInfo], None]
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection's set-up (TLS, then the hello)
 REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
 MAX_CHANNELS = 4096  # authenticated workers connected at once; more are refused
@@ -97,13 +99,18 @@ class OutputListener:
         port: int = 0,
         liveness_timeout_s: float = 4.0,
         tls: InternalTls | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
+        """``sock``: a listening socket to serve (a router replica's, which its pool owner
+        bound and keeps, so a restarted replica is found at the same address); else one is
+        bound to ``host:port`` by ``start``."""
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         self.secret = secret
         self.tls = tls  # set: workers connect over TLS with the deployment's certificate
         self.host = host
         self.port = port
+        self.sock = sock
         # A live worker sends a frame at least every HEARTBEAT_S (``pdserve.worker.push``); one
         # silent this long is stopped or wedged (SIGSTOP, a stuck process): it is lost.
         self.liveness_timeout_s = liveness_timeout_s
@@ -112,6 +119,7 @@ class OutputListener:
         self._on_deltas: OnDeltas | None = None
         self._on_lost: OnLost | None = None
         self._on_pool_change: OnPoolChange | None = None
+        self._on_join: OnJoin | None = None
         self._bound = asyncio.Event()
         self._connected: dict[str, asyncio.Event] = {}
         self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
@@ -122,15 +130,17 @@ class OutputListener:
 
     async def start(self) -> str:
         context = self.tls.server_context() if self.tls is not None else None
-        self._server = await asyncio.start_server(
-            self._serve,
-            self.host,
-            self.port,
-            ssl=context,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if context is not None else None,
-        )
-        port = self._server.sockets[0].getsockname()[1]
-        return f"{self.host}:{port}"
+        handshake = HANDSHAKE_TIMEOUT_S if context is not None else None
+        if self.sock is not None:
+            self._server = await asyncio.start_server(
+                self._serve, sock=self.sock, ssl=context, ssl_handshake_timeout=handshake
+            )
+        else:
+            self._server = await asyncio.start_server(
+                self._serve, self.host, self.port, ssl=context, ssl_handshake_timeout=handshake
+            )
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"{host if self.sock is not None else self.host}:{port}"
 
     def bind(
         self,
@@ -138,11 +148,18 @@ class OutputListener:
         on_deltas: OnDeltas,
         on_lost: OnLost,
         on_pool_change: OnPoolChange,
+        on_join: OnJoin | None = None,
+        on_switch: OnSwitch | None = None,
     ) -> None:
         """Start delivering: connections that arrived earlier wait for this. ``on_pool_change``:
-        whether a worker takes requests changed (its channel came up, or it reports draining)."""
+        whether a worker takes requests changed (its channel came up, or it reports draining).
+        ``on_join`` (a router replica's): takes in a worker this router was not told of, from
+        the info frame it sends first (raises ``ValueError`` to refuse it), and ``on_switch``
+        hears of a worker's new role from the info frame it sends after a switch."""
         self._workers, self._on_deltas, self._on_lost = workers, on_deltas, on_lost
         self._on_pool_change = on_pool_change
+        self._on_join = on_join
+        self._on_switch = on_switch or (lambda w, info: None)
         self._bound.set()
 
     def expect(self, worker_id: str) -> None:
@@ -187,7 +204,20 @@ class OutputListener:
                 raise ChannelError(f"more than {MAX_CHANNELS} workers connected")
             writer.write(encode_welcome(self.secret, nonce, wid))
             await self._bound.wait()
-            if wid not in self._workers and wid in self._registered:
+            known = self._workers.get(wid)
+            if self._on_join is not None and (known is None or not known.alive):
+                # A router replica takes in whichever worker proves the secret: the pool owner
+                # started it, and its first frame says what it is.
+                waiting = f"no info frame from worker {wid!r} ({peer}) within {HANDSHAKE_TIMEOUT_S:g} s"
+                body = await asyncio.wait_for(_read_frame(reader, MAX_FRAME_BYTES), HANDSHAKE_TIMEOUT_S)
+                info = decode_from_worker(body, wid)
+                if not isinstance(info, WorkerInfo):
+                    raise ChannelError(f"worker {wid!r} sent no info frame first")
+                try:
+                    self._on_join(info)
+                except ValueError as e:
+                    raise ChannelError(str(e)) from None
+            elif wid not in self._workers and wid in self._registered:
                 waiting = f"worker {wid!r} ({peer}) was not registered within {REGISTER_TIMEOUT_S:g} s"
                 await asyncio.wait_for(self._registered[wid].wait(), REGISTER_TIMEOUT_S)
             worker = self._workers.get(wid)
@@ -209,6 +239,11 @@ class OutputListener:
                     reason = f"no frame for {self.liveness_timeout_s:g} s (stopped or wedged)"
                     break
                 frame = decode_from_worker(body, wid)
+                if isinstance(frame, WorkerInfo):
+                    # A replica learns a role switch here; the owner, who switched it, knows.
+                    if self._on_join is not None and frame.role is not worker.role:
+                        self._on_switch(worker, frame)
+                    continue
                 if not isinstance(frame, OutputBatch):
                     channel.answered(*frame)
                     continue

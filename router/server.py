@@ -59,15 +59,33 @@ def chat_summary(router: Router, template: ChatTemplate) -> str:
     return f"template from {template.origin.origin}"
 
 
-def listen_tcp(host: str, port: int, what: str) -> socket.socket:
+def listen_tcp(host: str, port: int, what: str, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks);
     ``what`` names it in the error. IPv6 when ``host`` is an IPv6 address, else IPv4 (a name
-    such as ``localhost`` binds its IPv4 address, as uvicorn binds it)."""
+    such as ``localhost`` binds its IPv4 address, as uvicorn binds it). ``reuse_port``: beside
+    other router replicas' listeners (``reserve_tcp``)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart past TIME_WAIT
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {what} to {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def reserve_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A TCP port held for router replicas: bound with ``SO_REUSEPORT`` and not listening, so
+    it takes no connection itself while the replicas' servers bind the same port beside it
+    (the kernel spreads connections over those that listen)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise OSError(f"cannot bind {what} to {host}:{port}: {e.strerror or e}") from None
@@ -85,20 +103,35 @@ class Frontends:
     close and a bind, back to back; connections waiting on the plain socket are reset, and gRPC
     clients reconnect): a gRPC server made before Ray starts has threads running while Ray forks
     its processes, which gRPC's fork handlers then skip, and say so on stderr. Under mutual TLS
-    both ports go to ``TlsFront``s instead (no gap), and the servers listen behind them."""
+    both ports go to ``TlsFront``s instead (no gap), and the servers listen behind them.
 
-    chat_template: ChatTemplate  # the router's model's (set by ``start``)
+    Router replicas (``pdserve.router.replica``) share both ports (``shared_ports``): each
+    port is held by a bound, non-listening ``SO_REUSEPORT`` socket (it takes no connection,
+    and no other user's process can take the port), and each replica's servers listen on it
+    with ``SO_REUSEPORT`` too: the kernel spreads new connections evenly over the replicas
+    that listen, and stops sending to one whose process ended. The pool owner holds the ports
+    this way for the deployment's life and never starts its own servers.
 
-    def __init__(self, config: RouterConfig, tls: TlsMaterial | None = None) -> None:
+    chat_template: the router's model's (set by ``start``)."""
+
+    chat_template: ChatTemplate
+
+    def __init__(
+        self, config: RouterConfig, tls: TlsMaterial | None = None, shared_ports: bool = False
+    ) -> None:
         self.config = config
         self.tls = tls
-        self._http_socket = listen_tcp(config.host, config.http_port, "HTTP")
+        self._shared = shared_ports
+        hold = reserve_tcp if shared_ports else listen_tcp
+        self._http_socket = hold(config.host, config.http_port, "HTTP")
         try:
-            self._grpc_hold: socket.socket | None = listen_tcp(config.host, config.grpc_port, "gRPC")
+            self._grpc_hold: socket.socket | None = hold(config.host, config.grpc_port, "gRPC")
         except BaseException:
             self._http_socket.close()
             raise
         self._grpc_port = int(self._grpc_hold.getsockname()[1])
+        self._http_listener: socket.socket | None = None  # shared ports: this replica's own
+        self._grpc_stopping: asyncio.Task[None] | None = None
         self.grpc: GrpcServer | None = None
         self.http: _Uvicorn | None = None
         self._fronts: list[TlsFront] = []  # mutual TLS only
@@ -143,10 +176,14 @@ class Frontends:
             http_sockets, grpc_address = self._front_ends(tls)
             self.grpc = GrpcServer(grpc_address, c.grpc_max_message_bytes, c.api_key)
         else:
-            self._release_grpc_hold()
-            http_sockets = [self._http_socket]
+            if self._shared:  # the holds stay, beside this replica's own listeners
+                self._http_listener = listen_tcp(c.host, self.http_port, "HTTP", reuse_port=True)
+                http_sockets = [self._http_listener]
+            else:
+                self._release_grpc_hold()
+                http_sockets = [self._http_socket]
             address = f"{c.host}:{self._grpc_port}"
-            self.grpc = GrpcServer(address, c.grpc_max_message_bytes, c.api_key, self.tls)
+            self.grpc = GrpcServer(address, c.grpc_max_message_bytes, c.api_key, self.tls, self._shared)
         await self.grpc.start(router)
         self._http_task = asyncio.create_task(self.http.serve(sockets=http_sockets))
         while not self.http.started:
@@ -174,6 +211,16 @@ class Frontends:
         self._grpc_hold = None  # the gRPC front serves it from now on
         return [backend], f"unix:{grpc_path}"
 
+    def stop_accepting(self, grace_s: float) -> None:
+        """A router replica that drains: new connections go to the other replicas (this one
+        stops accepting on the shared HTTP socket, and its gRPC server refuses new calls, which
+        sends its clients' channels to reconnect, and gives those running ``grace_s``)."""
+        if self.http is not None:
+            for server in self.http.servers:
+                server.close()
+        if self.grpc is not None and self._grpc_stopping is None:
+            self._grpc_stopping = asyncio.ensure_future(self.grpc.stop(grace_s))
+
     async def stop(self, grace_s: float = 1.0) -> None:
         for front in self._fronts:
             await front.stop()
@@ -182,9 +229,13 @@ class Frontends:
         if self._http_task is not None:
             await asyncio.gather(self._http_task, return_exceptions=True)
         self._http_socket.close()
+        if self._http_listener is not None:
+            self._http_listener.close()
         self._release_grpc_hold()
         if self.grpc is not None:
             await self.grpc.stop(grace_s)
+        if self._grpc_stopping is not None:
+            await asyncio.gather(self._grpc_stopping, return_exceptions=True)
         if self._backends:
             shutil.rmtree(self._backends, ignore_errors=True)
 
@@ -245,10 +296,13 @@ async def first_of(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | N
 async def serve_until_signal(
     router: Router, frontends: Frontends, drain_timeout_s: float, signals: StopSignals
 ) -> bool:
-    """Serve until SIGINT/SIGTERM, then drain: health turns NOT_SERVING, new requests get 503,
-    in-flight ones get ``drain_timeout_s`` to finish (a second signal cuts that short). True if
-    every request finished."""
+    """Serve until SIGINT/SIGTERM, then drain: health turns NOT_SERVING, new requests get 503
+    (a router replica stops accepting instead: its peers take them), in-flight ones get
+    ``drain_timeout_s`` to finish (a second signal cuts that short). True if every request
+    finished."""
     await signals.drain.wait()
+    if router.attached:
+        frontends.stop_accepting(drain_timeout_s)
     print(f"draining {router.num_inflight} in-flight requests (up to {drain_timeout_s:g}s)...", flush=True)
     finished, clean = await first_of(router.drain(drain_timeout_s), signals.now)
     if not (finished and clean):

@@ -111,7 +111,11 @@ class Router:
         outputs: OutputListener,
         colocated: bool = False,
         generation: GenerationDefaults = NO_DEFAULTS,
+        attached: bool = False,
     ) -> None:
+        """``attached``: a router replica (``pdserve.router.replica``): the pool owner started
+        ``workers``, more join when their channels open, and their processes are not its to
+        control."""
         if not workers:
             raise ValueError("a router needs workers")
         self.config = config
@@ -166,11 +170,18 @@ class Router:
             config, self.pools, outputs, self.limits, self.model, self.accounting, self.flow,
             self._streams, self._client_ids, self.decide,
         )  # fmt: skip
+        self.attached = attached
+        self.membership.releases = not attached
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         m = self.membership
-        self.outputs.bind(self.workers, self.flow.on_deltas, m.on_lost, m.on_pool_change)
+        if self.attached:
+            self.outputs.bind(
+                self.workers, self.flow.on_deltas, m.on_lost, m.on_pool_change, m.attach, m.switched
+            )
+        else:
+            self.outputs.bind(self.workers, self.flow.on_deltas, m.on_lost, m.on_pool_change)
 
     async def stop(self) -> None:
         for s in list(self._streams.values()):

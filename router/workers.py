@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.worker.control import Control, Shutdown
+from pdserve.worker.control import Control, GetLoad, Shutdown
 from pdserve.worker.messages import WorkerHealth, WorkerInfo, WorkerLoad
 
 T = TypeVar("T")
@@ -51,6 +51,36 @@ class LocalCaller:
 
     def kill(self) -> None:
         self.host.control(Shutdown())
+
+
+class NotOwner(Exception):
+    """A router replica asked for what only the pool owner does (stop, switch, inspect a
+    worker's process)."""
+
+
+class AttachedCaller:
+    """A router replica's ``Caller`` for a worker the pool owner started: that process is not
+    this router's to control. ``GetLoad`` is answered with the load the worker last reported on
+    its channel (every frame carries one, at least every half second); every other control
+    message raises ``NotOwner``; ``kill`` does nothing (the owner stops or replaces workers)."""
+
+    def __init__(self) -> None:
+        self.handle: WorkerHandle | None = None  # set by ``attached``
+
+    async def control(self, msg: Control[T], timeout_s: float | None = None) -> T:
+        if isinstance(msg, GetLoad) and self.handle is not None:
+            return cast(T, self.handle.load)
+        raise NotOwner(f"a router replica cannot send {type(msg).__name__}: the pool owner controls workers")
+
+    def kill(self) -> None:
+        pass
+
+
+def attached(info: WorkerInfo) -> WorkerHandle:
+    """A replica's handle on the worker ``info`` describes (``AttachedCaller``)."""
+    caller = AttachedCaller()
+    handle = caller.handle = WorkerHandle(info, caller)
+    return handle
 
 
 class WorkerLost(Exception):

@@ -36,7 +36,8 @@ from pdserve.worker.commands import (
     Start,
     Withdraw,
 )
-from pdserve.worker.messages import KVTarget, OutputBatch, WorkItem
+from pdserve.worker.info_codec import info_from, is_info
+from pdserve.worker.messages import KVTarget, OutputBatch, WorkerInfo, WorkItem
 
 MAX_COMMAND_BYTES = 16 << 20
 MAX_ID_CHARS = 256
@@ -228,12 +229,17 @@ def encode_error(call_id: int, err: CommandError) -> bytes:
     return frame({"v": VERSION, "r": call_id, "ok": False, "e": err.kind.value, "m": msg, "f": err.field})
 
 
-def decode_from_worker(body: bytes, worker_id: str) -> OutputBatch | tuple[int, Answer | CommandError]:
-    """A frame on a worker's channel: an output batch, or (call id, answer) to a command."""
+def decode_from_worker(
+    body: bytes, worker_id: str
+) -> OutputBatch | WorkerInfo | tuple[int, Answer | CommandError]:
+    """A frame on a worker's channel: an output batch, the worker's info
+    (``pdserve.worker.info_codec``), or (call id, answer) to a command."""
     msg = unpack(body, MAX_FRAME_BYTES)
     try:
         if isinstance(msg, dict) and "r" in msg:
             return _answer(msg)
+        if is_info(msg):
+            return info_from(msg, worker_id)
         return batch_from(msg, worker_id)
     except ChannelError:
         raise

@@ -54,6 +54,15 @@ class SwitchRole(Control[WorkerInfo]):
 
 
 @dataclass(frozen=True)
+class SetLeaving(Control[None]):
+    """Report DRAINING (``leaving``) or HEALTHY again in every load: a planned change is taking
+    the worker out of its pool, and router replicas, which learn of it only from its loads,
+    must route nothing new to it. A worker draining after SIGTERM stays DRAINING."""
+
+    leaving: bool
+
+
+@dataclass(frozen=True)
 class RequestState(Control[dict[str, int]]):
     """Sizes of every per-request map of the engine, its KV manager and its transport."""
 
@@ -77,6 +86,8 @@ class ControlTarget(Protocol):
 
     def switch_role(self, role: WorkerRole) -> WorkerInfo: ...
 
+    def set_leaving(self, leaving: bool) -> None: ...
+
     def request_state(self) -> dict[str, int]: ...
 
     def check_integrity(self) -> None: ...
@@ -91,6 +102,7 @@ CONTROL_HANDLERS: Mapping[type, ControlHandler] = {
     GetInfo: lambda host, m: host.info(),
     GetLoad: lambda host, m: host.load(),
     SwitchRole: lambda host, m: host.switch_role(m.role),
+    SetLeaving: lambda host, m: host.set_leaving(m.leaving),
     RequestState: lambda host, m: host.request_state(),
     CheckIntegrity: lambda host, m: host.check_integrity(),
     Shutdown: lambda host, m: host.shutdown(),

@@ -42,6 +42,7 @@ from pdserve.kvtransfer.transport import KVTransport
 from pdserve.model_runtime.engine.model_runner import ModelRunner
 from pdserve.model_runtime.engine.runtime import Runtime, build_runtime, torch_device
 from pdserve.model_runtime.engine.step_log import LoggedRunner, StepLog
+from pdserve.model_runtime.kv_cache.block_pool import IntegrityError
 from pdserve.model_runtime.parallel.group import RankLost
 from pdserve.model_runtime.platform import use_threads
 from pdserve.worker.commands import Answer, Command, Release, UnsupportedCommand
@@ -122,17 +123,6 @@ class WorkerHost:
             setup.ranks.watch(lambda rank: self.loop.fail(RankLost(f"rank {rank} of the worker exited")))
         if self.transport is not None:
             self.transport.on_completion(self.loop.wake)
-        self.pusher: OutputPusher | None = None
-        if spec.router_address:
-            self.pusher = OutputPusher(
-                self.loop,
-                self.load,
-                spec.worker_id,
-                spec.router_address,
-                spec.secret,
-                self.execute,
-                spec.internal_tls,
-            )
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
             role=spec.role,
@@ -152,6 +142,18 @@ class WorkerHost:
             tp=spec.engine.tp,
             kv_ranks=self.rt.ranks.group.size if self.rt.ranks is not None else 1,
         )
+        self.pusher: OutputPusher | None = None
+        if spec.router_address:
+            self.pusher = OutputPusher(
+                self.loop,
+                self.load,
+                self.info,
+                spec.worker_id,
+                (spec.router_address, *spec.replica_addresses),
+                spec.secret,
+                self.execute,
+                spec.internal_tls,
+            )
         self._terminating = threading.Event()
         self._released = threading.Event()  # the router routes nothing new here (``Release``)
         if spec.drain_on_sigterm and threading.current_thread() is threading.main_thread():
@@ -261,10 +263,17 @@ class WorkerHost:
     def check_integrity(self) -> None:
         """Raise if blocks or per-request state leaked (checked while no request is held)."""
         self.loop.call(self.engine.check_integrity)
+        owned = self.pusher.owned() if self.pusher is not None else 0
+        if owned and self.loop.call(lambda: self.engine.idle):
+            raise IntegrityError(f"idle, but the worker channel still knows the router of {owned} request(s)")
 
     def request_state(self) -> dict[str, int]:
         """Sizes of every per-request map of the engine, its KV manager and its transport."""
         state: dict[str, int] = self.loop.call(self.engine.request_state)
+        if self.pusher is not None:
+            state["channel_owners"] = self.pusher.owned()
+            if len(self.pusher.addresses) > 1:  # each router's share (router replicas)
+                state |= {f"owned_by_router_{i}": n for i, n in enumerate(self.pusher.owned_by())}
         return state
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -275,6 +284,12 @@ class WorkerHost:
                 return True
             time.sleep(0.01)
         return False
+
+    def set_leaving(self, leaving: bool) -> None:
+        """A planned change takes this worker out of its pool (``leaving``), or gave that up:
+        report DRAINING, or HEALTHY again (not after SIGTERM: that drain goes on)."""
+        if leaving or not self._terminating.is_set():
+            self.loop.set_health(WorkerHealth.DRAINING if leaving else WorkerHealth.HEALTHY)
 
     def drain(self, timeout_s: float, until_released: bool = False) -> bool:
         """Report DRAINING (the router routes nothing new here once another worker of this

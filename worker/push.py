@@ -1,22 +1,29 @@
-"""Worker side of the worker channel: one TCP connection to the router that carries this
-worker's output batches (one frame per collect) and, the other way, the router's commands and
-their answers.
+"""Worker side of the worker channel: one connection to each router of the deployment, carrying
+this worker's output batches and, the other way, the routers' commands and their answers.
 
 Why not Ray calls: a round trip through Ray costs about a millisecond on a busy host, paid on
 every request's first token and decode step; a socket write costs tens of microseconds, and
 the connection's end-of-file tells the router at once that this process died. Commands on one
-connection also arrive in the order the router sent them, so an abort never overtakes the
+connection also arrive in the order that router sent them, so an abort never overtakes the
 command that added its request.
 
-Handshake: the router sends a challenge; the worker answers with its id, the HMAC of the
-challenge and a challenge of its own; the router answers that with its HMAC (``welcome``).
-Only then does the worker send outputs or accept commands: a peer that cannot prove the
-cluster secret gets nothing and commands nothing.
+Routers: ``addresses[0]`` is the pool owner's (the one router of a single-router deployment);
+the others are router replicas (``pdserve serve --routers N``), which any client request may
+reach. Each request belongs to the router whose command brought it here (``Owners``): its
+deltas go to that router alone; every router gets the worker's load with each frame, with the
+work the other routers placed here as ``others`` — so each replica decides on the whole
+worker's state without talking to the others.
 
-Threads: the pusher (batches), the command reader, and the answer sender; the two writers
-share one lock, so frames never interleave. A malformed command frame is answered with an
-error (or, without a readable call id, dropped) and the worker keeps serving; only a broken
-frame length, which leaves the stream unreadable, ends the connection.
+Losing a router: the owner's connection ending ends the channel (as with one router: the
+owner stops or replaces this worker). A replica's ending aborts every request it owned here at
+once (its clients are gone; their blocks are freed) and the worker connects to that address
+again, for as long as it runs: a restarted replica finds every worker within a back-off step.
+A replica's connection whose writes block for ``SEND_TIMEOUT_S`` (a stopped process) is cut
+the same way, so one wedged replica never stalls the others' streams for long.
+
+Threads: the pusher (collects the engine's deltas, writes every frame), one keeper per replica
+address (connects, waits for the end, cleans up), and each connection's reader and answer
+sender (``pdserve.worker.link``).
 """
 
 from __future__ import annotations
@@ -24,83 +31,31 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import queue
-import socket
-import ssl
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
-from pdserve.kvtransfer.tls import InternalTls, TlsStream
-from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.worker.codec import (
-    CHALLENGE_BYTES,
-    LENGTH,
-    MAX_HELLO_BYTES,
-    ChannelError,
-    check_welcome,
-    encode_batch,
-    encode_hello,
-)
-from pdserve.worker.command_codec import (
-    MAX_COMMAND_BYTES,
-    CommandFrameError,
-    decode_command,
-    encode_answer,
-    encode_error,
-)
-from pdserve.worker.commands import Answer, Command, CommandError, ErrorKind, UnsupportedCommand
+from pdserve.kvtransfer.tls import InternalTls
+from pdserve.worker.codec import encode_batch
+from pdserve.worker.commands import Abort, Answer, Command, CommandError, Start, Withdraw
+from pdserve.worker.info_codec import encode_info
+from pdserve.worker.link import Link, connect_retrying, error_of
 from pdserve.worker.loop import EngineLoop, WorkerFailed
-from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerLoad
+from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerInfo, WorkerLoad
+from pdserve.worker.owners import Introducing, Owners
 
 log = logging.getLogger(__name__)
-Stream = socket.socket | TlsStream  # the channel, plain or over the deployment's TLS
 
 HEARTBEAT_S = 0.5  # an idle worker still reports its load this often
-CONNECT_TIMEOUT_S = 30.0
-HANDSHAKE_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 30.0  # the owner's first connection (a replica's is tried for good)
+LOAD_EVERY_S = 0.02  # a router with no deltas in a batch still gets the load this often
+SEND_TIMEOUT_S = 2.0  # a replica's connection that cannot take a frame this long is cut
+RECONNECT_MAX_DELAY_S = 0.5  # the back-off's cap while a replica's address refuses
 
 Execute = Callable[[Command], "Future[Answer]"]
-_Outcome = tuple[int, "Future[Answer] | CommandError"]  # (call id, what answers it)
-
-
-def recv_exact(sock: Stream, n: int) -> bytes:
-    """``n`` bytes from ``sock``; ``ConnectionError`` if it closes first."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the router closed the worker channel")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(sock: Stream, limit: int) -> bytes:
-    (n,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
-    if not 0 < n <= limit:
-        raise ChannelError(f"frame length {n} outside 1..{limit}")
-    return recv_exact(sock, n)
-
-
-def _hang_up(sock: Stream) -> None:
-    """Close for good: ``shutdown`` first, so the peer sees the end at once and a thread
-    blocked reading this socket wakes up (a bare ``close`` does neither while it reads)."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-def error_of(e: BaseException) -> CommandError:
-    """How a command's exception reaches the router: the request's fault or the worker's."""
-    if isinstance(e, InvalidRequestError):
-        return CommandError(ErrorKind.INVALID, e.message, e.field)
-    if isinstance(e, UnsupportedCommand):
-        return CommandError(ErrorKind.UNSUPPORTED, str(e))
-    if isinstance(e, ValueError):
-        return CommandError(ErrorKind.VALUE, str(e))
-    return CommandError(ErrorKind.FAILED, f"{type(e).__name__}: {e}")
 
 
 class OutputPusher:
@@ -108,164 +63,212 @@ class OutputPusher:
         self,
         loop: EngineLoop,
         load: Callable[[], WorkerLoad],
+        info: Callable[[], WorkerInfo],
         worker_id: str,
-        address: str,
+        addresses: Sequence[str],
         secret: bytes,
         execute: Execute,
         tls: InternalTls | None = None,
     ) -> None:
+        if not addresses:
+            raise ValueError("a worker channel needs at least one router address")
         self.loop = loop
         self.load = load
+        self.info = info
         self.worker_id = worker_id
-        self.address = address
+        self.addresses = tuple(addresses)
         self.secret = secret
         self.execute = execute
         self.tls = tls
-        self.bad_commands = 0  # malformed command frames answered or dropped
-        self._stop = threading.Event()
-        self._router_closed = threading.Event()
-        self._sock: Stream | None = None
-        self._send_lock = threading.Lock()
-        self._answers: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
         self.error: BaseException | None = None
+        self.aborted_for_lost_routers = 0  # requests aborted because their router went away
+        self._stop = threading.Event()
+        self._links: list[Link | None] = [None] * len(self.addresses)
+        self._owners = Owners()
+        self._tracking = len(self.addresses) > 1  # one router owns every request: no book kept
+        self._lock = threading.Lock()  # the owners' book: readers (commands) and the pusher (deltas)
+        self._sent_info: WorkerInfo | None = None
         self._thread = threading.Thread(target=self._run, name="output-push", daemon=True)
         self._thread.start()
 
-    def _connect(self) -> Stream:
-        """The authenticated channel to the router. A refused connection, or one the router
-        closed or reset before the handshake was done (a router still starting, or shedding
-        connections that have not authenticated under a flood), is made again, backing off,
-        within ``CONNECT_TIMEOUT_S``; a router that cannot prove the secret is final."""
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        delay = 0.05
-        while True:
-            try:
-                return self._connect_once()
-            except OSError as e:  # (ConnectionError included: closed or reset mid-handshake)
-                refused_tls = isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError)
-                if refused_tls or time.monotonic() + delay > deadline or self._stop.is_set():
-                    raise
-                log.debug("worker channel to %s: %s; again in %g s", self.address, e, delay)
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
+    @property
+    def bad_commands(self) -> int:
+        return sum(link.bad_commands for link in self._links if link is not None)
 
-    def _connect_once(self) -> Stream:
-        host, _, port = self.address.rpartition(":")
-        raw = socket.create_connection((host, int(port)), timeout=5)
-        sock: Stream = raw
+    def connected(self) -> list[bool]:
+        """Whether each router's connection is up now (tests, status)."""
+        return [link is not None and not link.closed.is_set() for link in self._links]
+
+    def owned(self) -> int:
+        """Requests whose router is known here (per-request state: empty when idle)."""
+        with self._lock:
+            return len(self._owners)
+
+    def owned_by(self) -> list[int]:
+        """Requests each router owns here (index 0: the pool owner's)."""
+        with self._lock:
+            return [len(self._owners.owned_by(i)) for i in range(len(self.addresses))]
+
+    # -- connections ---------------------------------------------------------------------------
+    def _open(self, index: int, deadline: float) -> Link:
+        replica = index > 0
+        sock = connect_retrying(
+            self.addresses[index], self.worker_id, self.secret, self.tls, deadline, self._stop,
+            send_timeout_s=SEND_TIMEOUT_S if replica else 0.0,
+            max_delay_s=RECONNECT_MAX_DELAY_S if replica else 1.0,
+        )  # fmt: skip
+        link = Link(index, self.addresses[index], sock, self._on_command)
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self.tls is not None:
-                sock = TlsStream.wrap(raw, self.tls.client_context(), server_side=False)
-            challenge = recv_exact(sock, CHALLENGE_BYTES)
-            nonce = os.urandom(CHALLENGE_BYTES)
-            sock.sendall(encode_hello(self.worker_id, self.secret, challenge, nonce))
-            check_welcome(_read_frame(sock, MAX_HELLO_BYTES), self.secret, nonce, self.worker_id)
-            sock.settimeout(None)
-        except BaseException:
-            _hang_up(sock)  # an unproven router gets nothing, not even a dangling connection
+            link.send(encode_info(self.info()))
+        except OSError:
+            link.close()
             raise
-        return sock
+        return link
 
-    def _send(self, data: bytes) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        with self._send_lock:
-            sock.sendall(data)
+    def _keep(self, index: int) -> None:
+        """A replica's connection, for as long as the worker runs: connect, serve, and when it
+        ends abort what that replica owned here, then connect again."""
+        while not self._stop.is_set():
+            try:
+                link = self._open(index, math.inf)
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                log.warning("worker channel to router %s refused for good: %s", self.addresses[index], e)
+                return
+            self._links[index] = link
+            log.info("worker channel to router replica %s up", link.address)
+            link.closed.wait()
+            self._links[index] = None
+            if self._stop.is_set():
+                return
+            self._abort_owned(index, link.address)
 
-    def _send_deltas(self, deltas: list[TokenDelta]) -> None:
-        self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+    def _abort_owned(self, index: int, address: str) -> None:
+        with self._lock:
+            orphans = self._owners.owned_by(index)
+            for rid in orphans:
+                self._owners.forget(rid)
+        for rid in orphans:
+            try:
+                self.execute(Abort(rid))
+            except Exception as e:  # the loop stopped: nothing left to free
+                log.debug("abort of %s after losing router %s: %s", rid, address, e)
+        self.aborted_for_lost_routers += len(orphans)
+        log.warning("router %s lost: aborted its %d request(s) here; connecting again", address, len(orphans))
 
-    def _run(self) -> None:
+    def _on_command(self, link: Link, cmd: Command) -> Future[Answer] | CommandError:
+        if self._tracking:
+            with self._lock:
+                if isinstance(cmd, Introducing):  # before it runs: its first deltas know their router
+                    self._owners.introduce(link.index, cmd)
+                elif isinstance(cmd, Abort):
+                    self._owners.command(cmd)
         try:
-            self._sock = sock = self._connect()
-            threading.Thread(
-                target=self._read_commands, args=(sock,), name="worker-commands", daemon=True
-            ).start()
-            threading.Thread(target=self._send_answers, name="worker-answers", daemon=True).start()
-            while not self._stop.is_set():
+            fut = self.execute(cmd)
+        except BaseException as e:  # refused before it was queued (loop stopped, wrong role)
+            if self._tracking and isinstance(cmd, Introducing):
+                with self._lock:
+                    self._owners.forget(cmd.work.request_id)
+            return error_of(e)
+        if self._tracking and isinstance(cmd, Introducing | Start | Withdraw):
+            fut.add_done_callback(functools.partial(self._answered, cmd))
+        return fut
+
+    def _answered(self, cmd: Command, fut: Future[Answer]) -> None:
+        try:
+            answer = fut.result()
+        except BaseException:  # refused: a request it would have added never came to be
+            if isinstance(cmd, Introducing):
+                with self._lock:
+                    self._owners.forget(cmd.work.request_id)
+            return
+        if not isinstance(cmd, Introducing):
+            with self._lock:
+                self._owners.command(cmd, answer)
+
+    # -- output ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        owner: Link | None = None
+        try:
+            owner = self._links[0] = self._open(0, time.monotonic() + CONNECT_TIMEOUT_S)
+            for i in range(1, len(self.addresses)):
+                threading.Thread(target=self._keep, args=(i,), name=f"router-link-{i}", daemon=True).start()
+            deltas: list[TokenDelta] = []
+            while not self._stop.is_set() and not owner.closed.is_set():
                 try:
                     deltas = self.loop.collect(HEARTBEAT_S)
                 except WorkerFailed:
-                    return  # the loop died: closing the socket tells the router
-                self._send_deltas(deltas)
+                    return  # the loop died: closing the sockets tells the routers
+                self._push(deltas, heartbeat=not deltas)
             # Stopping: what the engine produced since the last batch still goes out — a drained
             # worker's last deltas end the requests the drain waited for, and a router that
             # never got them would move those requests as if the worker had died under them.
             with contextlib.suppress(WorkerFailed):
-                if deltas := self.loop.collect(0.0):
-                    self._send_deltas(deltas)
+                if not owner.closed.is_set() and (deltas := self.loop.collect(0.0)):
+                    self._push(deltas, heartbeat=False)
+            if owner.closed.is_set() and not self._stop.is_set():
+                raise ConnectionError("the owner's connection ended")
         except BaseException as e:
             if not self._stop.is_set():
                 self.error = e
-                if self._router_closed.is_set():  # the router went first (it stops, or let us go)
+                if owner is not None and owner.router_closed:  # the router went first
                     log.info("the router closed the worker channel")
                 else:
-                    log.error("worker channel to %s failed: %s", self.address, e)
+                    log.error("worker channel to %s failed: %s", self.addresses[0], e)
         finally:
-            self._answers.put(None)
-            if self._sock is not None:
-                _hang_up(self._sock)
+            for link in self._links:
+                if link is not None:
+                    link.close()
 
-    # -- commands ----------------------------------------------------------------------------
-    def _read_commands(self, sock: Stream) -> None:
-        try:
-            while not self._stop.is_set():
-                body = _read_frame(sock, MAX_COMMAND_BYTES)
-                try:
-                    call_id, cmd = decode_command(body)
-                except CommandFrameError as e:
-                    self.bad_commands += 1
-                    self._answers.put((e.call_id, CommandError(ErrorKind.VALUE, f"bad command: {e}")))
+    def _push(self, deltas: list[TokenDelta], heartbeat: bool) -> None:
+        """One collect's deltas, each to its request's router; the load to every router that
+        gets deltas, is due a heartbeat, or has not heard from here for ``LOAD_EVERY_S``."""
+        links = self._links
+        info = self.info()
+        if info is not self._sent_info:  # (a role switch): every router learns it first
+            self._sent_info = info
+            self._broadcast(encode_info(info), links)
+        load = self.load()
+        if len(links) == 1:  # one router: every collect is one frame, as it always was
+            self._send(links[0], encode_batch(self.worker_id, OutputBatch(tuple(deltas), load)))
+            return
+        per: dict[int, list[TokenDelta]] = {}
+        with self._lock:
+            for d in deltas:
+                owner = self._owners.on_delta(d)
+                if owner is None and d.kv_lost:
+                    # A prefill worker forgets whose prompt it handed off (its KV is gone from
+                    # here); a push that fails later is news to whichever router owns it, and
+                    # every other router ignores an id it does not hold.
+                    for i in range(len(links)):
+                        per.setdefault(i, []).append(d)
                     continue
-                except ChannelError as e:  # no call id to answer: nobody waits for it
-                    self.bad_commands += 1
-                    log.debug("dropped a malformed command frame: %s", e)
-                    continue
-                outcome = self._run_command(cmd)
-                if isinstance(outcome, Future):
-                    # Answered when done (an awaited reservation may take seconds): the
-                    # answers of the commands behind it never wait for it.
-                    outcome.add_done_callback(functools.partial(self._done, call_id))
-                else:
-                    self._answers.put((call_id, outcome))
-        except Exception as e:  # unreadable stream, or a bug: never a reader dead behind a live socket
-            if isinstance(e, ConnectionError):
-                self._router_closed.set()
-            if not self._stop.is_set():
-                log.info("worker channel closed while reading commands: %r", e)
-                _hang_up(sock)  # the router must see the loss
+                per.setdefault(owner or 0, []).append(d)
+            others = {i: self._owners.others(i) for i in range(len(links)) if links[i] is not None}
+        now = time.monotonic()
+        for i, link in enumerate(links):
+            if link is None or link.closed.is_set():
+                continue
+            mine = per.get(i)
+            if mine or heartbeat or now - link.last_sent >= LOAD_EVERY_S:
+                batch = OutputBatch(tuple(mine or ()), replace(load, others=others[i]))
+                self._send(link, encode_batch(self.worker_id, batch))
 
-    def _run_command(self, cmd: Command) -> Future[Answer] | CommandError:
+    def _broadcast(self, data: bytes, links: Sequence[Link | None]) -> None:
+        for link in links:
+            if link is not None and not link.closed.is_set():
+                self._send(link, data)
+
+    def _send(self, link: Link | None, data: bytes) -> None:
+        if link is None:
+            return
         try:
-            return self.execute(cmd)
-        except BaseException as e:  # refused before it was queued (loop stopped, wrong role)
-            return error_of(e)
-
-    def _done(self, call_id: int, fut: Future[Answer]) -> None:
-        self._answers.put((call_id, fut))
-
-    def _send_answers(self) -> None:
-        """Sends each answer once its command is done, off the engine's thread (a slow
-        router must never stall a step)."""
-        while True:
-            item = self._answers.get()
-            if item is None:
-                return
-            call_id, outcome = item
-            if isinstance(outcome, Future):
-                try:
-                    data = encode_answer(call_id, outcome.result())
-                except BaseException as e:
-                    data = encode_error(call_id, error_of(e))
-            else:
-                data = encode_error(call_id, outcome)
-            try:
-                self._send(data)
-            except OSError:
-                return
+            link.send(data)
+        except OSError:
+            if link.index == 0:
+                raise  # the owner's channel is the worker's lifeline
+            log.warning("worker channel to router %s: a write failed; cutting it", link.address)
 
     def close(self) -> None:
         self._stop.set()

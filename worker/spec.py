@@ -22,6 +22,9 @@ class WorkerSpec:
     internal_tls: InternalTls | None = None  # set: the KV and worker channels run over TLS
     num_threads: int = 0  # torch intra-op threads: its placement's CPUs; 0: its process's allotment
     router_address: str = ""  # "host:port" of the router's output channel; "" = callers poll collect
+    # Router replicas' channels ("host:port" each; ``pdserve serve --routers N``): the worker
+    # connects to each too, and again whenever one ends, for as long as it runs.
+    replica_addresses: tuple[str, ...] = ()
     drain_timeout_s: float = 30.0  # on SIGTERM: how long held requests get to finish
     drain_on_sigterm: bool = False  # install the SIGTERM drain (own worker processes only)
 

@@ -54,6 +54,7 @@ def start_service(
     internal_tls: bool = False,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    routers: int = 1,
     **engine: Any,
 ) -> tuple[ServiceThread, Endpoints]:
     """A running service. ``local_prefill`` defaults off so that every request takes the
@@ -74,6 +75,7 @@ def start_service(
         http_port=0, grpc_port=0, api_key=api_key, caps=caps or Caps(max_tokens=2048),
         model_name=engine.get("model", MODEL), tls=tls,
         local_prefill=local_prefill, slo_classes=slo_classes, migration_limit=migration_limit,
+        routers=routers,
     )  # fmt: skip
     if use_ray:
         from pdserve.deploy.ray_instance import start_ray

@@ -23,7 +23,7 @@ from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, VERSION, decode_hello,
 from pdserve.worker.command_codec import decode_from_worker, encode_command
 from pdserve.worker.commands import Abort, AddLocal, KvLost, QueueReservation
 from pdserve.worker.messages import OutputBatch, WorkerRole, WorkItem
-from pdserve.worker.push import recv_exact
+from pdserve.worker.link import recv_exact
 from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"channel-test-secret-0123"
@@ -66,7 +66,7 @@ class FakeRouter:
         assert self.conn is not None
         while True:
             frame = decode_from_worker(self._read(self.conn), "d0")
-            if not isinstance(frame, OutputBatch) and frame[0] == call_id:
+            if isinstance(frame, tuple) and frame[0] == call_id:
                 return frame[1]
 
     def close(self) -> None:
