@@ -10,8 +10,13 @@ Reported per (protocol, concurrency): aggregate streamed tokens/s and TTFT perce
 client. With zero compute, pdserve's TTFT is entirely serving-path time (router, two worker hops,
 KV transfer, first-token relay), so ``router_added_ttft_ms_p50`` is its median at 1 stream minus
 the bare server's (what a user would see added in front of an engine). ``router_cpu_us_per_token``
-is the router process's CPU time (user + system) over the tokens it streamed at 128 streams, per
-protocol; the headline is the larger of the two.
+is the router processes' CPU time (user + system) over the tokens they streamed at 128 streams,
+per protocol; the headline is the larger of the two (``worker_cpu_us_per_token_*``: the workers').
+Then the same deployment with ``--routers 2`` (router replicas) at 128 streams:
+``replicas_tokens_per_cpu_ratio`` is tokens per router-CPU-second (the serve process, which owns
+the pool, plus its replicas) with 2 replicas over 1, the smaller of the two protocols'; the
+``replicas_worker_cpu_us_per_token_*`` next to the single router's show what the workers'
+fan-out to every router costs them.
 
     .venv/bin/python -m benchmarks.serving_overhead            # ~1-2 minutes on 2 cores
 """
@@ -134,9 +139,10 @@ async def load(
     streams: int,
     per_stream: int,
     cpu: Callable[[], float] | None = None,
+    worker_cpu: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """``streams`` concurrent streams of ``per_stream`` requests each; ``cpu``: the server's CPU
-    seconds so far, read around the run."""
+    """``streams`` concurrent streams of ``per_stream`` requests each; ``cpu`` (``worker_cpu``):
+    the server's (its workers') CPU seconds so far, read around the run."""
     ttfts: list[float] = []
     total = 0
 
@@ -149,10 +155,12 @@ async def load(
 
     await one()  # warm the connection and the path
     cpu0 = cpu() if cpu is not None else 0.0
+    wcpu0 = worker_cpu() if worker_cpu is not None else 0.0
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(streams)))
     wall = time.perf_counter() - t0
     cpu_s = cpu() - cpu0 if cpu is not None else 0.0
+    wcpu_s = worker_cpu() - wcpu0 if worker_cpu is not None else 0.0
     ttfts.sort()
     out = {
         "streams": streams,
@@ -163,19 +171,24 @@ async def load(
     }
     if cpu is not None:
         out["server_cpu_us_per_token"] = 1e6 * cpu_s / max(1, total)
+    if worker_cpu is not None:
+        out["worker_cpu_us_per_token"] = 1e6 * wcpu_s / max(1, total)
     return out
 
 
 async def measure(
-    http_base: str, grpc_addr: str | None, levels: list[int], tokens: int, cpu: Callable[[], float] | None
-) -> dict[str, Any]:
+    http_base: str, grpc_addr: str | None, levels: list[int], tokens: int, cpu: Callable[[], float] | None,
+    worker_cpu: Callable[[], float] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Every level over HTTP, then (given an address) over gRPC."""
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         for c in levels:
             per = max(1, 32 // c)
-            out[f"http_{c}"] = await load(lambda: http_stream(client, http_base, tokens), c, per, cpu)
+            out[f"http_{c}"] = await load(
+                lambda: http_stream(client, http_base, tokens), c, per, cpu, worker_cpu
+            )
             print(f"  http  {c:4d} streams: {out[f'http_{c}']}", file=sys.stderr, flush=True)
     if grpc_addr is None:
         return out
@@ -183,29 +196,65 @@ async def measure(
     try:
         for c in levels:
             per = max(1, 32 // c)
-            out[f"grpc_{c}"] = await load(lambda: grpc_stream(backend, tokens), c, per, cpu)
+            out[f"grpc_{c}"] = await load(lambda: grpc_stream(backend, tokens), c, per, cpu, worker_cpu)
             print(f"  grpc  {c:4d} streams: {out[f'grpc_{c}']}", file=sys.stderr, flush=True)
     finally:
         await backend.close()
     return out
 
 
-def run_levels(
-    args: argparse.Namespace, http_base: str, grpc_addr: str | None, server_pid: int | None = None
-) -> dict[str, Any]:
+def processes(server_pid: int, marker: str | None) -> list[Any]:
+    """The serve process and its descendants whose command line holds ``marker`` (router
+    replicas: ``pdserve.router.replica``; Ray workers: ``PoolWorker``); ``marker`` None: the
+    serve process alone."""
     import psutil
+
+    root = psutil.Process(server_pid)
+    if marker is None:
+        return [root]
+    found = []
+    for child in root.children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
+def cpu_of(procs: list[Any]) -> Callable[[], float]:
+    """CPU seconds (user + system) of ``procs`` so far, summed."""
+
+    def cpu() -> float:
+        total = 0.0
+        for p in procs:
+            t = p.cpu_times()
+            total += t.user + t.system
+        return total
+
+    return cpu
+
+
+def run_levels(
+    args: argparse.Namespace,
+    http_base: str,
+    grpc_addr: str | None,
+    server_pid: int | None = None,
+    levels: list[int] | None = None,
+) -> dict[str, Any]:
+    """Every level; with ``server_pid``, each level's router CPU a token (the serve process
+    and its router replicas) and its workers' (``worker_cpu_us_per_token``)."""
     import uvloop
 
-    levels = [int(x) for x in args.streams.split(",")]
-    cpu = None
-    if server_pid is not None:
-        proc = psutil.Process(server_pid)
-
-        def cpu() -> float:
-            t = proc.cpu_times()
-            return float(t.user + t.system)
-
-    return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens, cpu))
+    levels = levels or [int(x) for x in args.streams.split(",")]
+    if server_pid is None:
+        return uvloop.run(measure(http_base, grpc_addr, levels, args.tokens, None))
+    routers = processes(server_pid, None) + processes(server_pid, "pdserve.router.replica")
+    workers = processes(server_pid, "PoolWorker")
+    out = uvloop.run(measure(http_base, grpc_addr, levels, args.tokens, cpu_of(routers), cpu_of(workers)))
+    out["router_processes"] = len(routers)
+    out["worker_processes"] = len(workers)
+    return out
 
 
 def measure_peer(args: argparse.Namespace, me: list[str], root: Path) -> dict[str, Any]:
@@ -235,6 +284,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="1,16,128")
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    p.add_argument(
+        "--routers", type=int, default=2,
+        help="then router replicas at the top level: replicas_tokens_per_cpu_ratio (1: skip)",
+    )  # fmt: skip
     p.add_argument("--transport", default="auto", help="KV transfer backend of the pdserve run")
     p.add_argument(
         "--peer-router",
@@ -252,6 +305,7 @@ def main() -> None:
         return
 
     results: dict[str, Any] = {}
+    levels = [int(x) for x in args.streams.split(",")]
     root = Path(__file__).resolve().parents[1]
     me = [sys.executable, "-m", "benchmarks.serving_overhead"]
     procs: list[subprocess.Popen[bytes]] = []
@@ -277,6 +331,16 @@ def main() -> None:
         )  # fmt: skip
         procs = [server.proc]
         results["pdserve"] = run_levels(args, server.http, server.grpc, server.proc.pid)
+        server.proc.terminate()
+        server.proc.wait(60)
+        if args.routers > 1:
+            print(f"pdserve with {args.routers} router replicas, at {max(levels)} streams:", file=sys.stderr)
+            server = start_pdserve(
+                "--model", "tiny", "--compute", "zero", "--prefill", "1", "--decode", "1",
+                "--transport", args.transport, "--max-num-seqs", "256", "--routers", str(args.routers),
+            )  # fmt: skip
+            procs = [server.proc]
+            results["replicas"] = run_levels(args, server.http, server.grpc, server.proc.pid, [max(levels)])
     finally:
         for pr in procs:
             if pr.poll() is None:
@@ -287,7 +351,6 @@ def main() -> None:
                     pr.kill()
 
     ours, bare = results["pdserve"], results["bare"]
-    levels = [int(x) for x in args.streams.split(",")]
     summary: dict[str, Any] = {
         "stream_tokens_per_s_http": max(ours[f"http_{c}"]["tokens_per_s"] for c in levels),
         "stream_tokens_per_s_grpc": max(ours[f"grpc_{c}"]["tokens_per_s"] for c in levels),
@@ -303,6 +366,24 @@ def main() -> None:
     summary["router_cpu_us_per_token_http"] = round(cpu_per_token["http"], 1)
     summary["router_cpu_us_per_token_grpc"] = round(cpu_per_token["grpc"], 1)
     summary["router_cpu_us_per_token"] = round(max(cpu_per_token.values()), 1)
+    for proto in ("http", "grpc"):
+        summary[f"worker_cpu_us_per_token_{proto}"] = round(
+            ours[f"{proto}_{top}"]["worker_cpu_us_per_token"], 1
+        )
+    if "replicas" in results:
+        reps = results["replicas"]
+        summary["replicas"] = args.routers
+        ratios = {}
+        for proto in ("http", "grpc"):
+            per = reps[f"{proto}_{top}"]["server_cpu_us_per_token"]
+            summary[f"replicas_router_cpu_us_per_token_{proto}"] = round(per, 1)
+            summary[f"replicas_worker_cpu_us_per_token_{proto}"] = round(
+                reps[f"{proto}_{top}"]["worker_cpu_us_per_token"], 1
+            )
+            summary[f"replicas_{proto}_{top}_tokens_per_s"] = round(reps[f"{proto}_{top}"]["tokens_per_s"])
+            ratios[proto] = cpu_per_token[proto] / per  # tokens per router-CPU-second, N replicas over one
+            summary[f"replicas_tokens_per_cpu_ratio_{proto}"] = round(ratios[proto], 3)
+        summary["replicas_tokens_per_cpu_ratio"] = round(min(ratios.values()), 3)
     for proto in ("http", "grpc"):
         for c in levels:
             k = f"{proto}_{c}"

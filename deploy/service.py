@@ -108,10 +108,6 @@ class Service:
         tokenizer = await asyncio.to_thread(_check_model, checkpoint, self.spec)
         tls = load_tls(self.config.tls) if self.config.tls is not None else None
         routers = self.config.routers
-        if routers > 1 and self.config.tls is not None and self.config.tls.mutual:
-            raise ValueError(
-                "router replicas (--routers > 1) do not support mutual TLS on the front ends yet"
-            )
         # The front ends' ports first: a taken port fails now, not after Ray and the workers
         # started, and nothing those start can take it meanwhile. (Router replicas serve them:
         # this process holds them for the replicas.)

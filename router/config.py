@@ -105,6 +105,8 @@ class RouterConfig:
             )
         if not 1 <= self.routers <= MAX_ROUTERS:
             raise ValueError(f"routers must be 1-{MAX_ROUTERS}, got {self.routers}")
+        if self.routers > 1 and self.tls is not None and self.tls.mutual:
+            raise ValueError("router replicas (routers > 1) do not serve mutual TLS yet: use one router")
         if len(self.router_id) > 64 or not self.router_id.isprintable():
             raise ValueError("router_id must be printable and at most 64 characters")
         if self.max_inflight < 1 or self.grpc_max_message_bytes < 1 or self.migration_limit < 0:

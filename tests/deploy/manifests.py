@@ -107,6 +107,12 @@ def _flag(args: list[str], name: str, default: float) -> float:
     return default
 
 
+def _cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity ("3", "500m", 2) in cores."""
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 def _prestop_s(container: dict[str, Any]) -> float:
     pre_stop = (container.get("lifecycle") or {}).get("preStop") or {}
     command = (pre_stop.get("exec") or {}).get("command") or []
@@ -142,6 +148,12 @@ def policy_problems(docs: list[dict[str, Any]]) -> list[str]:
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     if not router.get(probe):
                         problems.append(f"{cpath}.{probe}: the router needs one")
+                routers = int(_flag(list(router.get("args") or []), "--routers", 1.0))
+                cpus = _cores(((router.get("resources") or {}).get("requests") or {}).get("cpu", "0"))
+                if routers > 1 and cpus < routers + 1:
+                    problems.append(f"{cpath}.resources.requests.cpu: {cpus:g} cores for "
+                                    f"--routers={routers}: each replica streams on a core of its own, "
+                                    f"the pool owner needs one more ({routers + 1})")  # fmt: skip
                 drain = _flag(list(router.get("args") or []), "--drain-timeout", 30.0)
                 need = _prestop_s(router) + drain + MARGIN_S
                 if grace < need:

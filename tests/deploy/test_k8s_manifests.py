@@ -101,6 +101,12 @@ def _long_drain(docs: Docs) -> None:
                              for a in _router(docs)["args"]]  # fmt: skip
 
 
+def _starved_replicas(docs: Docs) -> None:
+    _router(docs)["args"] = [
+        a if not a.startswith("--routers=") else "--routers=4" for a in _router(docs)["args"]
+    ]
+
+
 def _unknown_kind(docs: Docs) -> None:
     _one(docs, "RayCluster")["apiVersion"] = "ray.io/v9"
 
@@ -139,6 +145,8 @@ BROKEN: dict[str, tuple[str, Callable[[Docs], None], str]] = {
     "servicemonitor typo": ("gpu", _set("ServiceMonitor:spec.endpoints.0.intervall", "15s"),
                             "spec.endpoints[0]: Additional properties are not allowed ('intervall'"),
     "unknown custom kind": ("cpu-demo", _unknown_kind, "apiVersion/kind: no schema for ray.io/v9 RayCluster"),
+    "router replicas without cores": ("cpu-demo", _starved_replicas,
+                                      "containers[1].resources.requests.cpu: 3 cores for --routers=4"),
 }  # fmt: skip
 
 

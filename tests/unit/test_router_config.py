@@ -35,6 +35,10 @@ def test_the_defaults_are_valid_and_the_liveness_floor_outlasts_two_heartbeats()
         ("max_inflight", 0),
         ("grpc_max_message_bytes", 0),
         ("migration_limit", -1),
+        ("routers", 0),
+        ("routers", 65),
+        ("router_id", "x" * 65),
+        ("router_id", "a\nb"),
     ],
 )
 def test_absurd_values_are_refused(field: str, value: Any) -> None:
@@ -61,3 +65,12 @@ def test_ports_are_taken_exactly_in_range(port: int) -> None:
         assert not 0 <= port <= 65535
     else:
         assert 0 <= port <= 65535
+
+
+def test_router_replicas_refuse_mutual_tls_for_now() -> None:
+    from pdserve.router.tls import TlsConfig
+
+    tls = TlsConfig(cert_file="c.pem", key_file="k.pem", client_ca_file="ca.pem")
+    with pytest.raises(ValueError, match="mutual TLS"):
+        RouterConfig(routers=2, tls=tls)
+    assert RouterConfig(routers=1, tls=tls).routers == 1

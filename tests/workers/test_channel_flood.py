@@ -15,8 +15,8 @@ from pdserve.kvtransfer.admission import MAX_PENDING
 from pdserve.router.outputs import OutputListener
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, MAX_HELLO_BYTES, check_welcome, encode_hello
-from pdserve.worker.messages import WorkerInfo, WorkerRole
 from pdserve.worker.link import recv_exact
+from pdserve.worker.messages import WorkerInfo, WorkerRole
 from pdserve.worker.push import CONNECT_TIMEOUT_S
 
 SECRET = b"flood-test-secret-0123"

@@ -22,8 +22,8 @@ from pdserve.model_runtime.scheduler.plan import SchedulerConfig
 from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, VERSION, decode_hello, encode_welcome
 from pdserve.worker.command_codec import decode_from_worker, encode_command
 from pdserve.worker.commands import Abort, AddLocal, KvLost, QueueReservation
-from pdserve.worker.messages import OutputBatch, WorkerRole, WorkItem
 from pdserve.worker.link import recv_exact
+from pdserve.worker.messages import WorkerRole, WorkItem
 from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"channel-test-secret-0123"

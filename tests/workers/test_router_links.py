@@ -69,7 +69,7 @@ class HandRouter:
             self.conn.settimeout(left)
             try:
                 frame = decode_from_worker(self._read(self.conn), "d0")
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 break
             if isinstance(frame, OutputBatch):
                 out.append(frame)
