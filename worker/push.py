@@ -155,7 +155,10 @@ class OutputPusher:
             except Exception as e:  # the loop stopped: nothing left to free
                 log.debug("abort of %s after losing router %s: %s", rid, address, e)
         self.aborted_for_lost_routers += len(orphans)
-        log.warning("router %s lost: aborted its %d request(s) here; connecting again", address, len(orphans))
+        level = logging.WARNING if orphans else logging.INFO  # (a replica drained or stopped on purpose)
+        log.log(
+            level, "router %s lost: aborted its %d request(s) here; connecting again", address, len(orphans)
+        )
 
     def _on_command(self, link: Link, cmd: Command) -> Future[Answer] | CommandError:
         if self._tracking:
