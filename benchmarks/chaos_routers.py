@@ -170,6 +170,33 @@ def router_kill(work: Work, st: Any, grpc_address: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def replica_term(work: Work, st: Any, grpc_address: str) -> dict[str, Any]:
+    """SIGTERM one of two router replicas mid-stream: it drains (every stream it holds finishes
+    exactly), new connections go to the other meanwhile, and it is started again."""
+    import signal
+
+    replicas = st.service.replicas
+    wait_for(lambda: all(r.ready.is_set() for r in replicas.replicas), 60, "both replicas serving")
+    logs, threads = launch_alone(grpc_address, work.before)
+    wait_for(lambda: all(lg.tokens or lg.error for lg in logs), 60, "every stream started")
+    running = [lg for lg in logs if len(lg.tokens) < lg.max_tokens and not lg.error]
+    victim = max({lg.router for lg in running}, key=lambda r: (sum(lg.router == r for lg in running), r))
+    old_pid = replicas.kill(int(victim), signal.SIGTERM)
+    time.sleep(0.3)  # its signal handled: its listeners are closed, its streams go on
+    after_logs, after_threads = launch_alone(grpc_address, work.after)
+    for t in threads + after_threads:
+        t.join(180)
+    failed, lost, dup = tally(logs + after_logs, work.refs_before + work.refs_after)
+    restart = wait_for(lambda: replicas.replicas[int(victim)].ready.is_set() and replicas.pids()[int(victim)]
+                       not in (None, old_pid), 60, "the drained replica started again")  # fmt: skip
+    return {
+        "scenario": "replica_term", "failed": failed, "tokens_lost": lost, "tokens_duplicated": dup,
+        "drained_streams": sum(lg.router == victim for lg in running), "victim": victim,
+        "after_on": sorted({lg.router for lg in after_logs}), "restart_s": round(restart, 2),
+        "errors": sorted({lg.error for lg in logs + after_logs if lg.error})[:3],
+    }  # fmt: skip
+
+
 def _prefix_lost(logs: list[StreamLog], refs: list[list[int]]) -> list[tuple[StreamLog, list[int], int]]:
     """Each log with its reference and the reference's tokens past the log's correct prefix."""
     out = []

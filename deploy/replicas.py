@@ -161,10 +161,11 @@ class ReplicaSet:
             r.channel.close()
         return clean
 
-    def kill(self, index: int) -> int:
-        """SIGKILL replica ``index`` (chaos, tests): its pid. The set starts it again."""
+    def kill(self, index: int, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Send replica ``index`` ``sig`` (chaos, tests; SIGTERM drains it): its pid. The set
+        starts it again once it exits."""
         pid = self.replicas[index].pid
         if pid is None:
             raise ValueError(f"router replica {index} is not running")
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         return pid

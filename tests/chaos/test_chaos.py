@@ -50,11 +50,6 @@ def can_reset_connections() -> bool:
 
 
 @pytest.fixture(scope="module")
-def work() -> Any:
-    return chaos.make_work(seed=3, streams=8, after=4)
-
-
-@pytest.fixture(scope="module")
 def deployment(work: Any) -> Any:
     """One 2P+2D deployment for every scenario (each waits for it to be whole again: a worker
     lost or drained by the one before is replaced, as the product does)."""

@@ -20,11 +20,6 @@ chaos_routers = pytest.importorskip("benchmarks.chaos_routers")
 
 
 @pytest.fixture(scope="module")
-def work() -> Any:
-    return chaos.make_work(seed=5, streams=6, after=3)
-
-
-@pytest.fixture(scope="module")
 def deployment() -> Any:
     from pdserve.deploy.ray_instance import start_ray
 
@@ -70,3 +65,10 @@ def test_router_kill(work: Any, deployment: Any) -> None:
     assert (r["blocks_leaked"], r["state_left"]) == (0, 0), r
     assert r["rejoin_s"] is not None and r["rejoin_s"] < 30, r
     assert r["survivor_gap_ms_max_after"] is None or r["survivor_gap_ms_max_after"] < 1000, r
+
+
+def test_a_replica_sigtermed_mid_stream_drains(work: Any, deployment: Any) -> None:
+    r = chaos_routers.replica_term(work, deployment, deployment.service.endpoints.grpc)
+    assert (r["failed"], r["tokens_lost"], r["tokens_duplicated"]) == (0, 0, 0), r
+    assert r["drained_streams"] >= 1, r
+    assert len(r["after_on"]) == 1 and r["after_on"] != [r["victim"]], r  # new ones went to the other
