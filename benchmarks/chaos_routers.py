@@ -182,7 +182,8 @@ def replica_term(work: Work, st: Any, grpc_address: str) -> dict[str, Any]:
     running = [lg for lg in logs if len(lg.tokens) < lg.max_tokens and not lg.error]
     victim = max({lg.router for lg in running}, key=lambda r: (sum(lg.router == r for lg in running), r))
     old_pid = replicas.kill(int(victim), signal.SIGTERM)
-    time.sleep(0.3)  # its signal handled: its listeners are closed, its streams go on
+    # its signal handled: its listeners are closed, its streams go on
+    wait_for(lambda: replicas.replicas[int(victim)].draining.is_set(), 10, "the replica draining")
     after_logs, after_threads = launch_alone(grpc_address, work.after)
     for t in threads + after_threads:
         t.join(180)

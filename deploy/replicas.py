@@ -52,6 +52,7 @@ class Replica:
     started_at: float = 0.0
     restarts: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    draining: asyncio.Event = field(default_factory=asyncio.Event)  # it said so: no new connections
     relay: asyncio.Task[None] | None = None  # reads its stdout
 
     @property
@@ -116,6 +117,7 @@ class ReplicaSet:
         spec = self._spec_of(r.index)
         fds = (spec.channel_fd,)
         r.ready.clear()
+        r.draining.clear()
         r.started_at = time.monotonic()
         proc = r.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve.router.replica",
@@ -131,6 +133,8 @@ class ReplicaSet:
         """Its stdout: ``READY`` marks it serving; anything else is shown as its own."""
         async for raw in out:
             line = raw.decode(errors="replace").rstrip()
+            if line.startswith("draining"):
+                r.draining.set()
             if line == READY:
                 r.ready.set()
                 log.info("router replica %d serving (pid %s)", r.index, r.pid)
