@@ -6,8 +6,10 @@ frame ``{"v", "worker", "mac"}`` where ``mac = HMAC-SHA256(secret, b"worker" + c
 worker id)``; then the worker sends one ``OutputBatch`` frame per collect (a heartbeat when
 idle). A frame is ``{"v", "w": worker id, "d": [delta...], "l": load}`` with each delta
 ``[request id, [token ids], logprobs | None, finished, finish reason | None,
-stop token id | None, cached tokens, prefilled, error | None, kv lost]`` and each logprob
-``[token id, logprob, [[token id, logprob]...]]``.
+stop token id | None, cached tokens, prefilled, error | None, kv lost]``, each logprob
+``[token id, logprob, [[token id, logprob]...]]``, and the load's last item the work the other
+router replicas placed on the worker, ``[prefills, prefill tokens, decodes, decode context,
+decode remaining]``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import msgpack  # type: ignore[import-untyped]
 from pdserve.worker.messages import (
     Logprob,
     OutputBatch,
+    PlacedWork,
     TokenDelta,
     TransferCounters,
     WorkerHealth,
@@ -30,7 +33,7 @@ from pdserve.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 5
+VERSION = 6
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20
@@ -149,6 +152,13 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                     [[b, n] for b, n in ld.transfers.by_backend],
                 ],
                 float(ld.busy_s),
+                [
+                    ld.others.prefills,
+                    ld.others.prefill_tokens,
+                    ld.others.decodes,
+                    ld.others.decode_context,
+                    ld.others.decode_remaining,
+                ],
             ],
         }
     )
@@ -160,6 +170,12 @@ def _transfers(x: Any) -> TransferCounters | None:
     if not isinstance(x, list) or len(x) != 4 or not isinstance(x[0], float) or not x[0] >= 0.0:
         raise ChannelError("bad transfer counters")
     return TransferCounters(x[0], _int(x[1]), _named_counts(x[2]), _named_counts(x[3]))
+
+
+def _placed(x: Any) -> PlacedWork:
+    if not isinstance(x, list) or len(x) != 5:
+        raise ChannelError("bad placed work")
+    return PlacedWork(*(_int(v) for v in x))
 
 
 def _named_counts(x: Any) -> tuple[tuple[str, int], ...]:
@@ -233,7 +249,7 @@ def batch_from(msg: Any, worker_id: str) -> OutputBatch:
     if msg["w"] != worker_id or not isinstance(msg["d"], list):
         raise ChannelError("bad output frame")
     ld = msg["l"]
-    if not isinstance(ld, list) or len(ld) != 10 or not isinstance(ld[1], str):
+    if not isinstance(ld, list) or len(ld) != 11 or not isinstance(ld[1], str):
         raise ChannelError("bad load")
     busy = ld[9]
     if not isinstance(busy, float) or not 0.0 <= busy < math.inf:
@@ -244,5 +260,8 @@ def batch_from(msg: Any, worker_id: str) -> OutputBatch:
         raise ChannelError("bad load") from None
     running, waiting, total, free, cached = (_int(v) for v in ld[2:7])
     transfers = _transfers(ld[8])
-    load = WorkerLoad(worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers, busy)
+    load = WorkerLoad(
+        worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers, busy,
+        others=_placed(ld[10]),
+    )  # fmt: skip
     return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)

@@ -25,6 +25,7 @@ __all__ = [
     "KVTarget",
     "Logprob",
     "OutputBatch",
+    "PlacedWork",
     "TokenDelta",
     "TransferCounters",
     "WorkItem",
@@ -142,6 +143,18 @@ class TransferCounters:
 
 
 @dataclass(frozen=True)
+class PlacedWork:
+    """Work on one worker that other router replicas placed (what a replica's own ledger
+    cannot see), summed over their requests; zero with one router."""
+
+    prefills: int = 0  # prompts queued or prefilling (first token not out yet)
+    prefill_tokens: int = 0  # their prompt tokens (and output tokens carried) to compute
+    decodes: int = 0  # requests reserved on / running in the decode batch
+    decode_context: int = 0  # their summed expected mean context (prompt + max_tokens // 2)
+    decode_remaining: int = 0  # their summed max_tokens still to generate
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load and KV usage, sent with every output batch (the router's view of it)."""
 
@@ -159,6 +172,9 @@ class WorkerLoad:
     # transfers alone excluded): the pool planner reads the pool's speed off its differences
     busy_s: float = 0.0
     tp: int = 1  # the worker's degree (``WorkerInfo.tp``; the router fills it in for its status)
+    # the work the other router replicas placed here (``pdserve.worker.owners``): each replica
+    # adds it to its own ledger's view of this worker
+    others: PlacedWork = PlacedWork()
 
     @property
     def kv_usage(self) -> float:

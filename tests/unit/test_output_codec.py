@@ -24,6 +24,7 @@ from pdserve.worker.codec import (
 from pdserve.worker.messages import (
     Logprob,
     OutputBatch,
+    PlacedWork,
     TokenDelta,
     TransferCounters,
     WorkerHealth,
@@ -35,12 +36,25 @@ SECRET = b"0123456789abcdef-secret"
 LOAD = WorkerLoad(
     "decode-0", WorkerRole.DECODE, "127.0.0.1:1", 2, 1, 100, 60, 5, WorkerHealth.DRAINING,
     TransferCounters(0.5, 7, (("peer_died", 1), ("timeout", 2)), (("shm", 100000), ("tcp", 23456))), 12.5,
+    others=PlacedWork(3, 4100, 17, 40_960, 2 << 40),
 )  # fmt: skip
 
 
-def load_list(transfers: object = None, busy: object = 0.0) -> list[object]:
+def load_list(transfers: object = None, busy: object = 0.0, others: object = (0,) * 5) -> list[object]:
     """A load as the frame carries it, well formed but for what is passed."""
-    return ["decode", "", 0, 0, 0, 0, 0, "healthy", transfers, busy]
+    return [
+        "decode",
+        "",
+        0,
+        0,
+        0,
+        0,
+        0,
+        "healthy",
+        transfers,
+        busy,
+        list(others) if isinstance(others, tuple) else others,
+    ]
 
 
 def body(frame: bytes) -> bytes:
@@ -66,6 +80,7 @@ def test_round_trip_keeps_every_field() -> None:
     well_formed = msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()})
     plain = decode_batch(well_formed, "decode-0")
     assert plain.load.busy_s == 0.0 and plain.load.transfers is None
+    assert plain.load.others == PlacedWork()  # one router: nothing placed by others
 
 
 def test_hello_and_welcome_authenticate_both_ends_with_the_shared_secret() -> None:
@@ -112,7 +127,26 @@ def test_a_frame_claiming_another_worker_is_refused() -> None:
         msgpack.packb({"v": VERSION - 1, "w": "decode-0", "d": [], "l": load_list()}),
         msgpack.packb({"v": VERSION + 1, "w": "decode-0", "d": [], "l": load_list()}),
         msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": ["boss", *load_list()[1:]]}),
-        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()[:9]}),  # the old shape
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()[:9]}),  # older shapes
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list()[:10]}),
+        msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": [*load_list(), []]}),
+        *(  # the other replicas' work: wrong shape, negative, not an integer, boolean
+            msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list(others=o)})
+            for o in (
+                None,
+                [],
+                [0, 0, 0, 0],
+                [0, 0, 0, 0, 0, 0],
+                (0, -1, 0, 0, 0),
+                (0, 0, 0, 0, -(2**63)),
+                (0, 0, 1.0, 0, 0),
+                (True, 0, 0, 0, 0),
+                (0, 0, 0, "7", 0),
+                (0, 0, 0, 0, None),
+                [[0], 0, 0, 0, 0],
+                {"prefills": 0},
+            )
+        ),
         *(  # busy seconds: negative, NaN, infinite, not a float
             msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list(busy=b)})
             for b in (-1.0, float("nan"), float("inf"), 3, "1.0", None)
