@@ -3,7 +3,8 @@ costing others theirs; refuse it early when nowhere can (pure Python).
 
 For every option — each decode worker ``d`` paired with a prefill worker ``p``, or ``d`` alone
 prefilling locally (conditional disaggregation) — it predicts, from ``StepPredictor`` and its own
-``Ledger`` of placed work:
+``Ledger`` of placed work (with router replicas, plus what the others placed, which each worker
+reports: ``pdserve.router.worker_view``):
 
 - TTFT: the prefill queue ahead of the request on ``p`` (or on ``d``) plus its own prefill,
   less what the worker's cache is believed to hold (``PrefixIndex``). In this design the first
@@ -46,14 +47,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger
+from pdserve.router.ledger import DecodeEntry, Ledger
 from pdserve.router.policy import BEST_EFFORT_PRIORITY, Decision, Outcome, RouteRequest
 from pdserve.router.predictor import Phase, StepPredictor, inbound
 from pdserve.router.prefix import PrefixIndex
 from pdserve.router.slo import Admission, SloClass
-from pdserve.worker.messages import WorkerLoad, WorkerRole
+from pdserve.router.worker_view import DecodeView, PrefillView, mean_prompt
+from pdserve.worker.messages import PlacedWork, WorkerLoad, WorkerRole
 
 ErrorSink = Callable[[str, float], None]  # (kind "ttft" | "tpot", observed / predicted)
+_NOTHING = PlacedWork()
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class GoodputPolicy:
         self.on_error = on_error
         self._placed: dict[str, _Placed] = {}
         self._transfers: dict[str, tuple[int, float, int]] = {}  # decode worker -> last counters
+        self._foreign: dict[str, PlacedWork] = {}  # decode worker -> the others' work last seen there
 
     # -- deciding ------------------------------------------------------------------------------
     def decide(
@@ -133,8 +137,9 @@ class GoodputPolicy:
         remote = self._prefill_candidates(request, prefill, now)
         pick = _best_prefill(remote, ttft_slo)
         best: _Option | None = None
+        best_view: DecodeView | None = None
         for d in decode:
-            batch = self.ledger.batch(d.worker_id)
+            batch = self._decode_view(d, now)
             # What a remote prefill does to d does not depend on the prefill worker: once per d.
             steps = self._tpot_on(d.worker_id, batch, request, now, 0.0)
             room = self._room_wait(d, batch, steps[1])
@@ -149,15 +154,15 @@ class GoodputPolicy:
                 opts.append(self._local(request, d, batch, now, ttft_slo, tpot_slo))
             for o in opts:
                 if best is None or o.key() > best.key():
-                    best = o
-        if best is None:
+                    best, best_view = o, batch
+        if best is None or best_view is None:
             raise ValueError("goodput policy: no decode worker to route to")
         fits = best.new_ok and best.gain > 0
         priority = request.priority
         if not fits and not slo.empty:
             if slo.admission is Admission.REJECT:
                 return Decision(best.decode, best.prefill, Outcome.REJECTED, _miss_reason(best, ttft_slo),
-                                best.ttft, best.tpot, self._retry_after(best, ttft_slo, tpot_slo),
+                                best.ttft, best.tpot, self._retry_after(best, best_view, ttft_slo, tpot_slo),
                                 priority)  # fmt: skip
             if slo.admission is Admission.BEST_EFFORT:
                 priority = BEST_EFFORT_PRIORITY
@@ -179,7 +184,7 @@ class GoodputPolicy:
             pid = p.worker_id
             cached = self._cached(pid, request)
             comp = self.model.prefill_s(pid, n - cached, cached)
-            q = self.ledger.prefill_queue(pid)
+            q = self._prefill_view(p)
             ttft = q.wait_s(now) + comp
             if budget and q.tokens:
                 # A queued prompt finishes with the step that holds its last token, and a step
@@ -187,7 +192,7 @@ class GoodputPolicy:
                 # tokens ahead fill, then a whole step (not just its own share of one).
                 steps = math.ceil((q.tokens + n - cached) / budget)
                 full = self.model.prefill_s(pid, min(budget, q.tokens + n - cached))
-                ttft = max(ttft, steps * full - (now - q.busy_since))
+                ttft = max(ttft, steps * full - q.elapsed_s(now))
             rows.append((pid, ttft, comp, cached))
         rows.sort(key=lambda r: (r[1], -r[3], r[0]))
         top = rows[: self.config.prefill_candidates]
@@ -196,8 +201,34 @@ class GoodputPolicy:
             top.append(holder)
         return top
 
+    def _prefill_view(self, p: WorkerLoad) -> PrefillView:
+        """``p``'s queue: this router's prefills there and the other replicas' (``p.others``)."""
+        o = p.others
+        foreign = o.prefills * self.model.prefill_s(p.worker_id, mean_prompt(o)) if o.prefills else 0.0
+        return PrefillView(self.ledger.prefill_queue(p.worker_id), o, foreign)
+
+    def _decode_view(self, d: WorkerLoad, now: float) -> DecodeView:
+        """``d``'s batch: this router's requests there and the other replicas' (``d.others``).
+        Foreign local prefills are priced as ``_local`` prices a prompt on ``d``: queued, they
+        delay a local prefill placed now; and each stretches d's steps for the window from when
+        this router first sees it (as its own count from when placed): their arrivals are the
+        rises of the foreign prompt tokens (one missed where another left between two looks)."""
+        o, did = d.others, d.worker_id
+        batch = self.ledger.batch(did)
+        view = DecodeView(batch, o)
+        last = self._foreign.get(did, _NOTHING)
+        if o.prefill_tokens != last.prefill_tokens or o.prefills != last.prefills:
+            if o.prefill_tokens > last.prefill_tokens:
+                count = max(1, o.prefills - last.prefills)
+                new = -(-(o.prefill_tokens - last.prefill_tokens) // count)
+                batch.add_local_prefill(now, count * self._local_prefill(did, view, new, 0)[1])
+            self._foreign[did] = o
+        if o.prefills:
+            view.foreign_prefill_s = o.prefills * self._local_prefill(did, view, max(1, mean_prompt(o)), 0)[0]
+        return view
+
     def _remote(
-        self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, steps: tuple[float, float, float],
+        self, request: RouteRequest, d: WorkerLoad, batch: DecodeView, steps: tuple[float, float, float],
         room: float, p: str, ttft: float, comp: float, cached: int, ttft_slo: float, tpot_slo: float,
     ) -> _Option:  # fmt: skip
         n, m = request.prompt_tokens, request.max_tokens
@@ -206,20 +237,34 @@ class GoodputPolicy:
         tpot = eff + (handoff + room) / (m - 1) if m > 1 else 0.0
         new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
         flips = batch.misses_between(eff_now, eff)
-        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
+        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo(tpot_slo)))
         cost = ttft + handoff + self._decode_cost(batch, request, eff_now, eff)
         return _Option(p, d.worker_id, ttft, tpot, step, comp, cached, new_ok, flips, risk, cost)
 
     def _local(
-        self, request: RouteRequest, d: WorkerLoad, batch: DecodeBatch, now: float, ttft_slo: float,
+        self, request: RouteRequest, d: WorkerLoad, batch: DecodeView, now: float, ttft_slo: float,
         tpot_slo: float,
     ) -> _Option:  # fmt: skip
-        did, n, m = d.worker_id, request.prompt_tokens, request.max_tokens
+        did, m = d.worker_id, request.max_tokens
         cached = self._cached(did, request)
+        with_chunk, extra = self._local_prefill(did, batch, request.prompt_tokens, cached)
+        step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
+        wait = self.ledger.prefill_queue(did).wait_s(now) + batch.foreign_prefill_s
+        ttft = wait + self._room_wait(d, batch, eff_now) + with_chunk
+        tpot = eff if m > 1 else 0.0
+        new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
+        flips = batch.misses_between(eff_now, eff)
+        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo(tpot_slo)))
+        cost = ttft + extra * (batch.size + 1) + self._decode_cost(batch, request, eff_now, eff)
+        return _Option(None, did, ttft, tpot, step, with_chunk, cached, new_ok, flips, risk, cost, extra)
+
+    def _local_prefill(self, did: str, batch: DecodeView, n: int, cached: int) -> tuple[float, float]:
+        """A prompt of ``n`` tokens (``cached`` of them cached) prefilled on ``did``: its time in
+        d's steps, and what it adds to them."""
         # The prefill rides in d's steps beside its decodes (at least one: the next request to
         # share d); what it adds to those steps is time no decode token comes out.
         sharers = max(1, batch.size)
-        avg_ctx = batch.context // batch.size if batch.size else request.prompt_tokens
+        avg_ctx = batch.context // batch.size if batch.size else n
         decode_context = sharers * max(1, avg_ctx)  # each at the batch's mean context
         # The prompt goes in ``k`` chunks of what the step budget leaves beside the decodes; each
         # is charged as a chunk at the prompt's middle (its attention grows along the prompt).
@@ -228,19 +273,10 @@ class GoodputPolicy:
         k = math.ceil(new / max(1, room))
         chunk = math.ceil(new / k)
         one = self.model.mixed_s(did, [(chunk, cached + (new - chunk) // 2)], sharers, decode_context)
-        with_chunk = k * one
-        extra = k * max(0.0, one - self.model.mixed_s(did, [], sharers, decode_context))
-        step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
-        ttft = self.ledger.prefill_queue(did).wait_s(now) + self._room_wait(d, batch, eff_now) + with_chunk
-        tpot = eff if m > 1 else 0.0
-        new_ok = ttft <= ttft_slo and tpot <= tpot_slo and self._kv_room(d, request)
-        flips = batch.misses_between(eff_now, eff)
-        risk = _risk((ttft, ttft_slo), (tpot, tpot_slo), (eff, batch.tightest_slo()))
-        cost = ttft + extra * (batch.size + 1) + self._decode_cost(batch, request, eff_now, eff)
-        return _Option(None, did, ttft, tpot, step, with_chunk, cached, new_ok, flips, risk, cost, extra)
+        return k * one, k * max(0.0, one - self.model.mixed_s(did, [], sharers, decode_context))
 
     def _tpot_on(
-        self, did: str, batch: DecodeBatch, request: RouteRequest, now: float, extra: float
+        self, did: str, batch: DecodeView, request: RouteRequest, now: float, extra: float
     ) -> tuple[float, float, float]:
         """d's decode step with the request in its batch, and d's effective time per token
         before and after placing it (steps stretched by d's share of time spent prefilling)."""
@@ -253,7 +289,7 @@ class GoodputPolicy:
         return step, eff_now, eff
 
     @staticmethod
-    def _room_wait(d: WorkerLoad, batch: DecodeBatch, eff_step: float) -> float:
+    def _room_wait(d: WorkerLoad, batch: DecodeView, eff_step: float) -> float:
         """How long a request joining d waits for a slot when d already queues requests (no KV
         room or no sequence slot): one slot frees every ``eff_step * remaining / batch`` seconds
         on average, and ``d.waiting`` requests are ahead of it."""
@@ -262,7 +298,7 @@ class GoodputPolicy:
         return d.waiting * eff_step * max(1.0, batch.mean_remaining()) / batch.size
 
     @staticmethod
-    def _decode_cost(batch: DecodeBatch, request: RouteRequest, step_now: float, step: float) -> float:
+    def _decode_cost(batch: DecodeView, request: RouteRequest, step_now: float, step: float) -> float:
         """Request-seconds its decoding adds on d: its own steps, and the slower step every
         request already there takes for the rest of its output (this term spreads load)."""
         own = (request.max_tokens - 1) * step
@@ -276,14 +312,10 @@ class GoodputPolicy:
     def _kv_room(self, d: WorkerLoad, request: RouteRequest) -> bool:
         return d.kv_free * self.config.block_size >= request.prompt_tokens + 1
 
-    def _retry_after(self, o: _Option, ttft_slo: float, tpot_slo: float) -> float:
+    def _retry_after(self, o: _Option, batch: DecodeView, ttft_slo: float, tpot_slo: float) -> float:
         """When ``o`` is predicted to have room: its prefill queue's overshoot, or half the
         remaining decode time of d's batch (requests leave it)."""
-        if o.ttft > ttft_slo:
-            wait = o.ttft - ttft_slo
-        else:
-            batch = self.ledger.batch(o.decode)
-            wait = 0.5 * o.step * max(1.0, batch.mean_remaining())
+        wait = o.ttft - ttft_slo if o.ttft > ttft_slo else 0.5 * o.step * max(1.0, batch.mean_remaining())
         return min(self.config.max_retry_s, max(self.config.min_retry_s, wait))
 
     def _reason(
@@ -354,6 +386,7 @@ class GoodputPolicy:
 
     def on_worker_lost(self, worker_id: str) -> None:
         self.ledger.drop_worker(worker_id)
+        self._foreign.pop(worker_id, None)
         self.prefix.forget(worker_id)
         self.model.forget(worker_id)
 

@@ -18,7 +18,7 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -45,12 +45,13 @@ from pdserve.simulator.calibration import calibration_of
 from pdserve.simulator.early_stop import EarlyStop
 from pdserve.simulator.jitter import StepJitter
 from pdserve.simulator.prompt_memo import prompt_keys
+from pdserve.simulator.replicas import ReplicaDraw
 from pdserve.simulator.sim_request import SimRequest
 from pdserve.simulator.sim_worker import SimWorker
 from pdserve.simulator.virtual import TOKEN, Clock, Link
 from pdserve.steptime.model import StepTimeModel
 from pdserve.worker.commands import Answer, Withdraw
-from pdserve.worker.messages import TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.messages import PlacedWork, TokenDelta, WorkerRole, WorkItem
 
 _RECHECK_S = 1e-9  # a deadline is judged this long after it falls, clear of rounding
 
@@ -62,7 +63,7 @@ class Cluster:
         prefill: int,
         decode: int,
         colocated: int,
-        dispatcher: Dispatcher,
+        dispatcher: Dispatcher | Sequence[Dispatcher],
         prefill_config: SchedulerConfig,
         decode_config: SchedulerConfig,
         block_size: int = 16,
@@ -74,13 +75,20 @@ class Cluster:
         fast_steps: bool = True,
         migration_limit: int = RouterConfig.migration_limit,
         prefill_profile: StepTimeModel | None = None,
+        replica_seed: int = 0,
     ) -> None:
+        """``dispatcher``: the router's, or one per router replica (``pdserve.simulator.replicas``:
+        each request lands on one, drawn with ``replica_seed``)."""
         if not (reserve_timeout_s > 0 and math.isfinite(reserve_timeout_s)):
             raise ValueError(
                 f"the reservation deadline (--reserve-timeout-s) must be finite and > 0, "
                 f"got {reserve_timeout_s}"
             )
         self.clock = Clock()
+        self.dispatchers = [dispatcher] if not isinstance(dispatcher, Sequence) else list(dispatcher)
+        self.dispatcher = self.dispatchers[0]  # (the first replica's: one router's)
+        self.routers = len(self.dispatchers)
+        self._replica = ReplicaDraw(self.routers, replica_seed)
         # decode-only steps applied to the engines' state directly (simulator/fast_step.py):
         # the same run, several times faster; False steps every engine itself (the reference)
         self.fast_steps = fast_steps
@@ -116,7 +124,6 @@ class Cluster:
                 self.add_worker(WorkerRole.PREFILL)
             for _ in range(decode):
                 self.add_worker(WorkerRole.DECODE)
-        self.dispatcher = dispatcher
         self.slo = slo
         self.finished: list[SimRequest] = []  # in the order they ended
         self.end_times: list[float] = []  # when each of ``finished`` ended (non-decreasing)
@@ -201,7 +208,7 @@ class Cluster:
 
     def submit(self, arrival: float, rid: str, prompt: tuple[int, ...], output_len: int) -> SimRequest:
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-        sr = SimRequest(WorkItem(rid, prompt, params), arrival)
+        sr = SimRequest(WorkItem(rid, prompt, params), arrival, replica=self._replica())
         self.clock.at(arrival, lambda: self._arrive(sr))
         return sr
 
@@ -221,8 +228,12 @@ class Cluster:
             block_keys=prompt_keys(context, self.block_size),
         )  # fmt: skip
         # tokens already sent are recomputed where decoding goes on (the router's rule)
-        prefill = [w.load() for w in self.prefillers if w is not avoid] if not work.output_token_ids else []
-        decision = self.dispatcher.decide(route, prefill, [w.load() for w in self.decoders], self.clock.now)
+        r = sr.replica
+        prefill = (
+            [w.load_for(r) for w in self.prefillers if w is not avoid] if not work.output_token_ids else []
+        )
+        dispatcher = self.dispatchers[r]
+        decision = dispatcher.decide(route, prefill, [w.load_for(r) for w in self.decoders], self.clock.now)
         if avoid is None and not sr.attempts:
             key = f"{decision.outcome.value}/{decision.reason}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
@@ -242,9 +253,10 @@ class Cluster:
         if p is not None:
             self.link.tokens[attempt.transfer_id] = sr.num_prompt_tokens
         self._apply(sr, attempt, attempt.dispatch())
-        self.dispatcher.on_report(d.load())  # simulated loads are always fresh
-        if p is not None:
-            self.dispatcher.on_report(p.load())
+        for i, each in enumerate(self.dispatchers):  # every replica hears every worker
+            each.on_report(d.load_for(i))  # simulated loads are always fresh
+            if p is not None:
+                each.on_report(p.load_for(i))
 
     def _apply(self, sr: SimRequest, attempt: Attempt, effects: list[Effect]) -> None:
         """Carry out what ``attempt`` decided, as the router's driver does (``Hold``, ``Drop``,
@@ -270,7 +282,7 @@ class Cluster:
         if self.on_send is not None:
             self.on_send(sent)
         try:
-            answer = w.execute(sent.command)
+            answer = w.execute(sent.command, sr.replica)
         except Exception as e:
             failure, message, field = failure_of(e)
             if failure is Failure.INTERNAL:
@@ -339,7 +351,7 @@ class Cluster:
         """``sr``'s first token left now: the router's feedback, and the early stop's verdict."""
         now = self.clock.now
         sr.cached = cached
-        self.dispatcher.on_first_token(sr.work.request_id, now, now - sr.dispatched)
+        self.dispatchers[sr.replica].on_first_token(sr.work.request_id, now, now - sr.dispatched)
         self._judge(lambda es: es.first_token(sr.key, now - sr.arrival))
         es = self.early_stop
         params = sr.work.params
@@ -391,14 +403,24 @@ class Cluster:
 
     def _rebalance_prefill(self) -> None:
         """As the router does when the prefill pool changes: take back the prompts that have not
-        started (``pdserve.router.rebalance``) and route them again under a fresh id."""
+        started (``pdserve.router.rebalance``) and route them again under a fresh id (each router
+        replica its own prompts)."""
+        for replica in range(self.routers):
+            self._rebalance_own(replica)
+
+    def _rebalance_own(self, replica: int) -> None:
         if not self.rebalance_prefill or not self.requests:
             return
         ttft_ms = self.slo.ttft_ms if self.slo is not None else 0.0
         holders: dict[str, list[Waiting]] = {}
         for sr in self.requests.values():
             p = sr.prefill_worker
-            if p is not None and not sr.token_times and p.role is WorkerRole.PREFILL:
+            if (
+                p is not None
+                and not sr.token_times
+                and p.role is WorkerRole.PREFILL
+                and sr.replica == replica
+            ):
                 waiting = Waiting(
                     sr.work.request_id, sr.dispatched, sr.arrival, sr.num_prompt_tokens, ttft_ms
                 )
@@ -408,7 +430,7 @@ class Cluster:
         plan = withdrawals(queues, [w.wid for w in self.prefillers], budget)
         for wid, rids in plan.items():
             p = self.by_id[wid]
-            taken = [rid for rid in rids if p.execute(Withdraw(rid)) is True]
+            taken = [rid for rid in rids if p.execute(Withdraw(rid), replica) is True]
             for rid in reversed(taken):  # oldest first, as they came
                 self._reroute(self.requests[rid], p)
             p.changed()
@@ -429,7 +451,7 @@ class Cluster:
         old = attempt.request_id
         self._apply(sr, attempt, attempt.end())  # its reservation goes back
         self.link.tokens.pop(attempt.transfer_id, None)
-        self.dispatcher.on_end(old, self.clock.now, None)  # forget the old placement
+        self.dispatchers[sr.replica].on_end(old, self.clock.now, None)  # forget the old placement
         del self.requests[old]
         sr.attempts += 1
         base = old.split("~", 1)[0]
@@ -448,7 +470,8 @@ class Cluster:
         if w in self.pool(w.role):
             self.pool(w.role).remove(w)
         self.lifetimes[w.wid][1] = self.clock.now
-        self.dispatcher.on_worker_lost(w.wid)
+        for dispatcher in self.dispatchers:
+            dispatcher.on_worker_lost(w.wid)
         for sr in list(self.requests.values()):
             a = sr.attempt
             if a is not None and w.wid in a.holders and not sr.done:
@@ -487,7 +510,8 @@ class Cluster:
         self.end_times.append(self.clock.now)
         t = sr.token_times
         gaps = [b - a for a, b in itertools.pairwise(t[1:])]  # without the hand-off gap
-        self.dispatcher.on_end(sr.work.request_id, self.clock.now, statistics.median(gaps) if gaps else None)
+        median = statistics.median(gaps) if gaps else None
+        self.dispatchers[sr.replica].on_end(sr.work.request_id, self.clock.now, median)
 
     def run(self) -> None:
         self.clock.run()
@@ -505,3 +529,6 @@ class Cluster:
                 w.engine.check_integrity()
             except AssertionError as e:
                 raise AssertionError(f"{w.wid}: {e}") from None
+            left = w.reports.owners.total() if w.reports is not None else None
+            if left is not None and left != PlacedWork():  # (handed-off prompts carry no work)
+                raise AssertionError(f"{w.wid}: its owners' accounts hold work after the run: {left}")

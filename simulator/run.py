@@ -92,6 +92,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED (the router's deadline)",
     )
     p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas (pdserve serve --routers): each request lands on one at random, each "
+        "its own dispatcher, hearing the others' work only through the workers' load reports",
+    )
+    p.add_argument(
         "--no-fast-steps",
         dest="fast_steps",
         action="store_false",
@@ -170,17 +177,28 @@ class Simulation:
         slo = Slo.parse(args.goodput)
         admission = Admission(getattr(args, "admission", "none"))
         slo_class = SloClass("sim", (slo.ttft_ms or 0.0), (slo.tpot_ms or 0.0), admission)
-        dispatcher = make_dispatcher(
-            args.policy, profile, args.block_size, getattr(args, "local_prefill", True),
-            local_step_tokens=decode_cfg.max_num_batched_tokens,
-            prefill_step_tokens=cfg.max_num_batched_tokens, prefill_profile=prefill_profile,
-        )  # fmt: skip
+        routers = getattr(args, "routers", 1)
+        if routers < 1:
+            raise ValueError(f"--routers must be >= 1, got {routers}")
+        dispatchers = [
+            make_dispatcher(
+                args.policy,
+                profile,
+                args.block_size,
+                getattr(args, "local_prefill", True),
+                local_step_tokens=decode_cfg.max_num_batched_tokens,
+                prefill_step_tokens=cfg.max_num_batched_tokens,
+                prefill_profile=prefill_profile,
+            )
+            for _ in range(routers)
+        ]
         cluster = Cluster(
-            profile, args.prefill, args.decode, colocated, dispatcher, cfg, decode_cfg, args.block_size,
+            profile, args.prefill, args.decode, colocated, dispatchers, cfg, decode_cfg, args.block_size,
             slo_class, shared_host=getattr(args, "shared_host", False),
             jitter_seed=getattr(args, "jitter_seed", 0),
             reserve_timeout_s=getattr(args, "reserve_timeout_s", RouterConfig.reserve_timeout_s),
             fast_steps=getattr(args, "fast_steps", True), prefill_profile=prefill_profile,
+            replica_seed=getattr(args, "seed", 0),
         )  # fmt: skip
         capacity = min(w.kv.num_blocks for w in cluster.decoders) * args.block_size
         results: list[RequestResult] = []
@@ -234,6 +252,7 @@ class Simulation:
                 "layout": layout_label(args.prefill, args.decode, colocated, *self.degrees),
                 "gpus": self.gpus,
                 "policy": args.policy,
+                "routers": cluster.routers,
                 "colocated_schedule": self.schedule.value,
                 "admission": self.admission.value,
                 "decisions": dict(sorted(cluster.decisions.items())),

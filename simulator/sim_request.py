@@ -30,6 +30,7 @@ class SimRequest:
     dispatched: float = 0.0  # when its current attempt was routed
     attempts: int = 0  # times it was routed again (a prompt taken back, or moved off a lost worker)
     fault_migrations: int = 0  # the moves a lost worker caused (bounded as the router bounds them)
+    replica: int = 0  # the router replica it landed on (every attempt stays with it)
     # the result once it ended (nothing changes it then): the early stop judges it at its end
     # and the run's summary reads it again, each a list of its inter-token gaps otherwise
     _final: RequestResult | None = field(default=None, repr=False, compare=False)

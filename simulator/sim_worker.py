@@ -35,6 +35,7 @@ from pdserve.prefill_worker.handlers import PREFILL_HANDLERS
 from pdserve.simulator.fast_run import DecodeRun
 from pdserve.simulator.fast_step import Steady, decode_step, prefill_step
 from pdserve.simulator.prompt_memo import prompt_blocks, prompt_keys
+from pdserve.simulator.replicas import WorkerReports
 from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.commands import Answer, Command, UnsupportedCommand
@@ -83,6 +84,8 @@ class SimWorker:
         self.fast = cluster.fast_steps  # decode-only steps without the engine's machinery
         self.run: DecodeRun | None = None  # decode steps whose effects wait to be looked at
         self._run_load: tuple[DecodeRun, WorkerLoad, int, WorkerLoad] | None = None
+        # with router replicas: who owns what here, and what each replica heard of the others
+        self.reports = WorkerReports(cluster.routers) if cluster.routers > 1 else None
 
     def become(self, role: WorkerRole, config: SchedulerConfig) -> None:
         """Run ``role``'s engine over the same KV pool (a new worker, or an idle one switching)."""
@@ -146,6 +149,19 @@ class SimWorker:
         )
         self._run_load = (run, self._load, grows, load)
         return load
+
+    def load_for(self, replica: int) -> WorkerLoad:
+        """The load as router replica ``replica`` sees it (``pdserve.simulator.replicas``)."""
+        if self.reports is None:
+            return self.load()
+        return self.reports.load_for(replica, self.load(), self.cluster.clock.now, self.busy)
+
+    def _report(self) -> None:
+        """The worker's load report, at a step's end (router replicas only)."""
+        if self.reports is not None:
+            run = self.run
+            undelivered = run.ended - run.delivered if run is not None else 0
+            self.reports.report(self.cluster.clock.now, undelivered)
 
     def changed(self) -> None:
         self._load = None
@@ -212,6 +228,8 @@ class SimWorker:
             if sr is None or not sr.token_times:
                 return False
         self.run = run
+        if self.reports is not None:
+            self.reports.start_run([req.request_id for req in run.rows])
         self._run_step()
         return True
 
@@ -233,12 +251,14 @@ class SimWorker:
         run.ended = run.started
         if not run.cut and run.started < run.limit:
             self._run_step()
+            self._report()
             return
         run.apply(run.started)
-        run.deliver(self.cluster.requests.get, run.ended)
+        self._deliver_run(run)
         self.run = None
         self.busy = self.prefilling = False
         self._load = None
+        self._report()
         effects, self._effects = self._effects, []
         for effect in effects:
             effect()
@@ -252,9 +272,16 @@ class SimWorker:
         if run is None or run.cut:
             return
         run.apply(run.started)
-        run.deliver(self.cluster.requests.get, run.ended)
+        self._deliver_run(run)
         run.cut = True
         self._load = None
+
+    def _deliver_run(self, run: DecodeRun) -> None:
+        """The router gets the tokens of the run's steps ended so far."""
+        if self.reports is not None and run.ended > run.delivered:
+            for req in run.rows:
+                self.reports.tokens(req.request_id, run.ended - run.delivered, False)
+        run.deliver(self.cluster.requests.get, run.ended)
 
     def _duration(self, chunks: list[tuple[int, int]]) -> float:
         """How long a step of ``chunks`` takes on this worker now."""
@@ -274,6 +301,10 @@ class SimWorker:
         reported as its one-token delta would be."""
         self.busy = self.prefilling = False
         self._load = None
+        if self.reports is not None:
+            for req in step.rows:
+                self.reports.tokens(req.request_id, 1, req in step.finished)
+            self._report()
         effects, self._effects = self._effects, []
         for effect in effects:
             effect()
@@ -284,6 +315,10 @@ class SimWorker:
     def _done(self, deltas: list[TokenDelta], again: bool = True) -> None:
         self.busy = self.prefilling = False
         self._load = None
+        if self.reports is not None:
+            for d in deltas:
+                self.reports.on_delta(d)
+            self._report()
         effects, self._effects = self._effects, []
         for effect in effects:
             effect()
@@ -298,15 +333,26 @@ class SimWorker:
             fn, self.on_idle = self.on_idle, None
             fn()
 
-    def execute(self, cmd: Command) -> Answer | Future[Answer]:
+    def execute(self, cmd: Command, owner: int = 0) -> Answer | Future[Answer]:
         """A router command, through its role's handler table (the one a worker process
         dispatches through): it reaches the engine now (a push it starts begins now, or when
-        the step in flight ends). Its answer, or a future of it."""
+        the step in flight ends). Its answer, or a future of it. ``owner``: the router replica
+        that sent it."""
         handler = handler_for(ROLE_HANDLERS[self.role], cmd)
         if handler is None:
             raise UnsupportedCommand(f"a {self.role.value} worker takes no {type(cmd).__name__} command")
         self.settle()
-        answer = handler(self._engine, cmd)
+        reports = self.reports
+        if reports is None:
+            answer = handler(self._engine, cmd)
+        else:
+            reports.before(owner, cmd)
+            try:
+                answer = handler(self._engine, cmd)
+            except Exception:
+                reports.failed(cmd)
+                raise
+            reports.after(cmd, None if isinstance(answer, Future) else answer)
         self.kick()
         self._check_idle()
         return answer

@@ -20,10 +20,10 @@ sequence + half of those still to generate (its mean context while decoding, as
 ``pdserve.router.goodput`` computes it), fixed for the request's life; remaining = the tokens
 still to generate at most, lowered by each token the worker reports.
 
-A prefill worker hands a prompt's KV off without a word when the push succeeds, but may still
-report ``kv_lost`` for it later: its owner is kept (it carries no work any more) until its
-``finished`` / ``kv_lost`` delta, an ``Abort`` or ``forget``, and only the newest
-``max_handed_off`` of those are kept (a push outlives far fewer handoffs than that).
+A prefill worker's request is forgotten with its first token (the prompt is handed off and
+nothing of it is left here to count, and an idle worker keeps no per-request state): a
+``kv_lost`` that may follow it has no owner here, and the channel sends it to every router
+(each ignores an id it does not hold).
 
 Every call is O(1) (``owned_by`` and ``others`` aside, O(requests owned) and O(1)): running
 totals per owner and in all. Not thread-safe: the caller serializes.
@@ -31,7 +31,6 @@ totals per owner and in all. Not thread-safe: the caller serializes.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.worker.commands import Abort, AddLocal, Command, Prefill, QueueReservation, Start, Withdraw
@@ -94,16 +93,11 @@ def placed_entry(owner: int, cmd: Introducing) -> _Entry:
 
 
 class Owners:
-    def __init__(self, max_handed_off: int = 16384) -> None:
-        if max_handed_off < 1:
-            raise ValueError(f"max_handed_off must be >= 1, got {max_handed_off}")
-        self.max_handed_off = max_handed_off
+    def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._by_owner: dict[int, dict[str, None]] = {}  # owner -> its request ids (in order)
         self._sums: dict[int, _Sums] = {}
         self._total = _Sums()
-        # prefill worker: prompts handed off (first token out, no work left), oldest first
-        self._handed: OrderedDict[str, None] = OrderedDict()
 
     # -- commands ----------------------------------------------------------------------------
     def introduce(self, owner: int, cmd: Introducing) -> None:
@@ -149,10 +143,14 @@ class Owners:
         return e.owner
 
     def tokens(self, rid: str, n: int) -> None:
-        """``n`` more tokens of a request already decoding here (a simulated decode run reports
-        them in bulk, as one delta of ``n`` tokens would)."""
+        """``n`` tokens of ``rid`` reported without a delta object, as one delta of them (not
+        its last) would be (the simulator's steady steps)."""
         e = self._entries.get(rid)
-        if e is not None and e.decode and n > 0:
+        if e is None or n <= 0:
+            return
+        if e.prefill_tokens:
+            self._end_prefill(rid, e)
+        if e.decode:
             self._set_remaining(e, e.remaining - n)
 
     def _end_prefill(self, rid: str, e: _Entry) -> None:
@@ -178,7 +176,6 @@ class Owners:
         e = self._entries.pop(rid, None)
         if e is None:
             return
-        self._handed.pop(rid, None)
         self._sums[e.owner].add(e, -1)
         self._total.add(e, -1)
         owned = self._by_owner[e.owner]
@@ -198,6 +195,10 @@ class Owners:
     def placed(self, owner: int) -> PlacedWork:
         """The work ``owner`` placed here."""
         return self._sums.get(owner, _NONE).minus(_NONE)
+
+    def total(self) -> PlacedWork:
+        """The work every connection placed here."""
+        return self._total.minus(_NONE)
 
     def owned_by(self, owner: int) -> list[str]:
         """``owner``'s request ids, oldest first (a lost replica's, to abort)."""

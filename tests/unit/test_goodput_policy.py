@@ -244,7 +244,7 @@ def every_option(
     remote = pol._prefill_candidates(request, prefill, now)
     keys: dict[tuple[str | None, str], tuple[float, ...]] = {}
     for d in decode:
-        batch = pol.ledger.batch(d.worker_id)
+        batch = pol._decode_view(d, now)
         steps = pol._tpot_on(d.worker_id, batch, request, now, 0.0)
         room = pol._room_wait(d, batch, steps[1])
         for r in remote:
