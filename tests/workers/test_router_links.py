@@ -26,7 +26,7 @@ from pdserve.worker.spec import WorkerSpec
 
 SECRET = b"links-test-secret-0123456"
 ENGINE = EngineConfig(
-    model="tiny", cache=CacheConfig(block_size=8, num_blocks=64), scheduler=SchedulerConfig(64, 8)
+    model="tiny", cache=CacheConfig(block_size=8, num_blocks=256), scheduler=SchedulerConfig(64, 8)
 )
 
 
@@ -111,7 +111,7 @@ def work(rid: str, n: int) -> WorkItem:
 
 def test_deltas_go_to_their_router_and_the_others_learn_the_work(routers) -> None:
     owner, replica, worker = routers
-    replica.send(1, AddLocal(work("r-replica", 400)))
+    replica.send(1, AddLocal(work("r-replica", 1800)))
     seen = replica.batches(0.5)
     mine = [d for b in seen for d in b.deltas]
     assert mine and {d.request_id for d in mine} == {"r-replica"}
@@ -122,6 +122,7 @@ def test_deltas_go_to_their_router_and_the_others_learn_the_work(routers) -> Non
     owner.send(1, AddLocal(work("r-owner", 4)))
     got = [d for b in owner.batches(1.0) for d in b.deltas]
     assert {d.request_id for d in got} == {"r-owner"} and got[-1].finished
+    assert worker.request_state()["owned_by_router_1"] == 1  # still running
     replica.hang_up()  # its process died: its request is aborted here, its blocks freed
     t0 = time.monotonic()
     while worker.request_state().get("owned_by_router_1", 1) or worker.load().running:
