@@ -81,6 +81,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None
     final: Final | None = None
+    streamed: int = 0  # characters of token strings streamed so far (the next ``text_offset``)
 
 
 class ChoiceBuilder:
@@ -160,11 +161,16 @@ class ChoiceBuilder:
     def stream_chunk(self, index: int, ev: Event) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if isinstance(ev, Chunk):
+            c = self._choices[index]
             if self.chat:
                 choice["delta"] = {"content": ev.text}
             else:
                 choice["text"] = ev.text
-            choice["logprobs"] = self._logprobs(list(ev.logprobs) if ev.logprobs is not None else None)
+            lps = self._logprobs(list(ev.logprobs) if ev.logprobs is not None else None, c.streamed)
+            if lps is not None and not self.chat and lps["tokens"]:
+                # Offsets run on over the chunks, as in the whole response, however they are cut.
+                c.streamed = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            choice["logprobs"] = lps
             choice["finish_reason"] = None
             if self.return_token_ids:
                 choice["token_ids"] = list(ev.token_ids)
@@ -194,7 +200,8 @@ class ChoiceBuilder:
             return f"token_id:{token_id}"
         return self.tokenizer.token_str(token_id)
 
-    def _logprobs(self, lps: list[Logprob] | None) -> dict[str, Any] | None:
+    def _logprobs(self, lps: list[Logprob] | None, start: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` object; a completion's ``text_offset`` counts from ``start``."""
         if lps is None:
             return None
         if self.chat:
@@ -214,7 +221,7 @@ class ChoiceBuilder:
                 )
             return {"content": content}
         tokens = [self._token(lp.token_id) for lp in lps]
-        offsets, pos = [], 0
+        offsets, pos = [], start
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
