@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -242,12 +243,22 @@ async def first_of(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | N
     return True, task.result()
 
 
+def settle_heap() -> None:
+    """Keep what start-up allocated (Ray's driver, the frameworks, the tokenizer: a few hundred
+    thousand objects that live as long as the process) out of every later garbage collection.
+    Without it each full collection walks all of them — over a tenth of the router's CPU under
+    a full load of streams; with it a collection walks only what serving allocated."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signal(
     router: Router, frontends: Frontends, drain_timeout_s: float, signals: StopSignals
 ) -> bool:
     """Serve until SIGINT/SIGTERM, then drain: health turns NOT_SERVING, new requests get 503,
     in-flight ones get ``drain_timeout_s`` to finish (a second signal cuts that short). True if
     every request finished."""
+    settle_heap()
     await signals.drain.wait()
     print(f"draining {router.num_inflight} in-flight requests (up to {drain_timeout_s:g}s)...", flush=True)
     finished, clean = await first_of(router.drain(drain_timeout_s), signals.now)
