@@ -2,7 +2,8 @@
 
 ``RequestStream`` is fed ``TokenDelta``s by the output pollers (prefill's first token, then
 decode's batches), detokenizes them, applies stop strings, keeps timing, and queues
-``Chunk``s and one terminal ``Final`` (or a ``RouterError``) for the API layer to read.
+``Chunk``s and one terminal ``Final`` (or a ``RouterError``) for the API layer to read; the
+chunks its reader has not taken yet are joined into one.
 
 States::
 
