@@ -9,7 +9,6 @@ with an ``error`` event. A client that disconnects aborts its request on every w
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 import uuid
@@ -28,7 +27,7 @@ from pdserve.router.auth import ApiKeyMiddleware
 from pdserve.router.chat import ChatMessage, ChatTemplate
 from pdserve.router.dashboard import PAGE_PATH, install_dashboard
 from pdserve.router.errors import Code, RouterError
-from pdserve.router.openai_format import ChoiceBuilder, error_body, invalid_request, usage_json
+from pdserve.router.openai_format import ChoiceBuilder, error_body, invalid_request, sse_data, usage_json
 from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.router.openapi_doc import install_openapi
 from pdserve.router.service import Admitted, GenerateInput, Router
@@ -233,7 +232,7 @@ async def sse(
     try:
         if builder.chat:
             for i in range(builder.num_choices):
-                yield _data(builder.role_chunk(i))
+                yield sse_data(builder.role_chunk(i))
         pending = [first] if first is not None else []
         while True:
             if pending:
@@ -245,18 +244,14 @@ async def sse(
                     break
             if isinstance(ev, Final):
                 finals.append(ev)
-            yield _data(builder.stream_chunk(i, ev))
+            yield builder.stream_event(i, ev)
         if include_usage:
-            yield _data(builder.usage_chunk(usage_json(finals)))
+            yield sse_data(builder.usage_chunk(usage_json(finals)))
     except RouterError as e:
-        yield _data(error_body(e))
+        yield sse_data(error_body(e))
     finally:
         await events.aclose()
     yield b"data: [DONE]\n\n"
-
-
-def _data(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _until_disconnected(request: Request, work: Any, headers: dict[str, str]) -> Response:

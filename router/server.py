@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -293,6 +294,15 @@ async def first_of(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | N
     return True, task.result()
 
 
+def settle_heap() -> None:
+    """Keep what start-up allocated (Ray's driver, the frameworks, the tokenizer: a few hundred
+    thousand objects that live as long as the process) out of every later garbage collection.
+    Without it each full collection walks all of them — over a tenth of the router's CPU under
+    a full load of streams; with it a collection walks only what serving allocated."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signal(
     router: Router, frontends: Frontends, drain_timeout_s: float, signals: StopSignals
 ) -> bool:
@@ -300,6 +310,7 @@ async def serve_until_signal(
     (a router replica stops accepting instead: its peers take them), in-flight ones get
     ``drain_timeout_s`` to finish (a second signal cuts that short). True if every request
     finished."""
+    settle_heap()
     await signals.drain.wait()
     if router.attached:
         frontends.stop_accepting(drain_timeout_s)

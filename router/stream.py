@@ -2,7 +2,8 @@
 
 ``RequestStream`` is fed ``TokenDelta``s by the output pollers (prefill's first token, then
 decode's batches), detokenizes them, applies stop strings, keeps timing, and queues
-``Chunk``s and one terminal ``Final`` (or a ``RouterError``) for the API layer to read.
+``Chunk``s and one terminal ``Final`` (or a ``RouterError``) for the API layer to read; the
+chunks its reader has not taken yet are joined into one.
 
 States::
 
@@ -40,6 +41,13 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[Logprob, ...] | None
+
+    def join(self, later: Chunk) -> Chunk:
+        """This chunk and the one after it, as one."""
+        lps = self.logprobs
+        if lps is not None or later.logprobs is not None:
+            lps = (lps or ()) + (later.logprobs or ())
+        return Chunk(self.token_ids + later.token_ids, self.text + later.text, lps)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,10 @@ class RequestStream:
         self.handed_off = False  # decode's first token after a remote prefill has arrived
         self.final_event: Final | None = None
         self.error: RouterError | None = None
-        self._queue: asyncio.Queue[Event | RouterError] = asyncio.Queue()
+        # What the reader has not taken yet, and the future it waits on while there is nothing:
+        # chunks that pile up behind a slow reader (or arrive together) are joined into one.
+        self._unread: list[Event | RouterError] = []
+        self._reader: asyncio.Future[None] | None = None
         self.migrations = 0  # every move to another worker (reported to the client)
         self.fault_migrations = 0  # the moves a lost worker caused (bounded by --migration-limit)
         self.work: WorkItem | None = None  # what the workers were sent (a migration resends it)
@@ -135,12 +146,15 @@ class RequestStream:
         if self.done:
             return True
         now = time.perf_counter()
-        if delta.token_ids and self.first_token is None:
+        n = len(delta.token_ids)
+        if n and self.first_token is None:
             self.first_token = now
             self.state = StreamState.STREAMING
-        elif delta.token_ids and self.last_token is not None:
-            self.itls.append(now - self.last_token)
-        if delta.token_ids:
+        elif n and self.last_token is not None:
+            # A delta of n tokens (a worker's steps since its last send) took the gap to make:
+            # each token's share of it, as n deltas of one token would have arrived.
+            self.itls.extend([(now - self.last_token) / n] * n)
+        if n:
             self.last_token = now
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         text, taken = self.text.add(delta.token_ids)
@@ -151,7 +165,7 @@ class RequestStream:
             text += self.text.finish()  # may itself complete a stop string
         stopped = self.text.matched is not None
         if ids or text:
-            self._queue.put_nowait(Chunk(tuple(ids), text, lps))
+            self._put(Chunk(tuple(ids), text, lps))
         if stopped:
             self._end("stop_string", self.text.matched)
         elif delta.finished:
@@ -168,12 +182,12 @@ class RequestStream:
         if not self.done:
             self.state = StreamState.DONE
             self.error = error
-            self._queue.put_nowait(error)
+            self._put(error)
 
     def _end(self, reason: str, stop_reason: str | int | None) -> None:
         self.state = StreamState.DONE
         self.final_event = self.final(reason, stop_reason)
-        self._queue.put_nowait(self.final_event)
+        self._put(self.final_event)
 
     def final(self, reason: str, stop_reason: str | int | None) -> Final:
         now = time.perf_counter()
@@ -203,12 +217,27 @@ class RequestStream:
             migrations=self.migrations,
         )
 
+    def _put(self, ev: Event | RouterError) -> None:
+        unread = self._unread
+        if unread and isinstance(ev, Chunk) and isinstance(last := unread[-1], Chunk):
+            unread[-1] = last.join(ev)
+        else:
+            unread.append(ev)
+        if self._reader is not None and not self._reader.done():
+            self._reader.set_result(None)
+
     async def events(self) -> AsyncIterator[Event]:
-        """Chunks as they come, then the ``Final``; raises the ``RouterError`` of a failure."""
+        """Chunks as they come (those that arrived since the last one was read, as one), then
+        the ``Final``; raises the ``RouterError`` of a failure."""
         while True:
-            ev = await self._queue.get()
-            if isinstance(ev, RouterError):
-                raise ev
-            yield ev
-            if isinstance(ev, Final):
-                return
+            if not self._unread:
+                self._reader = asyncio.get_running_loop().create_future()
+                await self._reader
+                self._reader = None
+            batch, self._unread = self._unread, []
+            for ev in batch:
+                if isinstance(ev, RouterError):
+                    raise ev
+                yield ev
+                if isinstance(ev, Final):
+                    return

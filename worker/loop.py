@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Protocol
 
+from pdserve.worker.deltas import coalesce
 from pdserve.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -112,14 +113,16 @@ class EngineLoop:
         return self.submit(fn, *args).result(timeout=timeout_s)
 
     def collect(self, timeout_s: float) -> list[TokenDelta]:
-        """Deltas produced since the last call; waits up to ``timeout_s`` for the first one."""
+        """Deltas produced since the last call, each request's consecutive tokens in one delta
+        (``coalesce``: a reader that fell behind catches up in fewer, larger messages); waits
+        up to ``timeout_s`` for the first one."""
         with self._out_cv:
             if not self._out and self.error is None and not self._stop.is_set():
                 self._out_cv.wait(timeout_s)
             out, self._out = self._out, []
         if not out:
             self._check()
-        return out
+        return coalesce(out)
 
     def _check(self) -> None:
         if self.error is not None:

@@ -12,7 +12,7 @@ from pdserve.router.dispatchers import make_dispatcher
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.policy import LeastLoaded, RoundRobin, RouteRequest
 from pdserve.router.stream import Chunk, Final, RequestStream
-from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from pdserve.worker.messages import Logprob, TokenDelta, WorkerLoad, WorkerRole
 
 REQ = RouteRequest(prompt_tokens=10, max_tokens=5)
 
@@ -54,11 +54,55 @@ def test_stream_collects_tokens_in_order_and_reports_usage() -> None:
     s.feed(TokenDelta("r", (8, 9), finished=True, finish_reason="length"))
     s.feed(TokenDelta("r", (10,)))  # late duplicate after the end: ignored
     events = drain(s)
-    assert [e.token_ids for e in events if isinstance(e, Chunk)] == [(7,), (8, 9)]
+    assert [e.token_ids for e in events if isinstance(e, Chunk)] == [(7, 8, 9)]  # unread: joined
     final = events[-1]
     assert isinstance(final, Final) and final.finish_reason == "length"
     assert final.usage.completion_tokens == 3 and final.usage.cached_tokens == 2
     assert final.timing.ttft_ms <= final.timing.e2e_ms
+
+
+def test_stream_joins_only_the_chunks_its_reader_has_not_taken() -> None:
+    """Chunks that arrive while the reader is busy (or together) come out as one chunk, text,
+    ids and logprobs in order; one the reader already took is never held back."""
+    lp = [Logprob(t, -0.5 * t, ((t, -0.5 * t),)) for t in range(5)]
+    s = RequestStream("r", (1,), SamplingParams(max_tokens=5, logprobs=1), tokenizer=None)
+
+    async def run() -> list[Chunk | Final]:
+        got: list[Chunk | Final] = []
+        reader = stream_reader(s, got)
+        s.feed(TokenDelta("r", (0,), (lp[0],), prefilled=True))
+        await asyncio.sleep(0)  # the reader takes it
+        assert [e.token_ids for e in got if isinstance(e, Chunk)] == [(0,)]
+        s.feed(TokenDelta("r", (1,), (lp[1],)))
+        s.feed(TokenDelta("r", (2, 3), (lp[2], lp[3])))
+        s.feed(TokenDelta("r", (4,), (lp[4],), finished=True, finish_reason="length"))
+        await reader
+        return got
+
+    events = asyncio.run(run())
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    assert [c.token_ids for c in chunks] == [(0,), (1, 2, 3, 4)]
+    assert [c.logprobs for c in chunks] == [(lp[0],), tuple(lp[1:])]
+    assert isinstance(events[-1], Final) and events[-1].token_ids == (0, 1, 2, 3, 4)
+
+
+def test_a_delta_of_several_tokens_shares_its_gap_among_them() -> None:
+    """The gaps between tokens (the dispatcher learns decode's speed from their median) do not
+    depend on how many steps a worker sent at once."""
+    s = RequestStream("r", (1,), SamplingParams(max_tokens=6), tokenizer=None)
+    s.feed(TokenDelta("r", (7,), prefilled=True))
+    time.sleep(0.02)
+    s.feed(TokenDelta("r", (8, 9, 10, 11)))
+    assert len(s.itls) == 4 and len(set(s.itls)) == 1
+    assert 0.02 / 4 <= s.itls[0] < 0.2 / 4
+
+
+def stream_reader(s: RequestStream, into: list[Chunk | Final]) -> asyncio.Task[None]:
+    async def read() -> None:
+        async for ev in s.events():
+            into.append(ev)
+
+    return asyncio.ensure_future(read())
 
 
 def test_queue_time_never_exceeds_ttft() -> None:
