@@ -175,8 +175,13 @@ class OutputPusher:
         with self._send_lock:
             sock.sendall(data)
 
-    def _send_deltas(self, deltas: list[TokenDelta]) -> None:
-        self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load())))
+    def _send_deltas(self, deltas: list[TokenDelta], first: bool = False) -> None:
+        # The prefix cache's changes ride along; a new connection's first batch replaces the
+        # router's view with a snapshot (taken after this take: it has those ops in it).
+        kv = self.loop.take_kv_events()
+        if first:
+            kv = self.loop.kv_snapshot()
+        self._send(encode_batch(self.worker_id, OutputBatch(tuple(deltas), self.load(), kv)))
 
     def _run(self) -> None:
         try:
@@ -185,12 +190,14 @@ class OutputPusher:
                 target=self._read_commands, args=(sock,), name="worker-commands", daemon=True
             ).start()
             threading.Thread(target=self._send_answers, name="worker-answers", daemon=True).start()
+            first = True
             while not self._stop.is_set():
                 try:
                     deltas = self.loop.collect(HEARTBEAT_S)
                 except WorkerFailed:
                     return  # the loop died: closing the socket tells the router
-                self._send_deltas(deltas)
+                self._send_deltas(deltas, first)
+                first = False
             # Stopping: what the engine produced since the last batch still goes out — a drained
             # worker's last deltas end the requests the drain waited for, and a router that
             # never got them would move those requests as if the worker had died under them.
