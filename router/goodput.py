@@ -7,8 +7,9 @@ prefilling locally (conditional disaggregation) — it predicts, from ``StepPred
 reports: ``pdserve.router.worker_view``):
 
 - TTFT: the prefill queue ahead of the request on ``p`` (or on ``d``) plus its own prefill,
-  less what the worker's cache is believed to hold (``PrefixIndex``). In this design the first
-  token leaves the prefill worker, so the KV transfer is not on the TTFT path;
+  less what the worker's cache holds (``PrefixIndex``, learnt from the workers' own
+  events). In this design the first token leaves the prefill worker, so the KV transfer is
+  not on the TTFT path;
 - TPOT on ``d``: its decode step with the request in the batch, stretched by the share of
   ``d``'s recent time that went to local prefills (``step / (1 - share)``: those steps emit no
   token for the batch), plus, for a remote prefill, the KV hand-off over the ``p -> d`` link
@@ -53,7 +54,7 @@ from pdserve.router.predictor import Phase, StepPredictor, inbound
 from pdserve.router.prefix import PrefixIndex
 from pdserve.router.slo import Admission, SloClass
 from pdserve.router.worker_view import DecodeView, PrefillView, mean_prompt
-from pdserve.worker.messages import PlacedWork, WorkerLoad, WorkerRole
+from pdserve.worker.messages import KvEvents, PlacedWork, WorkerLoad, WorkerRole
 
 ErrorSink = Callable[[str, float], None]  # (kind "ttft" | "tpot", observed / predicted)
 _NOTHING = PlacedWork()
@@ -182,7 +183,7 @@ class GoodputPolicy:
         rows = []
         for p in prefill:
             pid = p.worker_id
-            cached = self._cached(pid, request)
+            cached = self._cached(pid, request, now)
             comp = self.model.prefill_s(pid, n - cached, cached)
             q = self._prefill_view(p)
             ttft = q.wait_s(now) + comp
@@ -246,7 +247,7 @@ class GoodputPolicy:
         tpot_slo: float,
     ) -> _Option:  # fmt: skip
         did, m = d.worker_id, request.max_tokens
-        cached = self._cached(did, request)
+        cached = self._cached(did, request, now)
         with_chunk, extra = self._local_prefill(did, batch, request.prompt_tokens, cached)
         step, eff_now, eff = self._tpot_on(did, batch, request, now, extra)
         wait = self.ledger.prefill_queue(did).wait_s(now) + batch.foreign_prefill_s
@@ -304,9 +305,9 @@ class GoodputPolicy:
         own = (request.max_tokens - 1) * step
         return own + batch.size * (step - step_now) * batch.mean_remaining()
 
-    def _cached(self, worker: str, request: RouteRequest) -> int:
+    def _cached(self, worker: str, request: RouteRequest, now: float) -> int:
         """Prompt tokens ``worker``'s cache is believed to hold (at least one is always computed)."""
-        blocks = self.prefix.cached_blocks(worker, request.block_keys)
+        blocks = self.prefix.cached_blocks(worker, request.block_keys, now)
         return min(blocks * self.config.block_size, request.prompt_tokens - 1)
 
     def _kv_room(self, d: WorkerLoad, request: RouteRequest) -> bool:
@@ -342,7 +343,7 @@ class GoodputPolicy:
         self.ledger.add(rid, pkey, o.prefill_s, o.decode, entry, now, prompt)
         if o.prefill is None:
             self.ledger.batch(o.decode).add_local_prefill(now, o.extra)
-        self.prefix.record(pkey, request.block_keys)
+        self.prefix.record(pkey, request.block_keys, now)
         self._placed[rid] = _Placed(pkey, o.decode, o.ttft, o.step, self.model.factor(pkey, Phase.PREFILL))
 
     # -- feedback ------------------------------------------------------------------------------
@@ -360,6 +361,9 @@ class GoodputPolicy:
         tokens = nbytes / max(1, self.model.profile.kv_bytes_per_token) / count
         predicted = self.model.transfer_s(load.worker_id, round(tokens), corrected=False)
         self.model.observe(inbound(load.worker_id), Phase.TRANSFER, secs / count, predicted)
+
+    def on_kv_events(self, worker_id: str, events: KvEvents) -> None:
+        self.prefix.apply(worker_id, events)
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         placed = self._placed.get(request_id)

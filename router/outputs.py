@@ -33,7 +33,7 @@ from pdserve.worker.codec import (
 )
 from pdserve.worker.command_codec import decode_from_worker, encode_command
 from pdserve.worker.commands import Answer, Command, CommandError
-from pdserve.worker.messages import OutputBatch, TokenDelta, WorkerInfo
+from pdserve.worker.messages import KvEvents, OutputBatch, TokenDelta, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ OnLost = Callable[[WorkerHandle, str], Awaitable[None]]
 OnPoolChange = Callable[[WorkerHandle], None]
 OnJoin = Callable[[WorkerInfo], None]
 OnSwitch = Callable[[WorkerHandle, WorkerInfo], None]
+OnKv = Callable[[WorkerHandle, KvEvents], None]
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection's set-up (TLS, then the hello)
 REGISTER_TIMEOUT_S = 60.0  # a worker started at run time waits this long to be registered
 MAX_CHANNELS = 4096  # authenticated workers connected at once; more are refused
@@ -120,6 +121,7 @@ class OutputListener:
         self._on_lost: OnLost | None = None
         self._on_pool_change: OnPoolChange | None = None
         self._on_join: OnJoin | None = None
+        self.on_kv: OnKv | None = None  # set: where each batch's prefix-cache events go
         self._bound = asyncio.Event()
         self._connected: dict[str, asyncio.Event] = {}
         self._registered: dict[str, asyncio.Event] = {}  # workers started after ``bind``
@@ -249,6 +251,8 @@ class OutputListener:
                     continue
                 was = worker.health
                 worker.report(frame.load)
+                if frame.kv is not None and self.on_kv is not None:
+                    self.on_kv(worker, frame.kv)
                 if worker.health is not was:
                     self._on_pool_change(worker)
                 if frame.deltas:

@@ -5,7 +5,7 @@ A ``Dispatcher`` sees the request (size, prefix block keys, SLO class) and the w
 ``None`` for prefill on the decode worker itself (colocated deployments, and conditional
 disaggregation). It never blocks and never does I/O, so it is unit-tested directly and the
 simulator drives exactly the same objects. Feedback hooks (first token, end, load report,
-lost worker) let a dispatcher keep its own account and correct its predictions.
+prefix-cache events, lost worker) let a dispatcher keep its own account and correct its predictions.
 
 ``round_robin`` and ``least_loaded`` pick each pool's worker independently (``PairPolicy``);
 ``goodput`` (``pdserve.router.goodput``) picks the pair, prefill placement and admission jointly.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.router.slo import SloClass
-from pdserve.worker.messages import WorkerLoad
+from pdserve.worker.messages import KvEvents, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ class Dispatcher(Protocol):
 
     def on_report(self, load: WorkerLoad) -> None:
         """A fresh ``WorkerLoad`` arrived."""
+
+    def on_kv_events(self, worker_id: str, events: KvEvents) -> None:
+        """The worker's prefix cache changed (its output batch said how)."""
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         """The request's first token reached the router (its prefill is done)."""
@@ -147,6 +150,9 @@ class PairPolicy:
         for pol in (self.prefill, self.decode):
             if isinstance(pol, LeastLoaded):
                 pol.note_report(load.worker_id)
+
+    def on_kv_events(self, worker_id: str, events: KvEvents) -> None:
+        pass  # load-only: prefixes do not weigh
 
     def on_first_token(self, request_id: str, now: float, ttft_s: float) -> None:
         pass

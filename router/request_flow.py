@@ -42,7 +42,7 @@ from pdserve.router.policy import Decision
 from pdserve.router.stream import RequestStream
 from pdserve.router.workers import WorkerHandle, WorkerLost
 from pdserve.worker.commands import Abort, Command
-from pdserve.worker.messages import TokenDelta, WorkItem
+from pdserve.worker.messages import KvEvents, TokenDelta, WorkItem
 
 log = logging.getLogger("pdserve.router.service")
 
@@ -99,6 +99,10 @@ class RequestFlow:
         attempt = stream.attempt
         if attempt is not None and attempt.request_id == stream.request_id:
             self.apply(stream, attempt, attempt.forget(worker.worker_id))
+
+    def on_kv_events(self, worker: WorkerHandle, events: KvEvents) -> None:
+        """What ``worker``'s prefix cache stored and evicted: where prompts' prefixes are."""
+        self.accounting.dispatcher.on_kv_events(worker.worker_id, events)
 
     def on_deltas(self, worker: WorkerHandle, deltas: tuple[TokenDelta, ...]) -> None:
         self.accounting.dispatcher.on_report(worker.load)

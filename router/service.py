@@ -176,6 +176,7 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         m = self.membership
+        self.outputs.on_kv = self.flow.on_kv_events
         if self.attached:
             self.outputs.bind(
                 self.workers, self.flow.on_deltas, m.on_lost, m.on_pool_change, m.attach, m.switched

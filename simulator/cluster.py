@@ -5,7 +5,8 @@ The router side has no request flow of its own: each request's attempt is the ro
 machine (``pdserve.router.lifecycle``), driven here on the virtual clock — its commands reach
 the engines through their roles' handler tables, as in a worker process, and their answers,
 the workers' deltas, lost workers and the end go back to it. This module only routes (the
-router's real dispatcher, with the same feedback: first token, end, load reports), carries
+router's real dispatcher, with the same feedback: first token, end, load reports, the
+workers' prefix-cache events), carries
 out the machine's effects, moves requests the router's way (a prompt given back when the
 prefill pool changes, a worker lost), and measures what a client would. Rejected requests
 end at once as failures. Every sampled token is a fixed id and every request ignores EOS:
@@ -51,7 +52,7 @@ from pdserve.simulator.sim_worker import SimWorker
 from pdserve.simulator.virtual import TOKEN, Clock, Link
 from pdserve.steptime.model import StepTimeModel
 from pdserve.worker.commands import Answer, Withdraw
-from pdserve.worker.messages import PlacedWork, TokenDelta, WorkerRole, WorkItem
+from pdserve.worker.messages import KvEvents, PlacedWork, TokenDelta, WorkerRole, WorkItem
 
 _RECHECK_S = 1e-9  # a deadline is judged this long after it falls, clear of rounding
 
@@ -316,6 +317,12 @@ class Cluster:
             self._first_token(sr, delta.num_cached_tokens)
         if delta.finished:
             self.finish(sr)
+
+    def on_kv_events(self, w: SimWorker, events: KvEvents) -> None:
+        """What ``w``'s prefix cache stored and evicted: every router replica's prefix index
+        learns it (a worker sends its events to every router)."""
+        for dispatcher in self.dispatchers:
+            dispatcher.on_kv_events(w.wid, events)
 
     def on_delta(self, w: SimWorker, delta: TokenDelta) -> None:
         sr = self.requests.get(delta.request_id)

@@ -40,7 +40,7 @@ from pdserve.simulator.virtual import SimRuntime, SimTransport
 from pdserve.steptime.model import StepTimeModel, has_prefill
 from pdserve.worker.commands import Answer, Command, UnsupportedCommand
 from pdserve.worker.handlers import Handlers, handler_for
-from pdserve.worker.messages import TokenDelta, WorkerLoad, WorkerRole
+from pdserve.worker.messages import KvEvents, TokenDelta, WorkerLoad, WorkerRole
 
 if TYPE_CHECKING:
     from pdserve.simulator.cluster import Cluster
@@ -52,6 +52,28 @@ ROLE_HANDLERS: dict[WorkerRole, Handlers] = {
     WorkerRole.DECODE: DECODE_HANDLERS,
     WorkerRole.COLOCATED: COLOCATED_HANDLERS,
 }
+
+
+class KvOps:
+    """A simulated worker's prefix-cache ops since the router last took them: a worker's
+    ``KvEventLog`` without its lock, bound and snapshots (the simulated router takes them on
+    the same thread at every step's end, and never reconnects). A run logs every block its
+    workers publish and evict, so this is kept to an append."""
+
+    def __init__(self) -> None:
+        self._ops: list[tuple[bool, bytes]] = []
+
+    def stored(self, key: bytes) -> None:
+        self._ops.append((True, key))
+
+    def removed(self, key: bytes) -> None:
+        self._ops.append((False, key))
+
+    def take(self) -> KvEvents | None:
+        if not self._ops:
+            return None
+        ops, self._ops = self._ops, []
+        return KvEvents(tuple(ops))
 
 
 class SimWorker:
@@ -69,6 +91,8 @@ class SimWorker:
             prompt_blocks=lambda prompt: prompt_blocks(prompt, block_size),
         )
         self.rt = SimRuntime(kv, block_size, profile.max_model_len)
+        self.kv_events = KvOps()  # its prefix cache's changes, for the router
+        kv.pool.listen(self.kv_events)
         self.transport: SimTransport | None = None
         if role is not WorkerRole.COLOCATED:
             self.transport = SimTransport(wid, cluster.link, self.kick)
@@ -183,6 +207,10 @@ class SimWorker:
         if self.busy:
             self.settle()  # (a transfer landed: the next step takes it in)
             return
+        # What the steps so far did to the prefix cache reaches the router now, at a step's end
+        # (a step's changes are made at its start here), as a worker's output batch brings them.
+        if (events := self.kv_events.take()) is not None:
+            self.cluster.on_kv_events(self, events)
         if self.transport is not None:
             self.transport.start_queued(self.cluster.clock.now)  # pushes commands started
         io = self.transport is not None and self.transport.has_completions

@@ -9,7 +9,9 @@ idle). A frame is ``{"v", "w": worker id, "d": [delta...], "l": load}`` with eac
 stop token id | None, cached tokens, prefilled, error | None, kv lost]``, each logprob
 ``[token id, logprob, [[token id, logprob]...]]``, and the load's last item the work the other
 router replicas placed on the worker, ``[prefills, prefill tokens, decodes, decode context,
-decode remaining]``.
+decode remaining]``; a frame whose batch carries prefix-cache events has ``"k": [[[stored,
+key]...], [key...] | None]`` too (ops, snapshot; each key ``KEY_BYTES`` long, at most
+``MAX_KV_OPS`` ops and ``MAX_SNAPSHOT_KEYS`` keys).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from pdserve.model_runtime.kv_cache.block_pool import KEY_BYTES, BlockKey
+from pdserve.worker.kv_events import MAX_KV_OPS, MAX_SNAPSHOT_KEYS
 from pdserve.worker.messages import (
+    KvEvents,
     Logprob,
     OutputBatch,
     PlacedWork,
@@ -161,7 +166,34 @@ def encode_batch(worker_id: str, batch: OutputBatch) -> bytes:
                 ],
             ],
         }
+        | _encode_kv(batch.kv)
     )
+
+
+def _encode_kv(kv: KvEvents | None) -> dict[str, Any]:
+    if kv is None:
+        return {}  # most batches: nothing changed in the cache
+    return {"k": [[list(op) for op in kv.ops], None if kv.snapshot is None else list(kv.snapshot)]}
+
+
+def _key(x: Any) -> BlockKey:
+    if not isinstance(x, bytes) or len(x) != KEY_BYTES:
+        raise ChannelError("bad prefix-cache key")
+    return x
+
+
+def _kv(x: Any) -> KvEvents:
+    if not isinstance(x, list) or len(x) != 2 or not isinstance(x[0], list) or len(x[0]) > MAX_KV_OPS:
+        raise ChannelError("bad prefix-cache events")
+    ops, snap = x
+    if snap is not None and (not isinstance(snap, list) or len(snap) > MAX_SNAPSHOT_KEYS):
+        raise ChannelError("bad prefix-cache snapshot")
+    out = []
+    for op in ops:
+        if not isinstance(op, list) or len(op) != 2 or not isinstance(op[0], bool):
+            raise ChannelError("bad prefix-cache op")
+        out.append((op[0], _key(op[1])))
+    return KvEvents(tuple(out), None if snap is None else tuple(_key(k) for k in snap))
 
 
 def _transfers(x: Any) -> TransferCounters | None:
@@ -244,7 +276,7 @@ def decode_batch(body: bytes, worker_id: str) -> OutputBatch:
 
 def batch_from(msg: Any, worker_id: str) -> OutputBatch:
     """An output batch from an unpacked frame (``ChannelError`` unless exactly one)."""
-    if not isinstance(msg, dict) or set(msg) != {"v", "w", "d", "l"} or msg["v"] != VERSION:
+    if not isinstance(msg, dict) or set(msg) - {"k"} != {"v", "w", "d", "l"} or msg["v"] != VERSION:
         raise ChannelError("bad output frame")
     if msg["w"] != worker_id or not isinstance(msg["d"], list):
         raise ChannelError("bad output frame")
@@ -264,4 +296,5 @@ def batch_from(msg: Any, worker_id: str) -> OutputBatch:
         worker_id, role, ld[1], running, waiting, total, free, cached, health, transfers, busy,
         others=_placed(ld[10]),
     )  # fmt: skip
-    return OutputBatch(tuple(_delta(d) for d in msg["d"]), load)
+    kv = _kv(msg["k"]) if "k" in msg else None
+    return OutputBatch(tuple(_delta(d) for d in msg["d"]), load, kv)

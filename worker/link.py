@@ -169,6 +169,7 @@ class Link:
             queue.SimpleQueue()
         )
         self.last_sent = 0.0  # monotonic time of the last frame written
+        self.fresh = True  # no output batch sent yet: its first carries a prefix-cache snapshot
         threading.Thread(target=self._read_commands, name=f"worker-commands-{index}", daemon=True).start()
         threading.Thread(target=self._send_answers, name=f"worker-answers-{index}", daemon=True).start()
 

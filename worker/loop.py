@@ -4,7 +4,8 @@ Contract: every engine method runs on the loop thread, between steps, in submiss
 (the engines are single-threaded). ``collect`` hands out each delta exactly once, in step
 order. If a step raises, the loop stops, ``error`` holds the exception and every later
 ``submit``/``collect`` raises ``WorkerFailed`` so the router fails this worker's requests
-instead of waiting on them.
+instead of waiting on them. What the engine's prefix cache stores and evicts is logged as it
+happens (``take_kv_events``, ``kv_snapshot``: any thread) for the routers' prefix routing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Protocol
 
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.worker.deltas import coalesce
-from pdserve.worker.messages import TokenDelta, WorkerHealth, WorkerLoad, WorkerRole
+from pdserve.worker.kv_events import KvEventLog
+from pdserve.worker.messages import KvEvents, TokenDelta, WorkerHealth, WorkerLoad, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,7 @@ class RoleEngine(Protocol):
     """What the loop and the host need of a role engine (prefill or decode)."""
 
     role: WorkerRole
+    kv: KVCacheManager  # its KV pool (a role switch keeps it)
 
     @property
     def has_work(self) -> bool: ...  # a step would compute something
@@ -61,7 +65,7 @@ class RoleEngine(Protocol):
 
 class EngineLoop:
     def __init__(self, engine: RoleEngine, name: str = "engine-loop", address: str = "") -> None:
-        self.engine = engine
+        self._engine = engine
         self.address = address
         # Refreshed on the loop thread after every step and command batch, so readers (the
         # output long-poll, status) never wait for a step to finish to learn the load.
@@ -71,6 +75,8 @@ class EngineLoop:
         self._failure: BaseException | None = None  # ``fail``'s, raised on the loop thread
         self.steps = 0
         self.busy_s = 0.0  # wall time of the steps that computed something (``WorkerLoad.busy_s``)
+        self._kv_events = KvEventLog(engine.kv.pool.num_blocks)
+        engine.kv.pool.listen(self._kv_events)
         self._cmds: deque[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] = deque()
         self._wake = threading.Event()
         self._out: list[TokenDelta] = []
@@ -78,6 +84,20 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def engine(self) -> RoleEngine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: RoleEngine) -> None:
+        """Another role's engine over the same KV pool (a role switch, on the loop thread): the
+        routers forgot this worker when it left its pool, so the next take is a snapshot of
+        the cache it keeps."""
+        if engine.kv.pool is not self._engine.kv.pool:
+            raise ValueError("a role switch keeps the KV pool")
+        self._engine = engine
+        self._kv_events.resync()
 
     def set_health(self, health: WorkerHealth) -> None:
         """Report ``health`` with every load from now on (DRAINING: route nothing new here)."""
@@ -123,6 +143,17 @@ class EngineLoop:
         if not out:
             self._check()
         return coalesce(out)
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix cache's ops since the last take, in order (a snapshot instead when they
+        were not taken for so long that they overflowed); ``None`` when nothing changed."""
+        return self._kv_events.take()
+
+    def kv_snapshot(self) -> KvEvents:
+        """The prefix cache's whole key set now, ops empty. It reflects every op taken before
+        it: a new connection's first batch carries one taken after the latest take (instead of
+        that take's ops), and every later take's ops."""
+        return self._kv_events.snapshot()
 
     def _check(self) -> None:
         if self.error is not None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdserve.model_runtime.kv_cache.block_pool import BlockKey
 from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.sampling_params import SamplingParams
 
 __all__ = [
     "KVTarget",
+    "KvEvents",
     "Logprob",
     "OutputBatch",
     "PlacedWork",
@@ -182,8 +184,23 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True)
+class KvEvents:
+    """What changed in a worker's prefix cache (the chained keys of its cached full blocks):
+    ``ops`` in the order they happened, ``True`` a key stored, ``False`` one removed. With
+    ``snapshot`` set, the receiver first replaces its view of the worker with those keys (a
+    new connection's first batch, or a log that overflowed): a snapshot reflects every op
+    taken before it, and ops it already reflects may come again after it (each op sets a
+    key's state, so applying one again changes nothing)."""
+
+    ops: tuple[tuple[bool, BlockKey], ...] = ()
+    snapshot: tuple[BlockKey, ...] | None = None
+
+
+@dataclass(frozen=True)
 class OutputBatch:
-    """All deltas since the previous collect, in step order, plus the worker's current load."""
+    """All deltas since the previous collect, in step order, plus the worker's current load
+    and what changed in its prefix cache meanwhile (``None``: nothing)."""
 
     deltas: tuple[TokenDelta, ...]
     load: WorkerLoad
+    kv: KvEvents | None = None

@@ -227,14 +227,21 @@ class OutputPusher:
     def _push(self, deltas: list[TokenDelta], heartbeat: bool) -> None:
         """One collect's deltas, each to its request's router; the load to every router that
         gets deltas, is due a heartbeat, or has not heard from here for ``LOAD_EVERY_S``."""
-        links = self._links
+        links = list(self._links)  # (a replica may connect meanwhile: this call sees it next time)
         info = self.info()
         if info is not self._sent_info:  # (a role switch): every router learns it first
             self._sent_info = info
             self._broadcast(encode_info(info), links)
         load = self.load()
+        # The prefix cache's changes ride along, to every router (each routes by them); a
+        # connection's first batch replaces that router's view with a snapshot, taken after
+        # this take (so it holds those ops) and sent instead of them.
+        kv = self.loop.take_kv_events()
         if len(links) == 1:  # one router: every collect is one frame, as it always was
-            self._send(links[0], encode_batch(self.worker_id, OutputBatch(tuple(deltas), load)))
+            link = links[0]
+            if link is not None and link.fresh:
+                kv, link.fresh = self.loop.kv_snapshot(), False
+            self._send(link, encode_batch(self.worker_id, OutputBatch(tuple(deltas), load, kv)))
             return
         per: dict[int, list[TokenDelta]] = {}
         with self._lock:
@@ -254,8 +261,11 @@ class OutputPusher:
             if link is None or link.closed.is_set():
                 continue
             mine = per.get(i)
-            if mine or heartbeat or now - link.last_sent >= LOAD_EVERY_S:
-                batch = OutputBatch(tuple(mine or ()), replace(load, others=others[i]))
+            events = kv
+            if link.fresh:
+                events, link.fresh = self.loop.kv_snapshot(), False
+            if mine or events is not None or heartbeat or now - link.last_sent >= LOAD_EVERY_S:
+                batch = OutputBatch(tuple(mine or ()), replace(load, others=others[i]), events)
                 self._send(link, encode_batch(self.worker_id, batch))
 
     def _broadcast(self, data: bytes, links: Sequence[Link | None]) -> None:

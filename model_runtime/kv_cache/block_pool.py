@@ -12,6 +12,10 @@ cached prefixes survive as long as possible. Keys are chained: a block's key has
 key and its own token ids, so equal keys mean equal whole prefixes; a hit still compares the
 stored token ids so that a hash collision can never serve wrong KV.
 
+Whoever needs to know which keys the cache holds (a worker tells its routers) listens
+(``listen``): it hears every key published (``stored``) and every key dropped (``removed``:
+evicted by ``allocate``, or ``reset_prefix_cache``), in the order they happen.
+
 Contract: the pool never frees on its own; whoever took a reference (``allocate`` / ``touch``)
 returns it with ``free``. ``check_integrity`` verifies free + cached + used == total and, given the
 owners' block lists, that every reference count equals the number of owners holding the block.
@@ -25,15 +29,17 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 BlockKey = bytes
+KEY_BYTES = 16  # a key's length: ``chain_key``'s digest
 
 _ROOT_KEY = b""
 
 
 def chain_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
     """Key of a full block: stable across processes (the router computes the same keys)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(parent if parent is not None else _ROOT_KEY)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
@@ -47,6 +53,15 @@ def prefix_block_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKe
         parent = chain_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
+
+
+class KeyListener(Protocol):
+    """Hears the prefix cache's keys come and go (``BlockPool.listen``); called on the pool's
+    thread, inside its transitions, so it must be cheap."""
+
+    def stored(self, key: BlockKey) -> None: ...
+
+    def removed(self, key: BlockKey) -> None: ...
 
 
 class IntegrityError(AssertionError):
@@ -81,6 +96,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_queries = 0
         self.num_hits = 0
+        self._listener: KeyListener | None = None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -113,6 +129,17 @@ class BlockPool:
         cached = self._cached_free
         free = len(self._free_queue) - cached
         return PoolStats(self.num_blocks, free, cached, self.num_blocks - len(self._free_queue))
+
+    def cached_keys(self) -> list[BlockKey]:
+        """Every key the cache holds now, oldest publication first."""
+        return list(self._by_key)
+
+    def listen(self, listener: KeyListener) -> None:
+        """Tell ``listener`` of every key published or dropped from now on; the keys held now
+        reach it first, as ``stored``."""
+        for key in self._by_key:
+            listener.stored(key)
+        self._listener = listener
 
     # -- transitions -------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -158,6 +185,8 @@ class BlockPool:
         self._by_key[key] = block
         if self._ref[block] == 0:
             self._cached_free += 1
+        if self._listener is not None:
+            self._listener.stored(key)
 
     def reset_prefix_cache(self) -> None:
         for b in list(self._by_key.values()):
@@ -172,6 +201,8 @@ class BlockPool:
             del self._tokens[block]
             self._key[block] = None
             self.num_evictions += 1
+            if self._listener is not None:
+                self._listener.removed(key)
 
     # -- invariants --------------------------------------------------------------------------
     def check_integrity(

@@ -15,7 +15,7 @@ from pdserve.router.predictor import Phase, StepPredictor, inbound
 from pdserve.router.prefix import block_keys
 from pdserve.router.slo import Admission, SloClass
 from pdserve.steptime.roofline import H100_LLAMA3_8B
-from pdserve.worker.messages import WorkerLoad, WorkerRole
+from pdserve.worker.messages import KvEvents, WorkerLoad, WorkerRole
 
 CHAT = SloClass("chat", ttft_ms=250, tpot_ms=100)
 BS = 16
@@ -86,7 +86,7 @@ def test_a_request_without_targets_is_never_rejected() -> None:
 def test_prefers_the_prefill_worker_holding_the_prefix() -> None:
     pol = policy(local=False)
     shared = list(range(1024))
-    pol.prefix.record("p1", block_keys(shared, BS))
+    pol.on_kv_events("p1", KvEvents(tuple((True, k) for k in block_keys(shared, BS))))  # p1 cached it
     d = pol.decide(req("r", n=1100, prompt=[*shared, *range(5000, 5076)]), P, D, now=0.0)
     assert d.prefill_worker == "p1" and d.reason == "prefix"
     assert d.predicted_ttft_s < pol.model.prefill_s("p0", 1100)  # 1,024 cached tokens are skipped

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.worker import codec
 from pdserve.worker.codec import (
     LENGTH,
+    MAX_FRAME_BYTES,
     VERSION,
     ChannelError,
     check_welcome,
@@ -21,7 +23,9 @@ from pdserve.worker.codec import (
     encode_hello,
     encode_welcome,
 )
+from pdserve.worker.kv_events import MAX_KV_OPS, MAX_SNAPSHOT_KEYS
 from pdserve.worker.messages import (
+    KvEvents,
     Logprob,
     OutputBatch,
     PlacedWork,
@@ -183,3 +187,66 @@ def test_malformed_frames_raise_channel_error(payload: bytes) -> None:
 def test_decoder_never_raises_anything_else(data: bytes) -> None:
     with contextlib.suppress(ChannelError):
         decode_batch(data, "decode-0")
+
+
+KEY = bytes(range(16))  # a prefix-cache key: KEY_BYTES long
+
+
+def kv_frame(kv: object) -> bytes:
+    return msgpack.packb({"v": VERSION, "w": "decode-0", "d": [], "l": load_list(), "k": kv})  # type: ignore[no-any-return]
+
+
+def test_prefix_cache_events_round_trip_and_are_left_out_when_none() -> None:
+    other = bytes(16)
+    for kv in (KvEvents(((True, KEY), (False, KEY), (True, other))), KvEvents((), (KEY, other)), KvEvents()):
+        batch = OutputBatch((), LOAD, kv)
+        assert decode_batch(body(encode_batch("decode-0", batch)), "decode-0") == batch
+    plain = encode_batch("decode-0", OutputBatch((), LOAD))
+    assert b"\xa1k" not in plain and decode_batch(body(plain), "decode-0").kv is None  # no "k" key at all
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        None,
+        [],
+        [[]],
+        [[], [], []],
+        {"ops": []},
+        [[[True, KEY[:15]]], None],  # a short key
+        [[[True, KEY + b"x"]], None],  # a long one
+        [[[True, "0123456789abcdef"]], None],  # a string, not bytes
+        [[[1, KEY]], None],  # not a bool
+        [[[True, KEY, 0]], None],
+        [[[True]], None],
+        [["x"], None],
+        [[], [KEY[:8]]],
+        [[], KEY],
+        [[], [[KEY]]],
+        [None, None],
+    ],
+)
+def test_malformed_prefix_cache_events_are_refused(kv: object) -> None:
+    with pytest.raises(ChannelError):
+        decode_batch(kv_frame(kv), "decode-0")
+
+
+def test_more_prefix_cache_events_than_a_frame_may_carry_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "MAX_KV_OPS", 2)
+    monkeypatch.setattr(codec, "MAX_SNAPSHOT_KEYS", 2)
+    assert decode_batch(kv_frame([[[True, KEY]] * 2, [KEY] * 2]), "decode-0").kv == KvEvents(
+        ((True, KEY),) * 2, (KEY,) * 2
+    )
+    for kv in ([[[True, KEY]] * 3, None], [[], [KEY] * 3]):
+        with pytest.raises(ChannelError):
+            decode_batch(kv_frame(kv), "decode-0")
+
+
+def test_the_most_a_worker_sends_fits_in_one_frame() -> None:
+    """A full snapshot plus a full log of ops (more than a worker ever puts in one frame: it
+    sends one or the other) encodes under the frame limit, and the router takes it."""
+    kv = KvEvents(((True, KEY),) * MAX_KV_OPS, (KEY,) * MAX_SNAPSHOT_KEYS)
+    frame = body(encode_batch("decode-0", OutputBatch((), LOAD, kv)))
+    assert len(frame) < MAX_FRAME_BYTES // 2
+    got = decode_batch(frame, "decode-0").kv
+    assert got is not None and len(got.ops) == MAX_KV_OPS and len(got.snapshot or ()) == MAX_SNAPSHOT_KEYS

@@ -64,6 +64,7 @@ PURE = (
     "pdserve.model_runtime.engine.step_log",
     "pdserve.model_runtime.sampling.logprob",
     "pdserve.worker.messages",
+    "pdserve.worker.kv_events",
     "pdserve.worker.commands",
     "pdserve.worker.control",
     "pdserve.worker.handlers",

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pdserve.router.ledger import DecodeBatch, DecodeEntry, Ledger, PrefillQueue
-from pdserve.router.prefix import PrefixIndex, block_keys
+from pdserve.router.prefix import block_keys
 from pdserve.router.slo import Admission, SloBook, SloClass, SloResult, SloTracker
 
 
@@ -109,20 +109,11 @@ def test_ledger_moves_requests_through_their_life() -> None:
     assert len(led) == 0 and len(led.prefill_queue("p0")) == 0
 
 
-def test_block_keys_chain_and_index_lru() -> None:
+def test_block_keys_chain() -> None:
     a = block_keys(list(range(40)), 16)
     b = block_keys([*range(32), 99, 98], 16)
     assert len(a) == 2 and a == b[:2]  # same 32-token prefix; partial blocks never count
     assert block_keys([*range(16, 32), *range(16)], 16)[1] != a[1]  # keys chain: order matters
-    idx = PrefixIndex(16)
-    idx.set_capacity("p0", 3)
-    idx.record("p0", block_keys(list(range(64)), 16))  # 4 blocks into room for 3: oldest forgotten
-    assert idx.cached_blocks("p0", block_keys(list(range(64)), 16)) == 0
-    idx.record("p0", a)
-    assert idx.cached_blocks("p0", block_keys(list(range(48)), 16)) == 2
-    assert idx.cached_blocks("p1", a) == 0
-    idx.forget("p0")
-    assert idx.cached_blocks("p0", a) == 0
 
 
 def test_the_routers_block_keys_are_the_workers_prefix_cache_keys() -> None:

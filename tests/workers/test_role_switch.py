@@ -102,3 +102,21 @@ def test_a_worker_holding_a_request_does_not_switch() -> None:
         w.check_integrity()
     finally:
         w.shutdown()
+
+
+def test_a_switched_worker_tells_its_routers_the_cache_it_kept() -> None:
+    """The routers drop their view of a worker's prefix cache when it leaves its pool; the cache
+    stays through the switch, so the worker's next events are a snapshot of it."""
+    w = PoolWorker(WorkerSpec("w", WorkerRole.COLOCATED, ENGINE, TransportConfig(), SECRET))
+    try:
+        w.run(AddLocal(WorkItem("c", tuple(range(1, 40)), GREEDY)))
+        assert w.wait_idle(5.0)
+        taken = w.loop.take_kv_events()
+        assert taken is not None and taken.snapshot is None and taken.ops  # ops, as ever
+        switch(w, WorkerRole.PREFILL)
+        after = w.loop.take_kv_events()
+        kept = set(w.loop.call(lambda: w.engine.kv.pool.cached_keys()))
+        assert after is not None and after.ops == () and set(after.snapshot or ()) == kept != set()
+        assert w.loop.take_kv_events() is None  # then ops again
+    finally:
+        w.shutdown()
