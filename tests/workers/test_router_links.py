@@ -1,7 +1,8 @@
 """A worker with a channel to its pool owner and to a router replica, both ends written by
 hand: the worker says what it is first on each connection, a request's deltas go only to the
 router that sent it, every router learns the work the others placed there, and a replica whose
-connection ends has its requests aborted at once (blocks freed), then is connected to again."""
+connection ends has its requests aborted at once (blocks freed), then is connected to again,
+its first batch a snapshot of the prefix cache."""
 
 from __future__ import annotations
 
@@ -131,5 +132,8 @@ def test_deltas_go_to_their_router_and_the_others_learn_the_work(routers) -> Non
     assert worker.pusher is not None and worker.pusher.aborted_for_lost_routers == 1
     assert replica.accept().worker_id == "d0"  # and it connects again, for the replica's restart
     replica.send(1, AddLocal(work("r-again", 3)))
-    again = [d for b in replica.batches(1.0) for d in b.deltas]
+    batches = replica.batches(1.0)
+    # a reconnected router first learns the whole prefix cache: the earlier prompts' blocks
+    assert batches[0].kv is not None and batches[0].kv.snapshot, batches[0].kv
+    again = [d for b in batches for d in b.deltas]
     assert {d.request_id for d in again} == {"r-again"} and again[-1].finished
