@@ -82,7 +82,10 @@ def test_group_sigterm(work: Any) -> None:
     assert r["processes_left"] == 0 and r["exit_s"] < 30, r
 
 
-@pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n not in (*chaos.SERVE_ALONE, *chaos.REPLICATED)])
+ALONE = (*chaos.SERVE_ALONE, *chaos.REPLICATED)  # deployments of their own
+
+
+@pytest.mark.parametrize("name", [n for n in chaos.SCENARIOS if n not in ALONE])
 def test_scenario(name: str, work: Any, deployment: Any) -> None:
     if name in ("kv_drop", "kv_listener_flood") and not can_reset_connections():
         pytest.skip("ss -K cannot reset TCP connections here")
