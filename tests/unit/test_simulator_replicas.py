@@ -118,3 +118,10 @@ def test_a_replica_hears_of_the_others_only_when_the_worker_reports() -> None:
 def test_replicas_need_one_router_at_least() -> None:
     with pytest.raises(ValueError, match="routers"):
         simulate(args("--prefill", "1", "--decode", "1", "--num-prompts", "4", "--routers", "0"))
+
+
+def test_the_fluid_model_refuses_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.planning.simulate import cmd_simulate
+
+    assert cmd_simulate(args("--prefill", "1", "--decode", "1", "--fluid", "--routers", "2")) == 2
+    assert "--fluid models one router" in capsys.readouterr().err
