@@ -103,6 +103,8 @@ def autoscaler(args: argparse.Namespace, sim: Simulation) -> SimAutoscaler | Non
 def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         if args.fluid:
+            if args.routers != 1:
+                raise ValueError("--fluid models one router: run router replicas on the event simulator")
             if pool_degrees(args) != (1, 1):
                 raise ValueError(
                     "--fluid counts workers, not GPUs: run it on workers of N GPUs with --profile NAME@tpN"

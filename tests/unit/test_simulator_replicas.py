@@ -13,7 +13,7 @@ from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.replicas import HEARTBEAT_S, WorkerReports
 from pdserve.simulator.run import Simulation
 from pdserve.simulator.sim_worker import SimWorker
-from pdserve.worker.commands import Prefill
+from pdserve.worker.commands import Prefill, QueueReservation
 from pdserve.worker.messages import PlacedWork, WorkerLoad, WorkerRole, WorkItem
 
 WORK = [
@@ -118,3 +118,26 @@ def test_a_replica_hears_of_the_others_only_when_the_worker_reports() -> None:
 def test_replicas_need_one_router_at_least() -> None:
     with pytest.raises(ValueError, match="routers"):
         simulate(args("--prefill", "1", "--decode", "1", "--num-prompts", "4", "--routers", "0"))
+
+
+def test_the_fluid_model_refuses_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.planning.simulate import cmd_simulate
+
+    assert cmd_simulate(args("--prefill", "1", "--decode", "1", "--fluid", "--routers", "2")) == 2
+    assert "--fluid models one router" in capsys.readouterr().err
+
+
+def test_a_decode_run_reports_the_tokens_of_its_steps_ended_so_far() -> None:
+    """A decode run's tokens reach the owners' accounts only when delivered (when someone
+    looks); a report mid-run counts the steps ended so far for every row."""
+    reports = WorkerReports(3)
+    for owner, rid in ((0, "a"), (1, "b"), (1, "c")):
+        work = WorkItem(rid, tuple(range(10)), SamplingParams(max_tokens=50))
+        reports.before(owner, QueueReservation(work, f"kv-{rid}", 1.0))
+    reports.start_run(["a", "b", "c"])
+    reports.report(now=1.0, undelivered=4)
+    assert [seen.decode_remaining for seen in reports.heard] == [100 - 8, 50 - 4, 150 - 12]
+    for rid in ("a", "b", "c"):  # delivered: the accounts have them, and nothing is counted twice
+        reports.tokens(rid, 4, finished=False)
+    reports.report(now=1.1)
+    assert [seen.decode_remaining for seen in reports.heard] == [100 - 8, 50 - 4, 150 - 12]
