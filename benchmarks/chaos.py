@@ -154,7 +154,8 @@ def start(prefill: int, decode: int, model: str = "tiny") -> tuple[Any, Any]:
     return st, pb_grpc.InferenceStub(grpc.insecure_channel(ep.grpc))
 
 
-def run_stream(stub: Any, log: StreamLog) -> None:
+def stream_request(log: StreamLog) -> Any:
+    """``log``'s greedy streamed request (EOS ignored)."""
     from pdserve.v1 import inference_pb2 as pb
 
     req = pb.GenerateRequest(stream=True)
@@ -162,6 +163,11 @@ def run_stream(stub: Any, log: StreamLog) -> None:
     req.sampling.max_tokens = log.max_tokens
     req.sampling.temperature = 0.0
     req.sampling.ignore_eos = True
+    return req
+
+
+def run_stream(stub: Any, log: StreamLog) -> None:
+    req = stream_request(log)
     log.start = time.monotonic()
     try:
         for msg in stub.Generate(req, timeout=120):
@@ -259,7 +265,6 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
     """One fault on a fresh 2P+2D deployment, or on ``deployment`` (``start(2, 2)``'s, kept
     running: the scenario first waits for it to be whole again, and counts only its own KV
     failures)."""
-    from pdserve.worker.control import GetLoad, RequestState
 
     if name in SERVE_ALONE:
         return router_term(work, group=name == "group_sigterm")
@@ -337,13 +342,7 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
         seen = t_fault + detected  # tokens before this may still be the lost worker's
         recovery = max((next((t for t in lg.times if t > seen), seen) - t_fault for lg in moved), default=0.0)
         time.sleep(1.0)  # aborts and frees settle
-        leaked = state_left = 0
-        for h in st.service.handles:
-            if h.alive:
-                state = st.run(h.control(RequestState(), timeout_s=10))
-                load = st.run(h.control(GetLoad(), timeout_s=10))
-                leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
-                state_left += sum(state.values())
+        leaked, state_left = leftovers(st)
         kv_failed = kv_failed_since(st, kv_before)
         r = row(name, logs + after_logs, failed, lost, dup, leaked, state_left, detected, recovery,
                 kv_failed, percentiles(logs), percentiles(after_logs), len(moved))  # fmt: skip
@@ -357,6 +356,20 @@ def scenario(name: str, work: Work, deployment: tuple[Any, Any] | None = None) -
             resume.join()  # the stopped process resumed (or already gone) before the next fault
         if deployment is None:
             st.stop()
+
+
+def leftovers(st: Any) -> tuple[int, int]:
+    """(KV blocks in use, per-request entries) on the deployment's live workers."""
+    from pdserve.worker.control import GetLoad, RequestState
+
+    leaked = state_left = 0
+    for h in st.service.handles:
+        if h.alive:
+            state = st.run(h.control(RequestState(), timeout_s=10))
+            load = st.run(h.control(GetLoad(), timeout_s=10))
+            leaked += load.kv_total - load.kv_free  # blocks in use (cached ones count as free)
+            state_left += sum(state.values())
+    return leaked, state_left
 
 
 def shrink_decode_pool(st: Any, handles: dict[str, Any]) -> tuple[Future[Any], str, dict[str, int]]:

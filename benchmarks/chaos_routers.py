@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.chaos import StreamLog, Work, tally, wait_for, whole
+from benchmarks.chaos import StreamLog, Work, leftovers, stream_request, tally, wait_for, whole
 
 ABORT_LIMIT_S = 1.0
 
@@ -47,14 +47,9 @@ def stream_alone(address: str, log: StreamLog) -> None:
     noting the replica that serves it (``pdserve-router`` metadata) in ``log.router``."""
     import grpc
 
-    from pdserve.v1 import inference_pb2 as pb
     from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
-    req = pb.GenerateRequest(stream=True)
-    req.token_ids.ids.extend(log.prompt)
-    req.sampling.max_tokens = log.max_tokens
-    req.sampling.temperature = 0.0
-    req.sampling.ignore_eos = True
+    req = stream_request(log)
     log.start = time.monotonic()
     # A subchannel of its own: gRPC otherwise shares one connection between the channels of a
     # process that name the same target, and every stream would reach the same replica.
@@ -104,7 +99,6 @@ def gaps_ms(logs: list[StreamLog], start: float, end: float) -> list[float]:
 
 def router_kill(work: Work, st: Any, grpc_address: str) -> dict[str, Any]:
     """SIGKILL one of two router replicas mid-stream (see the module's docstring)."""
-    from pdserve.worker.control import GetLoad, RequestState
 
     replicas = st.service.replicas
     wait_for(lambda: whole(st, *_sizes(st)), 120, "every pool whole")
@@ -146,13 +140,7 @@ def router_kill(work: Work, st: Any, grpc_address: str) -> dict[str, Any]:
     # what its clients got before the kill was right (a prefix of the reference)
     k_wrong = sum(len(lg.tokens) - len(ref) + k for lg, ref, k in _prefix_lost(killed, killed_refs))
     time.sleep(1.0)  # aborts and frees settle
-    leaked = state_left = 0
-    for h in st.service.handles:
-        if h.alive:
-            state = st.run(h.control(RequestState(), timeout_s=10))
-            load = st.run(h.control(GetLoad(), timeout_s=10))
-            leaked += load.kv_total - load.kv_free
-            state_left += sum(state.values())
+    leaked, state_left = leftovers(st)
     surv = [lg for lg, _ in survivors]
     before = gaps_ms(surv, t_kill - 2.0, t_kill)
     after = gaps_ms(surv, t_kill, t_kill + 2.0)

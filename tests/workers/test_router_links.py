@@ -6,8 +6,6 @@ its first batch a snapshot of the prefix cache."""
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Iterator
 
@@ -18,44 +16,26 @@ from pdserve.kvtransfer.config import TransportConfig
 from pdserve.model_runtime.config import CacheConfig, EngineConfig
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.scheduler.plan import SchedulerConfig
-from pdserve.worker.codec import CHALLENGE_BYTES, LENGTH, decode_hello, encode_welcome
 from pdserve.worker.command_codec import decode_from_worker, encode_command
 from pdserve.worker.commands import AddLocal
-from pdserve.worker.link import recv_exact
 from pdserve.worker.messages import OutputBatch, WorkerInfo, WorkerRole, WorkItem
 from pdserve.worker.spec import WorkerSpec
+from tests.workers.test_command_channel import SECRET, FakeRouter
 
-SECRET = b"links-test-secret-0123456"
 ENGINE = EngineConfig(
     model="tiny", cache=CacheConfig(block_size=8, num_blocks=256), scheduler=SchedulerConfig(64, 8)
 )
 
 
-class HandRouter:
+class HandRouter(FakeRouter):
     """A router's end of worker channels, by hand: accepts, authenticates, reads frames."""
 
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(30)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.conn: socket.socket | None = None
-
-    def accept(self) -> WorkerInfo:
-        conn, _ = self.server.accept()
-        conn.settimeout(30)
-        challenge = os.urandom(CHALLENGE_BYTES)
-        conn.sendall(challenge)
-        wid, nonce = decode_hello(self._read(conn), SECRET, challenge)
-        conn.sendall(encode_welcome(SECRET, nonce, wid))
-        self.conn = conn
-        first = decode_from_worker(self._read(conn), wid)
+    def accept_info(self) -> WorkerInfo:
+        wid = self.accept()
+        assert self.conn is not None
+        first = decode_from_worker(self._read(self.conn), wid)
         assert isinstance(first, WorkerInfo), "the first frame says what the worker is"
         return first
-
-    @staticmethod
-    def _read(conn: socket.socket) -> bytes:
-        (n,) = LENGTH.unpack(recv_exact(conn, LENGTH.size))
-        return recv_exact(conn, n)
 
     def send(self, call_id: int, cmd: AddLocal) -> None:
         assert self.conn is not None
@@ -81,11 +61,6 @@ class HandRouter:
         self.conn.close()
         self.conn = None
 
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        self.server.close()
-
 
 @pytest.fixture
 def routers() -> Iterator[tuple[HandRouter, HandRouter, DecodeWorker]]:
@@ -94,8 +69,8 @@ def routers() -> Iterator[tuple[HandRouter, HandRouter, DecodeWorker]]:
                       router_address=owner.address, replica_addresses=(replica.address,))  # fmt: skip
     worker = DecodeWorker(spec)
     try:
-        assert owner.accept().worker_id == "d0"
-        assert replica.accept().role is WorkerRole.DECODE
+        assert owner.accept_info().worker_id == "d0"
+        assert replica.accept_info().role is WorkerRole.DECODE
         yield owner, replica, worker
         assert worker.wait_idle(5.0)
         worker.check_integrity()
@@ -130,7 +105,7 @@ def test_deltas_go_to_their_router_and_the_others_learn_the_work(routers) -> Non
         assert time.monotonic() - t0 < 1.0, worker.request_state()
         time.sleep(0.01)
     assert worker.pusher is not None and worker.pusher.aborted_for_lost_routers == 1
-    assert replica.accept().worker_id == "d0"  # and it connects again, for the replica's restart
+    assert replica.accept_info().worker_id == "d0"  # and it connects again, for the replica's restart
     replica.send(1, AddLocal(work("r-again", 3)))
     batches = replica.batches(1.0)
     # a reconnected router first learns the whole prefix cache: the earlier prompts' blocks
