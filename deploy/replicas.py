@@ -11,9 +11,10 @@ A replica that exits while the deployment runs (killed, crashed, or drained by i
 SIGTERM) is started again, with the pool as the owner knows it then; its streams ended with
 it (the workers aborted them), the other replicas' never noticed. Per replica::
 
-    STARTING --READY--> SERVING --exit--> BACKOFF (0.2 s, doubling to 5 s; reset after 30 s up)
-       ^                                     |
-       +-------------------------------------+        stop(): SIGTERM (drain), then SIGKILL
+    STARTING --READY--> PREPARED --SERVE (all prepared)--> SERVING --exit--> BACKOFF
+       ^                                                                       |
+       +-----------------------------------------------------------------------+
+    (back-off 0.2 s, doubling to 5 s, reset after 30 s up; stop(): SIGTERM, then SIGKILL)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.router.replica import READY, ReplicaSpec
+from pdserve.router.replica import READY, SERVE, SERVING, ReplicaSpec
 from pdserve.router.server import listen_tcp
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ class Replica:
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     restarts: int = 0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    prepared: asyncio.Event = field(default_factory=asyncio.Event)  # ready to open its front ends
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # serving
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # it said so: no new connections
     relay: asyncio.Task[None] | None = None  # reads its stdout
+    opener: asyncio.Task[None] | None = None  # tells it to open its front ends
 
     @property
     def pid(self) -> int | None:
@@ -68,6 +71,7 @@ class ReplicaSet:
                          for i in range(count)]  # fmt: skip
         self.channel_host = channel_host
         self._stopping = False
+        self._go = asyncio.Event()  # every replica of the start was ready: they open their front ends
         self._spec_of: SpecOf | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -84,13 +88,18 @@ class ReplicaSet:
         first that did not (its own output says why)."""
         self._spec_of = spec_of
         self._tasks = [asyncio.create_task(self._keep(r)) for r in self.replicas]
-        waits = [asyncio.create_task(r.ready.wait()) for r in self.replicas]
-        _, pending = await asyncio.wait(waits, timeout=timeout_s)
-        for w in pending:
-            w.cancel()
-        if pending:
-            late = [r.index for r in self.replicas if not r.ready.is_set()]
-            raise RuntimeError(f"router replica(s) {late} did not start within {timeout_s:g} s")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for stage in ("prepared", "ready"):  # all ready, then all open their front ends together
+            waits = [asyncio.create_task(getattr(r, stage).wait()) for r in self.replicas]
+            _, pending = await asyncio.wait(
+                waits, timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+            )
+            for w in pending:
+                w.cancel()
+            if pending:
+                late = [r.index for r in self.replicas if not getattr(r, stage).is_set()]
+                raise RuntimeError(f"router replica(s) {late} did not start within {timeout_s:g} s")
+            self._go.set()
 
     async def _keep(self, r: Replica) -> None:
         backoff = FIRST_BACKOFF_S
@@ -116,6 +125,7 @@ class ReplicaSet:
         assert self._spec_of is not None
         spec = self._spec_of(r.index)
         fds = (spec.channel_fd,)
+        r.prepared.clear()
         r.ready.clear()
         r.draining.clear()
         r.started_at = time.monotonic()
@@ -126,8 +136,19 @@ class ReplicaSet:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(pickle.dumps(spec))
         await proc.stdin.drain()
-        proc.stdin.close()
         r.relay = asyncio.create_task(self._relay(r, proc.stdout))
+        r.opener = asyncio.create_task(self._open_when_told(r, proc))
+
+    async def _open_when_told(self, r: Replica, proc: asyncio.subprocess.Process) -> None:
+        """Once it is ready and the set may serve (at start, when every replica is ready; a
+        restart at once), tell the replica to open its front ends."""
+        await r.prepared.wait()
+        await self._go.wait()
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError, RuntimeError):  # (it exited meanwhile)
+            proc.stdin.write(SERVE)
+            await proc.stdin.drain()
+            proc.stdin.close()
 
     async def _relay(self, r: Replica, out: asyncio.StreamReader) -> None:
         """Its stdout: ``READY`` marks it serving; anything else is shown as its own."""
@@ -136,6 +157,8 @@ class ReplicaSet:
             if line.startswith("draining"):
                 r.draining.set()
             if line == READY:
+                r.prepared.set()
+            elif line == SERVING:
                 r.ready.set()
                 log.info("router replica %d serving (pid %s)", r.index, r.pid)
             elif line:
@@ -148,7 +171,9 @@ class ReplicaSet:
         procs = [r.process for r in self.replicas if r.process is not None and r.process.returncode is None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGTERM)  # (one still waiting to open its front ends stops)
+            if p.stdin is not None:
+                p.stdin.close()
         clean = True
         for p in procs:
             try:

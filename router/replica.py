@@ -12,16 +12,19 @@ workers alone (``WorkerLoad.others``): replicas never talk to each other.
 
 The spec comes once, pickled, on stdin: an anonymous pipe its parent created and holds alone
 (the parent also chose this process's code, so nothing crosses a trust boundary; nothing read
-from a network is ever unpickled). The process writes ``READY`` on stdout once it serves.
+from a network is ever unpickled). It writes ``READY`` on stdout once it could serve, opens its
+front ends when the owner writes ``SERVE`` on its stdin, and says ``SERVING`` when they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.tls import InternalTls
@@ -29,13 +32,15 @@ from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.outputs import OutputListener
-from pdserve.router.server import Frontends, StopSignals, serve_until_signal
+from pdserve.router.server import Frontends, StopSignals, first_of, serve_until_signal
 from pdserve.router.service import Router
 from pdserve.router.tls import load_tls
 from pdserve.router.workers import attached
 from pdserve.worker.messages import WorkerInfo
 
-READY = "READY"
+READY = "READY"  # stdout: ready to serve (the owner then writes ``SERVE`` on its stdin)
+SERVE = b"SERVE\n"
+SERVING = "SERVING"  # stdout: its front ends are open
 CONNECT_WAIT_S = 10.0  # the pool's workers' channels, before the replica serves anyway
 
 log = logging.getLogger(__name__)
@@ -79,11 +84,37 @@ async def serve_replica(spec: ReplicaSpec) -> bool:
     frontends = Frontends(config, tls, shared_ports=True)
     signals = StopSignals()
     try:
-        await frontends.start(router)
+        # Ready, but the front ends open only when the owner says so: once every replica of a
+        # starting deployment is ready, so that nothing answers before ``pdserve serve`` does.
         print(READY, flush=True)
+        read, line = await first_of(_stdin_line(), signals.drain)
+        if not read or line != SERVE:  # stopped first, or the owner went away
+            await frontends.stop()
+            await router.stop()
+            return True
+        await frontends.start(router)
+        print(SERVING, flush=True)
         return await serve_until_signal(router, frontends, config.drain_timeout_s, signals)
     finally:
         signals.close()
+
+
+def _stdin_line() -> asyncio.Future[bytes]:
+    """The next line on stdin, read on a daemon thread (a stop must not wait for the owner)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[bytes] = loop.create_future()
+
+    def settle(line: bytes) -> None:
+        if not fut.done():
+            fut.set_result(line)
+
+    def read() -> None:
+        line = sys.stdin.buffer.readline()
+        with contextlib.suppress(RuntimeError):  # (the loop closed first)
+            loop.call_soon_threadsafe(settle, line)
+
+    threading.Thread(target=read, name="owner-says", daemon=True).start()
+    return fut
 
 
 def main() -> int:
