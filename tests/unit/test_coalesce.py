@@ -7,6 +7,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.worker.deltas import coalesce
 from pdserve.worker.loop import EngineLoop
 from pdserve.worker.messages import Logprob, TokenDelta, WorkerLoad, WorkerRole
@@ -101,6 +102,7 @@ class ThreeSteps:
     def __init__(self) -> None:
         self.left = 0
         self.done = threading.Event()
+        self.kv = KVCacheManager(num_blocks=8, block_size=4)  # (its loop logs the pool's events)
 
     @property
     def has_work(self) -> bool:
