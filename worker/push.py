@@ -95,10 +95,6 @@ class OutputPusher:
     def bad_commands(self) -> int:
         return sum(link.bad_commands for link in self._links if link is not None)
 
-    def connected(self) -> list[bool]:
-        """Whether each router's connection is up now (tests, status)."""
-        return [link is not None and not link.closed.is_set() for link in self._links]
-
     def owned(self) -> int:
         """Requests whose router is known here (per-request state: empty when idle)."""
         with self._lock:
