@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.model_runtime.errors import InvalidRequestError
+from pdserve.model_runtime.structured.constraint import Constraint, check_constraint
 
 MAX_LOGPROBS_DEFAULT = 20
 
@@ -67,7 +68,9 @@ class SamplingParams:
     ``top_p == 1`` disable those filters. ``seed`` makes a request's samples depend only on the
     seed and the request's own tokens.
     ``logprobs`` is the number of top alternatives to report per token (``None`` reports none;
-    ``0`` reports only the chosen token's log-probability).
+    ``0`` reports only the chosen token's log-probability; a constrained request's are of the
+    constrained distribution: the grammar's mask applied to the raw logits).
+    ``constraint``: the language the output must belong to (``structured.constraint``).
     """
 
     max_tokens: int = 16
@@ -85,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -148,3 +152,12 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "logprobs", f"must be <= {max_logprobs} (server cap), got {self.logprobs}"
                 )
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidRequestError("constraint", f"must be a Constraint, got {self.constraint!r}")
+            check_constraint(self.constraint)
+            # The grammar decides where a constrained output ends: EOS exactly when it accepts.
+            if self.min_tokens:
+                raise InvalidRequestError("min_tokens", "cannot be combined with a structured-output constraint")
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with a structured-output constraint")

@@ -38,7 +38,7 @@ from pdserve.worker.messages import (
     WorkerRole,
 )
 
-VERSION = 6
+VERSION = 7
 LENGTH = struct.Struct(">I")
 CHALLENGE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20

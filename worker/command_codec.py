@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from pdserve.model_runtime.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from pdserve.model_runtime.structured.constraint import MAX_SPEC_BYTES, Constraint, ConstraintKind
 from pdserve.worker.codec import MAX_FRAME_BYTES, VERSION, ChannelError, batch_from, frame, unpack
 from pdserve.worker.commands import (
     Abort,
@@ -101,7 +102,16 @@ _FIELD_CHECKS: dict[str, Any] = {
     "int | None": lambda x: None if x is None else _int(x, -_I64, _I64 - 1),
     "tuple[str, ...]": lambda x: tuple(_str(s, MAX_STOP_CHARS) for s in _list(x)),
     "tuple[int, ...]": lambda x: tuple(_int(t, -_I64, _I64 - 1) for t in _list(x)),
+    "Constraint | None": lambda x: None if x is None else _constraint(x),
 }
+
+
+def _constraint(x: Any) -> Constraint:
+    kind, spec = _args(x, 2)
+    try:
+        return Constraint(ConstraintKind(_str(kind, 16)), _str(spec, MAX_SPEC_BYTES))
+    except ValueError:
+        raise ChannelError("unknown constraint kind") from None
 # A seed is the one field wider than int64: any of the 64-bit values the API takes, of either sign.
 _NAMED_CHECKS: dict[str, Any] = {"seed": lambda x: None if x is None else _int(x, SEED_MIN, SEED_MAX)}
 _PARAM_FIELDS = [
@@ -110,8 +120,16 @@ _PARAM_FIELDS = [
 ]
 
 
+def _encode_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return list(v)
+    if isinstance(v, Constraint):
+        return [v.kind.value, v.spec]
+    return v
+
+
 def _encode_params(p: SamplingParams) -> list[Any]:
-    return [list(v) if isinstance(v, tuple) else v for v in (getattr(p, name) for name, _ in _PARAM_FIELDS)]
+    return [_encode_value(getattr(p, name)) for name, _ in _PARAM_FIELDS]
 
 
 def _decode_params(x: Any) -> SamplingParams:
