@@ -157,7 +157,6 @@ class SamplingParams:
                 raise InvalidRequestError("constraint", f"must be a Constraint, got {self.constraint!r}")
             check_constraint(self.constraint)
             # The grammar decides where a constrained output ends: EOS exactly when it accepts.
-            if self.min_tokens:
-                raise InvalidRequestError("min_tokens", "cannot be combined with a structured-output constraint")
-            if self.ignore_eos:
-                raise InvalidRequestError("ignore_eos", "cannot be combined with a structured-output constraint")
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise InvalidRequestError(name, "cannot be combined with a structured-output constraint")

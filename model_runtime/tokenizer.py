@@ -54,6 +54,11 @@ class TextTokenizer:
         self.chat = chat or BUILT_IN
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The ``tokenizers`` object (what the grammar engine reads the vocabulary from)."""
+        return self._tok
+
     @staticmethod
     def load(checkpoint: Checkpoint) -> TextTokenizer | None:
         """The checkpoint's tokenizer and chat template, or ``None`` when it ships no tokenizer

@@ -156,13 +156,13 @@ def check_schema(schema: Any, field: str = "response_format") -> None:
         return
     if not isinstance(schema, dict):
         raise InvalidRequestError(field, "a JSON schema must be an object")
-    nodes = 0
-    for path, node, depth in _subschemas(schema, "#", 0):
-        nodes += 1
+    for nodes, (path, node, depth) in enumerate(_subschemas(schema, "#", 0), 1):
         if nodes > MAX_SCHEMA_NODES:
             raise InvalidRequestError(field, f"the schema has more than {MAX_SCHEMA_NODES} sub-schemas")
         if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidRequestError(field, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels at {path}")
+            raise InvalidRequestError(
+                field, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels at {path}"
+            )
         _check_node(node, path, field)
 
 
@@ -189,7 +189,9 @@ def _check_node(node: dict[str, Any], path: str, field: str) -> None:
         if not isinstance(enum_values, list) or not enum_values:
             raise InvalidRequestError(field, f"enum must be a non-empty list at {path}")
         if len(enum_values) > MAX_ENUM_VALUES:
-            raise InvalidRequestError(field, f"enum has {len(enum_values)} values at {path}; the cap is {MAX_ENUM_VALUES}")
+            raise InvalidRequestError(
+                field, f"enum has {len(enum_values)} values at {path}; the cap is {MAX_ENUM_VALUES}"
+            )
     if isinstance(node.get("items"), list):
         raise InvalidRequestError(field, f"tuple-form items at {path}: use prefixItems")
     for bound in ("minItems", "maxItems", "minLength", "maxLength"):
