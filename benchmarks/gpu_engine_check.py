@@ -115,6 +115,7 @@ class _EngineRuntime:
     max_model_len: int
     block_size: int = BLOCK
     eos_ids: frozenset[int] = frozenset()
+    grammars: None = None  # no structured output
 
     def limits(self, max_prompt_tokens: int = 0, max_tokens_cap: int = 0) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.max_model_len, BLOCK, self.kv.num_blocks)

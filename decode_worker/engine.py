@@ -54,8 +54,9 @@ from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.scheduler.colocated import ColocatedScheduler
 from pdserve.model_runtime.scheduler.plan import SchedulePlan, SchedulerConfig
 from pdserve.model_runtime.validation import validate_request
-from pdserve.worker.deltas import delta_for
+from pdserve.worker.deltas import delta_for, error_delta
 from pdserve.worker.engine_base import RoleEngineBase
+from pdserve.worker.grammar_gate import GrammarGate
 from pdserve.worker.loop import WorkerFailed
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 from pdserve.worker.ports import Clock, RoleRuntime, Transport
@@ -115,6 +116,8 @@ class DecodeEngine(RoleEngineBase):
         self._by_transfer: dict[str, str] = {}
         self._cancelling: dict[str, str] = {}  # transfer id -> request id, blocks still held
         self._pending: OrderedDict[str, PendingReservation] = OrderedDict()  # waiting for room
+        self.gate = GrammarGate(rt.grammars)  # requests waiting for their constraint's grammar
+        self._errors: list[TokenDelta] = []  # requests this worker gave up on, to report
         self.transfers_failed = 0
         self.recomputed = 0
 
@@ -125,6 +128,7 @@ class DecodeEngine(RoleEngineBase):
             # (kv.holds: an aborted reservation's blocks wait under its id for the transport)
             raise ValueError(f"request {rid!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
+        self.gate.prepare(work.params.constraint)  # its compile runs while the KV arrives
         return Request(work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, work.priority)
 
     def add_local(self, work: WorkItem) -> None:
@@ -138,9 +142,9 @@ class DecodeEngine(RoleEngineBase):
             raise InvalidRequestError("output_token_ids", "a token id is outside the vocabulary")
         for t in work.output_token_ids:
             req.append_token(t)
+        self.gate.hold(req, lambda: self.scheduler.add_request(req))  # raises if refused
         self._requests[req.request_id] = req
         self._emitted[req.request_id] = len(work.output_token_ids)
-        self.scheduler.add_request(req)
 
     def held(self, request_id: str) -> Request | None:
         """The request held under ``request_id``, whose progress an in-process driver reads
@@ -246,6 +250,9 @@ class DecodeEngine(RoleEngineBase):
         if pending is not None:
             pending.future.set_result(None)
             return True
+        if self.gate.drop(request_id):
+            self._drop_held(request_id)
+            return True
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
@@ -262,6 +269,14 @@ class DecodeEngine(RoleEngineBase):
             self.scheduler.finish(request_id, FinishReason.ABORT)
         self.rt.runner.release(request_id)
         return True
+
+    def _drop_held(self, request_id: str) -> None:
+        """A request that never joined the batch leaves (its grammar was not ready)."""
+        self._requests.pop(request_id, None)
+        self._emitted.pop(request_id, None)
+        if self.kv.holds(request_id):  # its prompt's KV arrived
+            self.kv.free(request_id)
+        self.rt.runner.release(request_id)
 
     # -- transfers ---------------------------------------------------------------------------
     def _poll_transfers(self) -> None:
@@ -307,20 +322,30 @@ class DecodeEngine(RoleEngineBase):
         if res.received:
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.cache_computed_blocks(req)
-            self.scheduler.decode.add(req)
         else:
             self.recomputed += 1
-            self.scheduler.prefill.add_preempted(req)
+
+        def schedule() -> None:
+            if res.received:
+                self.scheduler.decode.add(req)
+            else:
+                self.scheduler.prefill.add_preempted(req)
+
+        try:
+            self.gate.hold(req, schedule)  # the first token is replayed against the grammar
+        except InvalidRequestError as e:
+            self._drop_held(rid)
+            self._errors.append(error_delta(rid, str(e)))
 
     # -- stepping ----------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._launched is not None
+        return self.scheduler.has_work or self._launched is not None or bool(self._errors)
 
     @property
     def has_pending_io(self) -> bool:
         settling = self.transport is not None and self.transport.settling
-        return bool(self._reserved or self._cancelling or self._pending or settling)
+        return bool(self._reserved or self._cancelling or self._pending or self.gate or settling)
 
     @property
     def idle(self) -> bool:
@@ -335,6 +360,7 @@ class DecodeEngine(RoleEngineBase):
             "by_transfer": len(self._by_transfer),
             "cancelling": len(self._cancelling),
             "pending_reservations": len(self._pending),
+            "grammar_wait": len(self.gate),
             "runner": self.rt.runner.kept_requests(),
             **self._transport_state(),
         }
@@ -343,7 +369,12 @@ class DecodeEngine(RoleEngineBase):
         self._poll_transfers()
         if self._pending:
             self._serve_pending()
+        for req, why in self.gate.poll() if self.gate else ():
+            self._drop_held(req.request_id)
+            self._errors.append(error_delta(req.request_id, why))
         deltas: list[TokenDelta] = []
+        if self._errors:
+            deltas, self._errors = self._errors, []
         if self._launched is not None:
             running = self._launched
             ahead = self.scheduler.schedule_ahead()

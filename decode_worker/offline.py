@@ -127,6 +127,9 @@ class OfflineDriver:
             tracker = self._trackers.get(rid)
             if tracker is None:
                 continue
+            if delta.error is not None:  # the engine gave the request up (a refused constraint)
+                del self._trackers[rid]
+                raise InvalidRequestError("request", f"{rid}: {delta.error}")
             out, hit_stop = tracker.step(delta.logprobs[-1] if delta.logprobs else None)
             req = tracker.req
             if hit_stop and not req.is_finished:
@@ -150,6 +153,8 @@ class OfflineDriver:
             self.add_request(rid, prompt, p)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished:
+            if not self.engine.has_work:  # waiting on a grammar's compile: no spin
+                time.sleep(self.engine.io_wait_s())
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out

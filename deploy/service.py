@@ -166,6 +166,7 @@ class Service:
             outputs,
             colocated=self.spec.is_colocated,
             generation=generation.defaults,
+            eos_ids=checkpoint.model_config().eos_token_ids,
         )
         self.router.start()
         first = {role: n for role, n in self.spec.roles}

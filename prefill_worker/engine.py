@@ -35,6 +35,7 @@ from pdserve.model_runtime.scheduler.prefill import PrefillScheduler
 from pdserve.model_runtime.validation import validate_request
 from pdserve.worker.deltas import delta_for, error_delta
 from pdserve.worker.engine_base import RoleEngineBase
+from pdserve.worker.grammar_gate import GrammarGate
 from pdserve.worker.messages import KVTarget, TokenDelta, WorkerRole, WorkItem
 from pdserve.worker.ports import RoleRuntime, Transport
 
@@ -60,6 +61,7 @@ class PrefillEngine(RoleEngineBase):
         self._sending: dict[str, str] = {}  # transfer id -> request id (source blocks held)
         self._awaiting_target: set[str] = set()  # prefilled, blocks held, target not known yet
         self._pending_errors: list[TokenDelta] = []
+        self.gate = GrammarGate(rt.grammars)
         self.transfers_failed = 0
 
     # -- commands ----------------------------------------------------------------------------
@@ -67,14 +69,16 @@ class PrefillEngine(RoleEngineBase):
         if work.request_id in self._requests:
             raise ValueError(f"request {work.request_id!r} is already on this worker")
         validate_request(work.prompt_token_ids, work.params, self.limits)
+        self.gate.check_supported(work.params.constraint)
         req = Request(
             work.request_id, work.prompt_token_ids, work.params, self.rt.eos_ids, priority=work.priority
         )
         if target is not None:
             self._check_target(req, target)
+        self.gate.hold(req, lambda: self.scheduler.add(req))  # raises if the constraint is refused
+        if target is not None:
             self._targets[work.request_id] = target
         self._requests[work.request_id] = req
-        self.scheduler.add(req)
 
     def _check_target(self, req: Request, target: KVTarget) -> None:
         if len(target.blocks) * self.rt.block_size < req.num_prompt_tokens:
@@ -98,6 +102,10 @@ class PrefillEngine(RoleEngineBase):
     def abort(self, request_id: str) -> bool:
         if request_id not in self._requests:
             return False
+        if self.gate.drop(request_id):
+            self._targets.pop(request_id, None)
+            self._forget(request_id)
+            return True
         target = self._targets.pop(request_id, None)
         if target is not None and target.transfer_id in self._sending:
             self.transport.cancel(target.transfer_id)  # blocks freed when the transport reports it
@@ -114,7 +122,9 @@ class PrefillEngine(RoleEngineBase):
         """Give back a request that has not started (no block held, nothing computed): it leaves
         as if it had never come, and the router routes it again. False if it started, or is not
         here (both leave it as it was)."""
-        if request_id not in self._requests or self.scheduler.withdraw(request_id) is None:
+        if request_id not in self._requests:
+            return False
+        if not self.gate.drop(request_id) and self.scheduler.withdraw(request_id) is None:
             return False
         self._targets.pop(request_id, None)  # the router gives the decode reservation back
         self._forget(request_id)
@@ -132,7 +142,7 @@ class PrefillEngine(RoleEngineBase):
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._sending or self._pending_errors or self.transport.settling)
+        return bool(self._sending or self._pending_errors or self.gate or self.transport.settling)
 
     @property
     def idle(self) -> bool:
@@ -145,6 +155,7 @@ class PrefillEngine(RoleEngineBase):
             "targets": len(self._targets),
             "sending": len(self._sending),
             "awaiting_target": len(self._awaiting_target),
+            "grammar_wait": len(self.gate),
             "runner": self.rt.runner.kept_requests(),
             "scheduled": self.scheduler.num_waiting + self.scheduler.num_running,
             **self._transport_state(),
@@ -152,6 +163,10 @@ class PrefillEngine(RoleEngineBase):
 
     def step(self) -> list[TokenDelta]:
         deltas = self._reap_transfers()
+        for req, why in self.gate.poll() if self.gate else ():
+            self._targets.pop(req.request_id, None)
+            self._forget(req.request_id)
+            self._pending_errors.append(error_delta(req.request_id, why))
         if self._pending_errors:
             deltas += self._pending_errors
             self._pending_errors = []

@@ -73,7 +73,10 @@ async def serve_replica(spec: ReplicaSpec) -> bool:
     )
     await outputs.start()
     handles = [attached(info) for info in spec.workers]
-    router = Router(config, handles, tokenizer, outputs, spec.colocated, generation, attached=True)
+    eos = checkpoint.model_config().eos_token_ids
+    router = Router(
+        config, handles, tokenizer, outputs, spec.colocated, generation, attached=True, eos_ids=eos
+    )
     router.start()
     try:
         await outputs.wait_connected([h.worker_id for h in handles], timeout_s=CONNECT_WAIT_S)

@@ -93,6 +93,7 @@ class SimRuntime:
     max_model_len: int
     runner: SimRunner = field(default_factory=SimRunner)
     eos_ids: frozenset[int] = frozenset()
+    grammars: None = None  # no structured output
 
     def limits(self, max_prompt_tokens: int = 0, max_tokens_cap: int = 0) -> RequestLimits:
         return RequestLimits(VOCAB, self.max_model_len, self.block_size, self.kv.num_blocks, 0, False)

@@ -112,6 +112,8 @@ def _constraint(x: Any) -> Constraint:
         return Constraint(ConstraintKind(_str(kind, 16)), _str(spec, MAX_SPEC_BYTES))
     except ValueError:
         raise ChannelError("unknown constraint kind") from None
+
+
 # A seed is the one field wider than int64: any of the 64-bit values the API takes, of either sign.
 _NAMED_CHECKS: dict[str, Any] = {"seed": lambda x: None if x is None else _int(x, SEED_MIN, SEED_MAX)}
 _PARAM_FIELDS = [

@@ -19,6 +19,7 @@ from pdserve.kvtransfer.states import Completions
 from pdserve.model_runtime.engine.runner import Runner, StepResult
 from pdserve.model_runtime.kv_cache.manager import KVCacheManager
 from pdserve.model_runtime.validation import RequestLimits
+from pdserve.worker.grammar_gate import Compiles
 
 Clock = Callable[[], float]  # seconds, monotonic
 
@@ -87,5 +88,8 @@ class RoleRuntime(Protocol):
 
     @property
     def eos_ids(self) -> frozenset[int]: ...
+
+    @property
+    def grammars(self) -> Compiles | None: ...
 
     def limits(self, max_prompt_tokens: int = 0, max_tokens_cap: int = 0) -> RequestLimits: ...

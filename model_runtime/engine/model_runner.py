@@ -29,6 +29,7 @@ from pdserve.model_runtime.parallel.messages import Step
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.sampling.sampler import SampledStep, Sampler, SampleRow
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.model_runtime.structured.compiler import Grammars
 
 
 class _LaunchedStep:
@@ -65,6 +66,7 @@ class ModelRunner:
         kv_cache: torch.Tensor | None = None,
         graphs: GraphSettings | None = None,
         tp: RankSetup | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel worker. On rank 0 every step is
         first sent to the other ranks (``Step``), whose runners ``follow`` it; ``layer_pushes``
@@ -79,7 +81,7 @@ class ModelRunner:
         if kv_cache is None:
             kv_cache = allocate_kv_cache(config, num_blocks, block_size, self.dtype, self.device)
         self.kv_cache = kv_cache
-        self.sampler = Sampler()
+        self.sampler = Sampler(grammars, config.eos_token_ids)
         # The last launched step's sampled rows by request id, and its tokens on the device.
         self._previous: tuple[dict[str, int], torch.Tensor] | None = None
         self.window = config.sliding_window or 0
@@ -94,8 +96,8 @@ class ModelRunner:
             )
 
     def release(self, request_id: str) -> None:
-        """The request is gone: drop its penalty counts (the only per-request state; seeded
-        draws depend on the seed and the token's position alone)."""
+        """The request is gone: drop its penalty counts and grammar matcher (the only
+        per-request state; seeded draws depend on the seed and the token's position alone)."""
         self.sampler.release(request_id)
 
     def kept_requests(self) -> int:

@@ -52,6 +52,7 @@ from pdserve.model_runtime.platform import tune_malloc, use_threads
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.request import Request
 from pdserve.model_runtime.scheduler.plan import ScheduledChunk
+from pdserve.model_runtime.structured.compiler import Grammars
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits
 from pdserve.steptime.model import StepTimeModel
@@ -190,9 +191,12 @@ class Runtime:
     profile: StepTimeModel | None = None
     overlap: bool = False  # decode steps overlap (``backend.use_overlap``)
     ranks: RankSetup | None = None  # a tensor-parallel worker's group (and, on rank 0, its ranks)
+    grammars: Grammars | None = None  # structured output (rank 0 of a model with a tokenizer)
 
     def close(self) -> None:
         """Stop the worker's other ranks and leave its group (a TP 1 runtime holds nothing)."""
+        if self.grammars is not None:
+            self.grammars.close()
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
@@ -315,6 +319,13 @@ def _build(
         if allocate_cache is not None
         else new_kv_cache(shape, dtype, device)
     )
+    tokenizer = TextTokenizer.load(checkpoint) if rank == 0 else None
+    # Only a model's logits can be masked: zero and emulated runners refuse constraints.
+    grammars = (
+        Grammars(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        if tokenizer is not None and model is not None and profile is None
+        else None
+    )
     runner: StepRunner
     if profile is not None:
         runner = EmulatedRunner(model_config, cache, profile)
@@ -327,8 +338,9 @@ def _build(
             # Without CUDA the graphs' fixed-shape inputs still run (eagerly): what tests check.
             graphs = GraphSettings(config.scheduler.max_num_seqs, max_len, capture=device.type == "cuda")
         runner = ModelRunner(
-            model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs, tp=setup
-        )
+            model_config, model, num_blocks, block_size, kv_cache=cache, graphs=graphs, tp=setup,
+            grammars=grammars,
+        )  # fmt: skip
         if device.type == "cpu":  # oneDNN's per-shape state, all made now: memory flat from here
             t1 = time.perf_counter()
             ran = model.warm_up(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
@@ -343,7 +355,8 @@ def _build(
         block_size=block_size,
         kv=KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching),
         runner=runner,
-        tokenizer=TextTokenizer.load(checkpoint) if rank == 0 else None,
+        tokenizer=tokenizer,
+        grammars=grammars,
         profile=profile,
         overlap=use_overlap(config.overlap, device.type),
         ranks=setup,

@@ -8,6 +8,9 @@ Order of transforms on a row of float32 logits (each skipped when neutral for ev
 3. frequency and presence penalties (OpenAI): over output tokens,
    ``logit -= frequency * count + presence * (count > 0)``;
 4. ``min_tokens``: while fewer tokens were generated, EOS and ``stop_token_ids`` are masked;
+4b. a constrained row's grammar mask (``structured.matchers``): tokens the constraint does not
+   allow next are masked, EOS included unless the grammar accepts here; the row's log-probabilities
+   are then of the constrained distribution (the mask applied to the raw logits);
 5. greedy rows (temperature 0) take the argmax here;
 6. temperature: logits / T;
 7. min_p: tokens with probability below ``min_p * max probability`` are masked;
@@ -30,12 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.model_runtime.sampling.logprob import Logprob
 from pdserve.model_runtime.sampling.penalties import PenaltyCounts
 from pdserve.model_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.model_runtime.structured.compiler import Grammars
+    from pdserve.model_runtime.structured.matchers import GrammarMasks
 
 
 @dataclass
@@ -209,7 +217,7 @@ def draw(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 class SampledStep:
     """A step's sampled ids on the device, and their copy to the host (with the log-probabilities
-    asked for) under way. ``result`` waits for the copy; call it once."""
+    asked for) under way. ``result`` waits for the copy (once; later calls return the same)."""
 
     def __init__(
         self,
@@ -221,8 +229,14 @@ class SampledStep:
     ) -> None:
         self.tokens = tokens  # [rows] int64, on the device
         self._host, self._done, self._want, self._k = host, done, want, k
+        self._result: SampleResult | None = None
 
     def result(self) -> SampleResult:
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> SampleResult:
         if self._done is not None:
             self._done.synchronize()
         table = self._host.tolist()
@@ -233,7 +247,9 @@ class SampledStep:
             if w is None:
                 logprobs.append(None)
                 continue
-            top = tuple((int(t), v) for t, v in zip(r[2 : 2 + w], r[2 + k : 2 + k + w], strict=True))
+            pairs = zip(r[2 : 2 + w], r[2 + k : 2 + k + w], strict=True)
+            # (a constrained row may have fewer allowed tokens than alternatives asked for)
+            top = tuple((int(t), v) for t, v in pairs if v != float("-inf"))
             logprobs.append(Logprob(int(r[0]), r[1], top))
         return SampleResult(ids, logprobs)
 
@@ -269,18 +285,44 @@ class _HostRing:
 
 
 class Sampler:
-    """Samples a step's rows; keeps per request only the penalty counts (``release`` drops them)."""
+    """Samples a step's rows; keeps per request the penalty counts and the grammar matchers of
+    constrained requests (``release`` drops both). ``grammars``: the process's compiled
+    constraints (``structured.compiler.Grammars``); without them no row may be constrained."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars | None = None, eos_ids: Sequence[int] = ()) -> None:
         self.penalties = PenaltyCounts()
+        self.grammars = grammars
+        self._eos_ids = tuple(eos_ids)
+        self._masks: GrammarMasks | None = None  # made at the first constrained row
         self._last: BatchParams | None = None
         self._ring = _HostRing()
+        # The step launched last: its rows by request id, and its tokens (a pending row's input).
+        self._previous: tuple[dict[str, int], SampledStep] | None = None
 
     def release(self, request_id: str) -> None:
         self.penalties.release(request_id)
+        if self._masks is not None:
+            self._masks.release(request_id)
 
     def kept_requests(self) -> int:
-        return len(self.penalties)
+        return len(self.penalties) + (len(self._masks) if self._masks is not None else 0)
+
+    def _pending_token(self, request_id: str) -> int:
+        if self._previous is None or request_id not in self._previous[0]:
+            raise RuntimeError(f"{request_id}: its input is pending but the previous step sampled none")
+        rows, step = self._previous
+        return step.result().token_ids[rows[request_id]]
+
+    def _grammar_mask(self, rows: Sequence[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
+        if all(r.params.constraint is None for r in rows):
+            return None
+        if self._masks is None:
+            if self.grammars is None:
+                raise RuntimeError("a constrained row on a sampler without grammars")
+            from pdserve.model_runtime.structured.matchers import GrammarMasks
+
+            self._masks = GrammarMasks(self.grammars, self._eos_ids)
+        return self._masks.mask(rows, self._pending_token)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """``logits``: float32 [len(rows), vocab]. Does not modify the caller's tensor."""
@@ -293,6 +335,11 @@ class Sampler:
         params = self._last = batch_params(rows, logits.device, self._last)
         apply_penalties(logits, rows, params, self.penalties)
         apply_min_tokens(logits, rows)
+        masked = self._grammar_mask(rows)
+        if masked is not None:
+            from pdserve.model_runtime.structured.matchers import apply
+
+            apply(logits, *masked)
         chosen = logits.argmax(dim=-1)
         if params.sampled_rows:
             sub = [rows[i] for i in params.sampled_rows]
@@ -307,10 +354,15 @@ class Sampler:
         k = max((w or 0 for w in want), default=0)
         parts = [chosen.unsqueeze(1).to(torch.float64)]  # float64 holds ids and logprobs exactly
         if any(w is not None for w in want):
+            if masked is not None:
+                raw = raw.clone()
+                apply(raw, *masked)
             lp = torch.log_softmax(raw, dim=-1)
             parts.append(lp.gather(1, chosen.unsqueeze(1)).to(torch.float64))
             if k:
                 top_v, top_i = lp.topk(k, dim=-1)
                 parts += [top_i.to(torch.float64), top_v.to(torch.float64)]
         host, done = self._ring.copy_out(torch.cat(parts, dim=1))
-        return SampledStep(chosen, host, done, want, k)
+        step = SampledStep(chosen, host, done, want, k)
+        self._previous = ({r.request_id: i for i, r in enumerate(rows)}, step)
+        return step

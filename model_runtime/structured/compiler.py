@@ -29,6 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind, check_constraint
 from pdserve.model_runtime.tokenizer import TextTokenizer
@@ -38,9 +41,9 @@ if TYPE_CHECKING:  # imported on the compile thread, at the first constraint: it
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 10.0
+COMPILE_TIMEOUT_S = 5.0
 CACHE_ENTRIES = 512
-MAX_GRAMMAR_BYTES = 256 << 20
+MAX_GRAMMAR_BYTES = 64 << 20
 
 
 def tokenizer_info(tokenizer: TextTokenizer, vocab_size: int, eos_ids: Sequence[int]) -> xgr.TokenizerInfo:
@@ -52,10 +55,12 @@ def tokenizer_info(tokenizer: TextTokenizer, vocab_size: int, eos_ids: Sequence[
 
     tok = tokenizer.backend
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    vocab = []
-    for i in range(vocab_size):
-        piece = tok.id_to_token(i)
-        vocab.append("" if piece is None or piece in special else piece)
+    # One call for the whole vocabulary: a call per token would wait for the GIL each time
+    # behind a busy step loop (this runs on the compile thread).
+    vocab = [""] * vocab_size
+    for piece, i in tok.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size and piece not in special:
+            vocab[i] = piece
     decoder = json.loads(tok.to_str()).get("decoder") or {}
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
     if "ByteLevel" in kinds:
@@ -67,6 +72,21 @@ def tokenizer_info(tokenizer: TextTokenizer, vocab_size: int, eos_ids: Sequence[
     return xgr.TokenizerInfo(
         vocab, vocab_type=vocab_type, vocab_size=vocab_size, stop_token_ids=sorted(set(eos_ids))
     )
+
+
+def json_safe(info: xgr.TokenizerInfo) -> torch.Tensor:
+    """A bitmask row ([words] int32) of the tokens that hold no control byte (< 0x20).
+
+    JSON allows none outside a string's escapes, and the output has no whitespace but the
+    separators' spaces, so a JSON row may never take one; yet the engine's grammars for strings
+    with a ``maxLength`` (and some patterns) admit raw control characters, which strict JSON
+    parsers refuse. JSON rows' masks are ANDed with this row."""
+    words = (info.vocab_size + 31) // 32
+    bits = np.zeros(words * 32, dtype=bool)
+    for i, piece in enumerate(info.decoded_vocab[: info.vocab_size]):
+        bits[i] = not any(b < 0x20 for b in piece)
+    packed = np.packbits(bits.reshape(words, 32), axis=1, bitorder="little").view(np.int32)
+    return torch.from_numpy(packed.reshape(words).copy())
 
 
 def _choice_grammar(options: list[str]) -> str:
@@ -92,12 +112,29 @@ class Grammars:
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self._compiler: xgr.GrammarCompiler | None = None  # made on the compile thread
+        # Tokens with no control byte (bit set); see ``json_safe``. Made with the compiler.
+        self.json_safe: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._started: dict[tuple[str, str], float] = {}
         self._entries = cache_entries
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
         self.compiles = 0  # compiles started (a counter tests and metrics read)
+
+    def load(self) -> None:
+        """Import the engine and read the vocabulary (~1 s, once). Call it on a thread that can
+        afford the wait: importing on the compile thread behind a busy step loop crawls (every
+        file the import reads gives the GIL away, and each time it waits a switch interval to
+        get it back), so the engines call it on their own thread at the first constraint."""
+        with self._load_lock:
+            if self._compiler is not None:
+                return
+            import xgrammar as xgr
+
+            info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
+            self.json_safe = json_safe(info)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -135,21 +172,41 @@ class Grammars:
         """The compiled grammar; ``InvalidRequestError`` if the constraint was refused."""
         fut = self.compile(c)
         if not fut.done():
+            if not self.ready(c):
+                raise RuntimeError(f"{c.describe()} is still compiling: wait until ready()")
             raise self._too_slow(c)
         err = fut.exception()
         if err is not None:
             raise err
         return fut.result()
 
+    def accepts(self, c: Constraint, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` are a prefix the constraint allows (the tokens a request brings to
+        this worker: replayed, never sampled again). ``InvalidRequestError`` if refused."""
+        g = self.compiled(c)
+        if not tokens:
+            return True
+        import xgrammar as xgr
+
+        m = xgr.GrammarMatcher(g)
+        return all(m.accept_token(t) for t in tokens)
+
     def check(self, c: Constraint) -> None:
-        """Block until the constraint compiled (``InvalidRequestError`` if refused or too slow)."""
+        """Block until the constraint compiled (``InvalidRequestError`` if refused or too slow).
+        The timeout counts from the compile's start: time queued behind another compile is not
+        this constraint's fault (though a queue that never moves is refused too)."""
         fut = self.compile(c)
-        started = self._started.get(c.key, time.monotonic())
-        left = self.compile_timeout_s - (time.monotonic() - started)
-        try:
-            fut.result(timeout=max(left, 0.0))
-        except FutureTimeout:
-            raise self._too_slow(c) from None
+        give_up = time.monotonic() + 4 * self.compile_timeout_s
+        while True:
+            started = self._started.get(c.key)
+            now = time.monotonic()
+            wait = 0.05 if started is None else started + self.compile_timeout_s - now
+            try:
+                fut.result(timeout=max(wait, 0.0))  # raises the refusal, if refused
+                return
+            except FutureTimeout:
+                if started is not None or now > give_up:
+                    raise self._too_slow(c) from None
 
     def _too_slow(self, c: Constraint) -> InvalidRequestError:
         limit = self.compile_timeout_s
@@ -171,12 +228,9 @@ class Grammars:
     def _compile_now(self, c: Constraint) -> xgr.CompiledGrammar:
         check_constraint(c)
         t0 = time.perf_counter()
-        if self._compiler is None:
-            import xgrammar as xgr
-
-            info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.load()
         comp = self._compiler
+        assert comp is not None
         if c.kind is ConstraintKind.JSON_OBJECT:
             # any object: JSON Schema's own default (additional properties allowed)
             g = comp.compile_json_schema('{"type":"object"}', any_whitespace=False, strict_mode=False)

