@@ -77,7 +77,8 @@ def invalid(field: str, message: str) -> RouterError:
 
 
 def checked(c: Constraint, field: str) -> Constraint:
-    """``c`` if a worker will compile it, else a 400 naming ``field``."""
+    """``c`` if a worker will compile it, else a 400 naming ``field``. Every constraint either
+    API makes passes here: the place for a check that needs the compiler."""
     try:
         check_constraint(c)
     except InvalidRequestError as e:
@@ -109,7 +110,7 @@ def make_constraint(kind: ConstraintKind, value: Any, field: str) -> Constraint:
         except InvalidRequestError as e:
             raise invalid(field, e.message) from None
     if kind is ConstraintKind.JSON_OBJECT:
-        return Constraint(kind)
+        return checked(Constraint(kind), field)
     return checked(Constraint(kind, value), field)
 
 
@@ -118,11 +119,14 @@ def constraint_from_openai(body: SamplingFields, template_uses_tools: bool = Fal
     found: list[tuple[str, Constraint]] = []
     rf = body.response_format
     if isinstance(rf, JsonObjectFormat):
-        found.append(("response_format", Constraint(ConstraintKind.JSON_OBJECT)))
+        found.append(
+            ("response_format", make_constraint(ConstraintKind.JSON_OBJECT, None, "response_format"))
+        )
     elif isinstance(rf, JsonSchemaFormat):
         schema = rf.json_schema.schema_
         field = "response_format.json_schema.schema"
-        c = Constraint(ConstraintKind.JSON_OBJECT) if schema is None else schema_constraint(schema, field)
+        kind = ConstraintKind.JSON_OBJECT if schema is None else ConstraintKind.JSON_SCHEMA
+        c = make_constraint(kind, schema, field)
         found.append(("response_format", c))
     extras: tuple[tuple[str, ConstraintKind, Any], ...] = (
         ("guided_json", ConstraintKind.JSON_SCHEMA, body.guided_json),
