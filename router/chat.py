@@ -10,11 +10,12 @@ is data, not code). Without one, the documented fallback is::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -27,9 +28,37 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
+class ToolCallRef:
+    """A call an assistant turn made, as the OpenAI API carries it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
 class ChatMessage:
+    """One turn; ``tool_calls`` and ``tool_call_id`` go to templates that render tools."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: tuple[ToolCallRef, ...] = ()
+    tool_call_id: str | None = None
+
+    def json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            body["tool_calls"] = [c.json() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            body["tool_call_id"] = self.tool_call_id
+        return body
 
 
 class ChatTemplate:
@@ -43,8 +72,12 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(self.origin.template)
+            variables = meta.find_undeclared_variables(env.parse(self.origin.template))
         except TemplateError as e:
             raise ModelLoadError(f"chat template from {self.origin.origin} is invalid: {e}") from None
+        # A template that reads ``tools`` renders them (and, as its model was trained, the
+        # calls and results of earlier turns); others are shown tools as text.
+        self.uses_tools = "tools" in variables
         self.tokenizer = tokenizer
 
     @property
@@ -56,10 +89,12 @@ class ChatTemplate:
     def of(tokenizer: TextTokenizer | None) -> ChatTemplate:
         return ChatTemplate(tokenizer.chat if tokenizer else None, tokenizer)
 
-    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def prompt_ids(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """The rendered prompt as token ids, with nothing added around it: special tokens the
         template writes (BOS included) are its own, as with ``apply_chat_template``."""
-        text = self.render(messages)
+        text = self.render(messages, tools)
         if self.tokenizer is None:
             raise RouterError(
                 Code.INVALID_ARGUMENT,
@@ -68,7 +103,9 @@ class ChatTemplate:
             )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         if not messages:
             raise RouterError(Code.INVALID_ARGUMENT, "messages: must not be empty", "messages")
         for i, m in enumerate(messages):
@@ -79,9 +116,11 @@ class ChatTemplate:
                     "messages",
                 )
         try:
+            extra = {"tools": list(tools)} if tools else {}
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.json() for m in messages],
                 add_generation_prompt=True,
+                **extra,
                 bos_token=self.origin.bos_token,
                 eos_token=self.origin.eos_token,
             )

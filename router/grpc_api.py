@@ -20,12 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind
 from pdserve.router.auth import bearer_ok
 from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.reflection import enable_reflection
 from pdserve.router.service import GenerateInput, Router, SloHint
 from pdserve.router.stream import Chunk, Final
+from pdserve.router.structured_api import make_constraint
 from pdserve.router.tls import TlsMaterial
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
@@ -91,6 +93,25 @@ def sampling_params(
     )
 
 
+CONSTRAINTS = {  # the GenerateRequest.constraint oneof's fields
+    "json_schema": ConstraintKind.JSON_SCHEMA,
+    "json_object": ConstraintKind.JSON_OBJECT,
+    "regex": ConstraintKind.REGEX,
+    "choice": ConstraintKind.CHOICE,
+    "grammar": ConstraintKind.GRAMMAR,
+}
+
+
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's ``constraint`` oneof as the HTTP API's fields become one (``RouterError``
+    naming the field when a worker would refuse it)."""
+    which = request.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not request.json_object):
+        return None
+    value = request.choice.options if which == "choice" else getattr(request, which)
+    return make_constraint(CONSTRAINTS[which], value, which)
+
+
 def _logprobs(lps: tuple[Logprob, ...] | None) -> list[pb.TokenLogprob]:
     if not lps:
         return []
@@ -141,6 +162,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
         try:
             params = sampling_params(request.sampling, self.router.config.caps, self.router.generation)
+            params = dataclasses.replace(params, constraint=constraint(request))
             hint = request.slo
             slo = SloHint(hint.ttft_ms, hint.tpot_ms, hint.priority, hint.slo_class)
             admitted = self.router.admit(GenerateInput(prompt, params, request.request_id, slo))

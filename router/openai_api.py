@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.model_runtime.sampling_params import SEED_MAX, SamplingParams
 from pdserve.router.auth import ApiKeyMiddleware
-from pdserve.router.chat import ChatMessage, ChatTemplate
+from pdserve.router.chat import ChatTemplate
 from pdserve.router.dashboard import PAGE_PATH, install_dashboard
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.openai_format import ChoiceBuilder, error_body, invalid_request, sse_data, usage_json
@@ -33,6 +33,8 @@ from pdserve.router.openapi_doc import install_openapi
 from pdserve.router.service import Admitted, GenerateInput, Router
 from pdserve.router.status import cluster_status_json
 from pdserve.router.stream import Event, Final
+from pdserve.router.structured_api import ToolCallFormat, constraint_from_openai
+from pdserve.router.tool_prompt import chat_messages
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 STARTED = time.time()
@@ -96,6 +98,7 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(router, body.model)
         params = body.sampling_params(router.config.caps, body.max_tokens, body.logprobs, router.generation)
+        params = replace(params, constraint=constraint_from_openai(body).constraint)
         prompts = body.prompts()
         inputs = [
             GenerateInput(p, params_for(params, i, body.n), slo=body.slo_hint())
@@ -111,12 +114,16 @@ def build_http_app(router: Router, chat_template: ChatTemplate, api_key: str | N
         params = body.sampling_params(
             router.config.caps, body.requested_max_tokens(), body.requested_logprobs(), router.generation
         )
-        prompt = chat_template.prompt_ids([ChatMessage(m.role, m.text()) for m in body.messages])
+        structured = constraint_from_openai(body, chat_template.uses_tools)
+        params = replace(params, constraint=structured.constraint)
+        fmt = structured.tool_format
+        messages, tools = chat_messages(body.messages, structured.tools, fmt, chat_template.uses_tools)
+        prompt = chat_template.prompt_ids(messages, tools)
         inputs = [
             GenerateInput(prompt, params_for(params, i, body.n), slo=body.slo_hint()) for i in range(body.n)
         ]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await respond(router, request, body, inputs, rid, chat=True)
+        return await respond(router, request, body, inputs, rid, chat=True, tool_format=fmt)
 
     install_dashboard(app, router)
     classes = tuple(router.slos.classes)
@@ -149,6 +156,7 @@ async def respond(
     inputs: Sequence[GenerateInput],
     rid: str,
     chat: bool,
+    tool_format: ToolCallFormat | None = None,
 ) -> Response:
     admitted: list[Admitted] = []
     try:
@@ -158,7 +166,9 @@ async def respond(
         for a in admitted:
             router.discard(a)
         raise
-    builder = ChoiceBuilder(router.tokenizer, rid, chat, body.return_token_ids, body.model, len(admitted))
+    builder = ChoiceBuilder(
+        router.tokenizer, rid, chat, body.return_token_ids, body.model, len(admitted), tool_format
+    )
     events = merged(router, admitted)
     if not body.stream:
         return await _until_disconnected(request, collect(builder, events), named(router))
@@ -244,7 +254,8 @@ async def sse(
                     break
             if isinstance(ev, Final):
                 finals.append(ev)
-            yield builder.stream_event(i, ev)
+            if event := builder.stream_event(i, ev):
+                yield event
         if include_usage:
             yield sse_data(builder.usage_chunk(usage_json(finals)))
     except RouterError as e:

@@ -11,6 +11,8 @@ from typing import Any
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.stream import Chunk, Event, Final
+from pdserve.router.structured_api import ToolCallFormat
+from pdserve.router.tool_calls import ToolCallStream, tool_message
 from pdserve.worker.messages import Logprob
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one a call
@@ -102,6 +104,7 @@ class ChoiceBuilder:
         return_token_ids: bool,
         model: str,
         num_choices: int,
+        tool_format: ToolCallFormat | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.id = response_id
@@ -112,6 +115,10 @@ class ChoiceBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._choices = [_Choice() for _ in range(num_choices)]
+        # A tool-call chat request's output is answered as tool_calls (``router/tool_calls.py``).
+        self.tool_format = tool_format if chat else None
+        fmt = self.tool_format
+        self._tools = [ToolCallStream(fmt, f"{response_id}-{i}") for i in range(num_choices)] if fmt else []
         # A streamed chunk's event, less its text and token ids, encoded once (``stream_event``).
         envelope = _JSON.encode(self._envelope([]))
         assert envelope.endswith("[]}")
@@ -136,12 +143,18 @@ class ChoiceBuilder:
         for i, c in enumerate(self._choices):
             text = "".join(c.text)
             body: dict[str, Any] = {"index": i}
-            if self.chat:
+            reason = finish_reason(c.final) if c.final else None
+            if self.tool_format is not None and reason is not None:
+                complete = c.final is not None and c.final.finish_reason == "stop"
+                body["message"], reason = tool_message(
+                    text, reason, complete, self.tool_format, f"{self.id}-{i}"
+                )
+            elif self.chat:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
             body["logprobs"] = self._logprobs(c.logprobs)
-            body["finish_reason"] = finish_reason(c.final) if c.final else None
+            body["finish_reason"] = reason
             body["stop_reason"] = c.final.stop_reason if c.final else None
             if c.final is not None and c.final.migrations:
                 body["migrations"] = c.final.migrations  # (an extension: only when it moved)
@@ -171,16 +184,36 @@ class ChoiceBuilder:
     def stream_event(self, index: int, ev: Event) -> bytes:
         """``stream_chunk``'s server-sent event. A chunk without logprobs (most of a stream's
         events) is its text and ids set into pieces encoded once: the same bytes, a third of
-        the time of building and encoding the whole object."""
+        the time of building and encoding the whole object. A tool-call choice's event may be
+        none (b"") or several."""
+        if self._tools:
+            return b"".join(sse_data(obj) for obj in self._tool_chunks(index, ev))
         if isinstance(ev, Chunk) and ev.logprobs is None:
             ids = f',"token_ids":{_JSON.encode(ev.token_ids)}' if self.return_token_ids else ""
             return f"{self._heads[index]}{_JSON.encode(ev.text)}{self._tail}{ids}}}]}}\n\n".encode()
         return sse_data(self.stream_chunk(index, ev))
 
     def role_chunk(self, index: int) -> dict[str, Any]:
-        return self._envelope(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        )
+        delta = self._tools[index].head() if self._tools else {"role": "assistant", "content": ""}
+        return self._envelope([{"index": index, "delta": delta, "finish_reason": None}])
+
+    def _tool_chunks(self, index: int, ev: Event) -> list[dict[str, Any]]:
+        """A tool-call choice's chunks for one event: ``stream_chunk``'s, with the deltas of
+        ``ToolCallStream``."""
+        calls = self._tools[index]
+        if isinstance(ev, Chunk):
+            delta = calls.text(ev.text)
+            if delta is None and ev.logprobs is None and not self.return_token_ids:
+                return []
+            chunk = self.stream_chunk(index, ev)
+            chunk["choices"][0]["delta"] = delta or {}
+            return [chunk]
+        deltas, reason = calls.end(finish_reason(ev), ev.finish_reason == "stop")
+        out = [self._envelope([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}])
+               for d in deltas]  # fmt: skip
+        last = self.stream_chunk(index, ev)
+        last["choices"][0]["finish_reason"] = reason
+        return [*out, last]
 
     def stream_chunk(self, index: int, ev: Event) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}

@@ -4,7 +4,10 @@ Standard fields follow the OpenAI API; the vLLM-compatible extras (``top_k``, ``
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``return_token_ids``, ``priority``) and pdserve's SLO fields
 (``slo_class``, ``slo_ttft_ms``, ``slo_tpot_ms``) arrive as top-level JSON
-fields (the ``openai`` client's ``extra_body``). Unknown fields are ignored, as OpenAI does.
+fields (the ``openai`` client's ``extra_body``). Structured output (``response_format``, the
+``guided_*`` extras, ``structured_outputs``, chat's ``tools`` / ``tool_choice``) is bounded here
+in size and shape and turned into one ``Constraint`` by ``router/structured_api.py``.
+Unknown fields are ignored, as OpenAI does.
 Sampling fields left unset (absent or null) take the model's generation defaults, then
 pdserve's (``model_runtime/generation_config.py``). Range checks live in one place
 (``SamplingParams.validate`` via the router), so the HTTP and gRPC APIs reject exactly the same
@@ -19,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.structured.constraint import MAX_CHOICES, MAX_REGEX_CHARS, MAX_SPEC_BYTES
 from pdserve.router.chat import ROLES
 from pdserve.router.config import Caps
 from pdserve.router.errors import Code, RouterError
@@ -44,6 +48,106 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+
+
+# -- structured output ----------------------------------------------------------------------
+MAX_TOOLS = 128
+MAX_DESCRIPTION_CHARS = 4096
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+Schema = dict[str, Any]  # a JSON Schema; its size and depth are ``check_constraint``'s to bound
+Regex = Annotated[str, Field(max_length=MAX_REGEX_CHARS)]
+Choices = Annotated[list[Annotated[str, Field(max_length=MAX_SPEC_BYTES)]], Field(max_length=MAX_CHOICES)]
+GrammarText = Annotated[str, Field(max_length=MAX_SPEC_BYTES)]
+JsonText = Annotated[str, Field(max_length=MAX_SPEC_BYTES)]  # a schema sent as JSON text
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    schema_: Schema | bool | None = Field(None, alias="schema", description="unset: any JSON object")
+    strict: bool | None = Field(None, description="ignored: the schema is always enforced")
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: at most one of its fields."""
+
+    model_config = ConfigDict(strict=True)
+
+    json_: Schema | JsonText | None = Field(None, alias="json")
+    regex: Regex | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str = Field(pattern=TOOL_NAME, max_length=64)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: Schema | None = Field(None, description='unset: {"type": "object", "properties": {}}')
+    strict: bool | None = Field(None, description="ignored: the parameters are always enforced")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (multi-turn tool use)."""
+
+    model_config = ConfigDict(strict=True)
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class SamplingFields(BaseModel):
@@ -79,6 +183,13 @@ class SamplingFields(BaseModel):
     slo_class: str = Field("", max_length=64, description="SLO class configured on the server ('': default)")
     slo_ttft_ms: float = Field(0.0, ge=0, description="this request's TTFT target (0: its class's)")
     slo_tpot_ms: float = Field(0.0, ge=0, description="this request's TPOT target (0: its class's)")
+    # structured output (at most one constraint per request; router/structured_api.py)
+    response_format: ResponseFormat | None = None
+    guided_json: Schema | JsonText | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def slo_hint(self) -> SloHint:
         return SloHint(self.slo_ttft_ms, self.slo_tpot_ms, self.priority, self.slo_class)
@@ -146,6 +257,9 @@ class Message(BaseModel):
 
     role: str = Field(json_schema_extra={"enum": list(ROLES)})  # checked with the template's message
     content: str | list[TextPart] | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=64)
 
     def text(self) -> str:
         if self.content is None:
@@ -160,6 +274,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='unset: "auto" with tools (refused: no tool-call parser), else "none"'
+    )
 
     def requested_max_tokens(self) -> int | None:
         both = (self.max_tokens, self.max_completion_tokens)

@@ -55,8 +55,12 @@ SHARED = ROOT.parent / "shared"
 SERVER_KEYS = ("http", "grpc", "http_port", "grpc_port")
 
 # Blocks no test runs, by their first line, each with the reason; every entry must still open a
-# block. None today: each block runs (grpcurl through its equivalent where it is not installed).
-EXCEPTIONS: dict[str, str] = {}
+# block. Each other block runs (grpcurl through its equivalent where it is not installed).
+_STRUCTURED = "structured output needs the workers' grammar masks (issue 60), which this server lacks yet"
+EXCEPTIONS: dict[str, str] = {
+    "curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{": _STRUCTURED,
+    "from pydantic import BaseModel": _STRUCTURED,
+}
 
 
 def makefile_serve_args() -> list[str]:
@@ -332,6 +336,7 @@ def run_kv(block: Block, ctx: Context) -> None:
 PYTHON: dict[str, Callable[[Block, Context], Any]] = {
     "from openai import OpenAI": run_python,
     "import grpc": run_python,
+    "from pydantic import BaseModel": run_python,  # (an exception until the workers mask: see above)
     "from pdserve.decode_worker.offline import OfflineDriver": run_python,
     "from pdserve.kvtransfer.config import TransportConfig": run_kv,
 }

@@ -77,19 +77,26 @@ def test_generate_request_round_trip() -> None:
         stream=True,
         slo=pb.SloHint(ttft_ms=250.0, tpot_ms=50.0, priority=-1, slo_class="chat"),
         return_prompt_token_ids=True,
+        choice=pb.ChoiceList(options=["yes", "no"]),
     )
     # The test must cover every field: a field added to the .proto has to be set here too.
     for msg in (req, req.sampling, req.slo):
         missing = {f.name for f in msg.DESCRIPTOR.fields} - {f.name for f, _ in msg.ListFields()}
         if msg is req:
             missing -= {"text"}  # the other member of the prompt oneof
+            missing -= {"json_schema", "json_object", "regex", "grammar"}  # the constraint's (below)
         assert not missing, f"{msg.DESCRIPTOR.name}: fields not set by this test: {sorted(missing)}"
+    for which, value in (("json_schema", '{"type": "object"}'), ("json_object", True), ("regex", "a+"),
+                         ("grammar", 'root ::= "a"')):  # fmt: skip
+        other = pb.GenerateRequest.FromString(pb.GenerateRequest(**{which: value}).SerializeToString())
+        assert other.WhichOneof("constraint") == which and getattr(other, which) == value
 
     back = pb.GenerateRequest.FromString(req.SerializeToString())
     assert back == req
     assert back.WhichOneof("prompt") == "token_ids"
     assert not back.HasField("text")
     assert list(back.token_ids.ids) == [1, 15043, 2**32 - 1]
+    assert back.WhichOneof("constraint") == "choice" and list(back.choice.options) == ["yes", "no"]
     s = back.sampling
     assert s.max_tokens == 64 and s.temperature == 0.5 and s.top_p == 0.75 and s.top_k == 40
     assert s.min_p == 0.125 and s.repetition_penalty == 1.25
