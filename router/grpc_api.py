@@ -165,6 +165,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             params = dataclasses.replace(params, constraint=constraint(request))
             hint = request.slo
             slo = SloHint(hint.ttft_ms, hint.tpot_ms, hint.priority, hint.slo_class)
+            await self.router.check_constraint(params)
             admitted = self.router.admit(GenerateInput(prompt, params, request.request_id, slo))
         except RouterError as e:
             if e.retry_after_s is not None:

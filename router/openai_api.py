@@ -159,6 +159,8 @@ async def respond(
     tool_format: ToolCallFormat | None = None,
 ) -> Response:
     admitted: list[Admitted] = []
+    if inputs:  # the inputs share one constraint (``n`` and prompt lists): compiled once
+        await router.check_constraint(inputs[0].params)
     try:
         for i, inp in enumerate(inputs):
             admitted.append(router.admit(replace(inp, request_id=f"{rid}-{i}")))

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 5.0
 CACHE_ENTRIES = 512
+COMPILE_THREADS = 4
 MAX_GRAMMAR_BYTES = 64 << 20
 
 
@@ -111,10 +112,13 @@ class Grammars:
         self.eos_ids = tuple(sorted(set(eos_ids)))
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = max_grammar_bytes
-        self._compiler: xgr.GrammarCompiler | None = None  # made on the compile thread
+        self._info: xgr.TokenizerInfo | None = None  # made by ``load``
+        self._compilers = threading.local()  # one engine compiler per compile thread
         # Tokens with no control byte (bit set); see ``json_safe``. Made with the compiler.
         self.json_safe: torch.Tensor | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # Several threads: a compile past its timeout cannot be stopped, and one hostile
+        # constraint must not hold every other one's compile behind it.
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._started: dict[tuple[str, str], float] = {}
         self._entries = cache_entries
@@ -128,13 +132,11 @@ class Grammars:
         file the import reads gives the GIL away, and each time it waits a switch interval to
         get it back), so the engines call it on their own thread at the first constraint."""
         with self._load_lock:
-            if self._compiler is not None:
+            if self._info is not None:
                 return
-            import xgrammar as xgr
-
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
             self.json_safe = json_safe(info)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._info = info
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -214,9 +216,14 @@ class Grammars:
 
     # -- the compile thread ----------------------------------------------------------------
     def _run(self, c: Constraint, fut: Future[xgr.CompiledGrammar]) -> None:
-        self._started[c.key] = time.monotonic()
+        started = self._started[c.key] = time.monotonic()
         try:
-            fut.set_result(self._compile_now(c))
+            g = self._compile_now(c)
+            # Past the timeout it stays refused, even once done: whether a constraint is served
+            # must not depend on when a client asks.
+            if time.monotonic() - started > self.compile_timeout_s:
+                raise self._too_slow(c)
+            fut.set_result(g)
         except InvalidRequestError as e:
             fut.set_exception(e)
         except Exception as e:  # the engine's own words for a spec it cannot compile
@@ -229,8 +236,12 @@ class Grammars:
         check_constraint(c)
         t0 = time.perf_counter()
         self.load()
-        comp = self._compiler
-        assert comp is not None
+        comp = getattr(self._compilers, "compiler", None)
+        if comp is None:
+            import xgrammar as xgr
+
+            comp = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+            self._compilers.compiler = comp
         if c.kind is ConstraintKind.JSON_OBJECT:
             # any object: JSON Schema's own default (additional properties allowed)
             g = comp.compile_json_schema('{"type":"object"}', any_whitespace=False, strict_mode=False)

@@ -64,7 +64,9 @@ class Constraint:
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool) -> Constraint:
-        """A schema in canonical form (sorted keys, no spaces), so equal schemas share a key."""
+        """A schema in compact form, so equal schemas share a key. Keys keep the client's
+        order: the output's properties follow it (a "reasoning" field before an "answer"
+        field is the point of writing it first)."""
         return Constraint(ConstraintKind.JSON_SCHEMA, canonical_json(schema, "json_schema"))
 
     @staticmethod
@@ -78,7 +80,7 @@ class Constraint:
 
 def canonical_json(value: Any, name: str) -> str:
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(name, f"is not JSON-encodable: {e}") from None
 
@@ -194,10 +196,61 @@ def _check_node(node: dict[str, Any], path: str, field: str) -> None:
             )
     if isinstance(node.get("items"), list):
         raise InvalidRequestError(field, f"tuple-form items at {path}: use prefixItems")
+    _check_combination(node, path, field)
     for bound in ("minItems", "maxItems", "minLength", "maxLength"):
         value = node.get(bound)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise InvalidRequestError(field, f"{bound} must be a non-negative integer at {path}")
+
+
+# The engine reads these keywords alone: a constraint beside one of them is dropped.
+_ALONE = ("$ref", "anyOf", "enum", "const")
+_STRING_ONLY = ("minLength", "maxLength", "pattern", "format")
+_NUMBER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_JSON_TYPES = {str: "string", bool: "boolean", type(None): "null", list: "array", dict: "object"}
+
+
+def _json_type(value: Any) -> set[str]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return {_JSON_TYPES.get(type(value), "")}
+    return {"number", "integer"} if isinstance(value, int) or value.is_integer() else {"number"}
+
+
+def _check_combination(node: dict[str, Any], path: str, field: str) -> None:
+    """Refuse keyword combinations the engine compiles without enforcing all of them."""
+    types = node.get("type")
+    declared = set(types) if isinstance(types, list) else {types} if isinstance(types, str) else set()
+    constraining = {
+        k for k, v in node.items()
+        if k not in ANNOTATIONS and k not in ("$defs", "definitions") and _NEUTRAL.get(k, object()) != v
+    }  # fmt: skip
+    for key in _ALONE:
+        if key not in node:
+            continue
+        others = constraining - {key}
+        if key in ("enum", "const") and "type" in others:
+            values = node[key] if key == "enum" else [node[key]]
+            if all(_json_type(v) & declared for v in values):
+                others.discard("type")  # every value has the type: it constrains nothing more
+        if others:
+            raise InvalidRequestError(
+                field, f"{', '.join(sorted(others))} beside {key!r} at {path} (it would not be enforced)"
+            )
+    string_kw = [k for k in _STRING_ONLY if k in node]
+    if string_kw and "string" not in declared:
+        raise InvalidRequestError(field, f'{string_kw[0]} at {path} needs "type": "string"')
+    number_kw = [k for k in _NUMBER_ONLY if k in node]
+    if number_kw and not declared & {"number", "integer"}:
+        raise InvalidRequestError(field, f'{number_kw[0]} at {path} needs a numeric "type"')
+    if {"minLength", "maxLength"} & set(node) and {"pattern", "format"} & set(node):
+        raise InvalidRequestError(
+            field, f"minLength/maxLength with pattern or format at {path} (the lengths would not be enforced)"
+        )
+    required = node.get("required") or []
+    properties = node.get("properties") or {}
+    missing = [r for r in required if r not in properties]
+    if missing:
+        raise InvalidRequestError(field, f"required {missing[0]!r} at {path} is not among its properties")
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")

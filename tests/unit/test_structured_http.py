@@ -63,6 +63,9 @@ class ScriptedRouter:
     def discard(self, _: Any) -> None:
         pass
 
+    async def check_constraint(self, _: Any) -> None:
+        pass  # the worker-side compile is tested in tests/unit/test_structured_*.py
+
     async def run(self, inp: GenerateInput) -> AsyncIterator[Event]:
         third = max(1, len(self.reply) // 3)
         for i in range(0, len(self.reply), third):
