@@ -24,9 +24,11 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _obj(props: dict[str, Any], optional: tuple[str, ...] = (), title: str = "") -> dict[str, Any]:
+    # Properties in sorted order: the documents are written with sorted keys, and the output's
+    # properties follow the schema's order.
     out: dict[str, Any] = {
         "type": "object",
-        "properties": props,
+        "properties": dict(sorted(props.items())),
         "required": [k for k in props if k not in optional],
         "additionalProperties": False,
     }

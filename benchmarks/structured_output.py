@@ -3,9 +3,9 @@
 On SmolLM2-135M-Instruct (49,152-token vocabulary), in process (``OfflineDriver``, the colocated
 engine), on this machine's CPU:
 
-- ``compile_ms_p50``/``_max``: cold compiles (a fresh ``Grammars`` each round) of a set of
-  real-world JSON schemas (the ones ``benchmarks/grammar_engines.py`` compares engines on,
-  when present; else a built-in set), a regex and a choice;
+- ``compile_ms_p50``/``_max``: cold compiles (a fresh ``Grammars`` each round) of the
+  real-world JSON schemas, regex and choice ``benchmarks/grammar_engines.py`` compares the
+  engines on (``benchmarks/grammar_schemas.py``);
 - ``mask_us_per_token_p50``/``_p99``: the sampler's grammar mask per constrained row: the time
   of each step's ``GrammarMasks.mask`` (catching every matcher up, filling the batch's bitmask)
   over the rows it masked, p99 over steps, while the batch below runs;
@@ -27,9 +27,10 @@ import time
 from typing import Any
 
 from benchmarks.common import emit
+from benchmarks.grammar_schemas import cases
 from pdserve.decode_worker.offline import EngineConfig, OfflineDriver
-from pdserve.model_runtime.config import SchedulerConfig
 from pdserve.model_runtime.sampling_params import SamplingParams
+from pdserve.model_runtime.scheduler import SchedulerConfig
 from pdserve.model_runtime.structured import matchers
 from pdserve.model_runtime.structured.compiler import Grammars
 from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind
@@ -55,71 +56,10 @@ LONG = {
     },
 }
 
-BUILT_IN = {
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "email": {"type": "string", "format": "email"},
-            "address": {
-                "type": "object",
-                "properties": {
-                    "street": {"type": "string"},
-                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                },
-                "required": ["street", "zip"],
-            },
-        },
-        "required": ["name", "age", "address"],
-    },
-    "event": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string", "maxLength": 80},
-            "start": {"type": "string", "format": "date-time"},
-            "attendees": {"type": "array", "items": {"type": "string", "format": "email"}, "maxItems": 20},
-            "priority": {"enum": ["low", "normal", "high"]},
-        },
-        "required": ["title", "start", "attendees", "priority"],
-    },
-    "line_items": LONG,
-    "tree": {
-        "$defs": {
-            "node": {
-                "type": "object",
-                "properties": {
-                    "label": {"type": "string"},
-                    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
-                },
-                "required": ["label"],
-            }
-        },
-        "$ref": "#/$defs/node",
-    },
-    "nullable": {
-        "type": "object",
-        "properties": {
-            "score": {"anyOf": [{"type": "number"}, {"type": "null"}]},
-            "label": {"anyOf": [{"enum": ["spam", "ham"]}, {"type": "null"}]},
-        },
-        "required": ["score", "label"],
-    },
-}
-
 
 def constraints() -> list[Constraint]:
-    try:
-        from benchmarks.grammar_engines import SCHEMAS  # the engine comparison's set, if present
-
-        schemas: dict[str, Any] = dict(SCHEMAS)
-    except ImportError:
-        schemas = BUILT_IN
-    return [
-        *(Constraint.json_schema(s) for s in schemas.values()),
-        Constraint(ConstraintKind.REGEX, r"\(\d{3}\) \d{3}-\d{4}"),
-        Constraint.choice(["positive", "negative", "neutral"]),
-    ]
+    """The engine comparison's constraints (``benchmarks/grammar_schemas.py``)."""
+    return [case.constraint for case in cases()]
 
 
 def compile_times(driver: OfflineDriver, rounds: int) -> list[float]:
@@ -163,7 +103,7 @@ class Timed:
             apply(logits, index, bitmask)
             self.apply_us.append((time.perf_counter() - t0) * 1e6 / len(index))
 
-        matchers.GrammarMasks.mask = timed_mask  # type: ignore[method-assign]
+        matchers.GrammarMasks.mask = timed_mask  # type: ignore[method-assign,assignment]
         matchers.apply = timed_apply
         return self
 

@@ -236,6 +236,7 @@ class Grammars:
         check_constraint(c)
         t0 = time.perf_counter()
         self.load()
+        assert self._info is not None
         comp = getattr(self._compilers, "compiler", None)
         if comp is None:
             import xgrammar as xgr

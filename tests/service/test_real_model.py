@@ -5,11 +5,13 @@ equal transformers loading the same file."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from pdserve.deploy.service import Endpoints, ServiceThread
 from pdserve.model_runtime.config import CacheConfig
@@ -92,3 +94,71 @@ def test_chat_answers_the_question(service: tuple[ServiceThread, Endpoints]) -> 
     answer = out["choices"][0]["message"]["content"]
     assert "Paris" in answer, answer
     assert out["choices"][0]["finish_reason"] == "stop"  # <|im_end|>, the model's EOS
+
+
+# -- structured output and tool calls through the official client (issue 60) ------------------
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population_millions: int = Field(ge=0, le=100)
+
+
+class GetWeather(BaseModel):
+    """Look up the current weather in a city."""
+
+    city: str = Field(max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def client(ep: Endpoints) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{ep.http}/v1", api_key="unused", timeout=120)
+
+
+ASK_CITY = [{"role": "user", "content": "Describe Paris as JSON: its name, country and population."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_parse_with_a_pydantic_model(service: tuple[ServiceThread, Endpoints]) -> None:
+    c = client(service[1])
+    done = c.beta.chat.completions.parse(
+        model=MODEL,
+        messages=ASK_CITY,
+        response_format=City,
+        max_tokens=64,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City), done
+    assert done.choices[0].finish_reason == "stop"
+    with c.beta.chat.completions.stream(
+        model=MODEL,
+        messages=ASK_CITY,
+        response_format=City,
+        max_tokens=64,
+        temperature=0,  # type: ignore[arg-type]
+    ) as stream:
+        streamed = stream.get_final_completion().choices[0].message.parsed
+    assert streamed == city  # greedy: the same answer streamed
+
+
+def test_tools_with_tool_choice_required(service: tuple[ServiceThread, Endpoints]) -> None:
+    c = client(service[1])
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    done = c.beta.chat.completions.parse(
+        model=MODEL, messages=ASK_WEATHER, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+        max_tokens=96, temperature=0,
+    )  # fmt: skip
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert calls and all(call.function.name == "GetWeather" for call in calls)
+    args = [call.function.parsed_arguments for call in calls]
+    assert all(isinstance(a, GetWeather) for a in args), args
+    with c.beta.chat.completions.stream(
+        model=MODEL, messages=ASK_WEATHER, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+        max_tokens=96, temperature=0,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [call.function.parsed_arguments for call in final.message.tool_calls or []] == args
