@@ -192,6 +192,8 @@ class Router:
     async def stop(self) -> None:
         for s in list(self._streams.values()):
             s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
+        if self.grammars is not None:
+            self.grammars.close()
         await self.outputs.close()
 
     def _loads(self) -> list[WorkerLoad]:
