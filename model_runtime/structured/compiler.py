@@ -29,11 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind, check_constraint
+from pdserve.model_runtime.structured.vocab_masks import VocabMasks
 from pdserve.model_runtime.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:  # imported on the compile thread, at the first constraint: it costs ~1 s
@@ -75,21 +73,6 @@ def tokenizer_info(tokenizer: TextTokenizer, vocab_size: int, eos_ids: Sequence[
     )
 
 
-def json_safe(info: xgr.TokenizerInfo) -> torch.Tensor:
-    """A bitmask row ([words] int32) of the tokens that hold no control byte (< 0x20).
-
-    JSON allows none outside a string's escapes, and the output has no whitespace but the
-    separators' spaces, so a JSON row may never take one; yet the engine's grammars for strings
-    with a ``maxLength`` (and some patterns) admit raw control characters, which strict JSON
-    parsers refuse. JSON rows' masks are ANDed with this row."""
-    words = (info.vocab_size + 31) // 32
-    bits = np.zeros(words * 32, dtype=bool)
-    for i, piece in enumerate(info.decoded_vocab[: info.vocab_size]):
-        bits[i] = not any(b < 0x20 for b in piece)
-    packed = np.packbits(bits.reshape(words, 32), axis=1, bitorder="little").view(np.int32)
-    return torch.from_numpy(packed.reshape(words).copy())
-
-
 def _choice_grammar(options: list[str]) -> str:
     # JSON string literals are valid EBNF literals: quotes, backslashes and controls escaped.
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
@@ -114,8 +97,7 @@ class Grammars:
         self.max_grammar_bytes = max_grammar_bytes
         self._info: xgr.TokenizerInfo | None = None  # made by ``load``
         self._compilers = threading.local()  # one engine compiler per compile thread
-        # Tokens with no control byte (bit set); see ``json_safe``. Made with the compiler.
-        self.json_safe: torch.Tensor | None = None
+        self.vocab: VocabMasks | None = None  # made by ``load``
         # Several threads: a compile past its timeout cannot be stopped, and one hostile
         # constraint must not hold every other one's compile behind it.
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -135,7 +117,7 @@ class Grammars:
             if self._info is not None:
                 return
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
-            self.json_safe = json_safe(info)
+            self.vocab = VocabMasks.build(info.decoded_vocab[: self.vocab_size])
             self._info = info
 
     def close(self) -> None:

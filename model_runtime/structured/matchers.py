@@ -122,11 +122,13 @@ class GrammarMasks:
         live = [j for j in range(n) if j not in skip]
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=live)
-            safe = self.grammars.json_safe
+            vocab = self.grammars.vocab
+            assert vocab is not None  # loaded before anything compiled
             for j in live:
-                c = rows[index[j]].params.constraint
-                if safe is not None and c is not None and c.kind in _JSON:
-                    bitmask[j] &= safe
+                r = rows[index[j]]
+                c = r.params.constraint
+                assert c is not None
+                vocab.restrict(bitmask[j], self._states[r.request_id].last, c.kind in _JSON)
         for j in free:
             st = self._states[rows[index[j]].request_id]
             bitmask[j] = -1 if not st.broken else _only(self.eos_ids, bitmask.shape[1])

@@ -173,16 +173,19 @@ def test_200_constrained_requests_all_conform(disaggregated: Any) -> None:
 
 def test_the_constraint_survives_a_decode_worker_lost_mid_stream(disaggregated: Any) -> None:
     st, s = disaggregated
-    ps = prompts(12, seed=62)
+    ps = prompts(40, seed=62)
     made = [constrained(i, p, greedy=i % 3 != 0, stream=True, long=True) for i, p in enumerate(ps)]
     calls = []
     for req, _ in made:
         call = s.Generate(req)
         first = next(call)  # the stream has started
         calls.append((call, list(first.chunk.token_ids), first.chunk.text))
-    handle = next(h for h in st.service.handles if h.worker_id == "decode-0")
+    # the decode worker running more of them (the policy may favour one)
+    decoders = [h for h in st.service.handles if h.worker_id.startswith("decode") and h.alive]
+    handle = max(decoders, key=lambda h: h.load.running)
+    assert handle.load.running > 0
     handle.caller.kill()
-    wait_for(lambda: not handle.alive, 5.0, "decode-0 seen lost")
+    wait_for(lambda: not handle.alive, 5.0, f"{handle.worker_id} seen lost")
     results = []
     for call, got, start in calls:
         tokens, text, result = list(got), [start], None
@@ -195,7 +198,7 @@ def test_the_constraint_survives_a_decode_worker_lost_mid_stream(disaggregated: 
         results.append(("".join(text), result))
     assert sum(r.migrations for _, r in results) >= 1, "no stream moved"
     completed = check_outputs(results, [w for _, w in made])
-    assert completed >= 8
+    assert completed >= 30
     assert_no_request_state(st)
 
 
