@@ -29,6 +29,7 @@ from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.chat import ChatTemplate
 from pdserve.router.config import RouterConfig
+from pdserve.router.constraint_check import ConstraintChecker
 from pdserve.router.membership import PoolChange
 from pdserve.router.outputs import OutputListener
 from pdserve.router.replica import ReplicaSpec
@@ -166,7 +167,7 @@ class Service:
             outputs,
             colocated=self.spec.is_colocated,
             generation=generation.defaults,
-            eos_ids=checkpoint.model_config().eos_token_ids,
+            constraints=ConstraintChecker(self.spec.engine.model) if tokenizer is not None else None,
         )
         self.router.start()
         first = {role: n for role, n in self.spec.roles}

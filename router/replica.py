@@ -31,6 +31,7 @@ from pdserve.kvtransfer.tls import InternalTls
 from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.router.config import RouterConfig
+from pdserve.router.constraint_check import ConstraintChecker
 from pdserve.router.outputs import OutputListener
 from pdserve.router.server import Frontends, StopSignals, first_of, serve_until_signal
 from pdserve.router.service import Router
@@ -73,9 +74,9 @@ async def serve_replica(spec: ReplicaSpec) -> bool:
     )
     await outputs.start()
     handles = [attached(info) for info in spec.workers]
-    eos = checkpoint.model_config().eos_token_ids
+    checker = ConstraintChecker(spec.model) if tokenizer is not None else None
     router = Router(
-        config, handles, tokenizer, outputs, spec.colocated, generation, attached=True, eos_ids=eos
+        config, handles, tokenizer, outputs, spec.colocated, generation, attached=True, constraints=checker
     )
     router.start()
     try:

@@ -40,11 +40,12 @@ from dataclasses import dataclass, field, replace
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.structured.compiler import Grammars
+from pdserve.model_runtime.structured.constraint import check_constraint
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits, validate_request
 from pdserve.router.accounting import Accounting
 from pdserve.router.config import RouterConfig
+from pdserve.router.constraint_check import ConstraintChecker
 from pdserve.router.errors import Code, RouterError
 from pdserve.router.membership import Membership
 from pdserve.router.outputs import OutputListener
@@ -113,12 +114,12 @@ class Router:
         colocated: bool = False,
         generation: GenerationDefaults = NO_DEFAULTS,
         attached: bool = False,
-        eos_ids: Sequence[int] = (),
+        constraints: ConstraintChecker | None = None,
     ) -> None:
         """``attached``: a router replica (``pdserve.router.replica``): the pool owner started
         ``workers``, more join when their channels open, and their processes are not its to
-        control. ``eos_ids``: the model's, where a grammar may end (constraints are compiled
-        here too, to refuse a bad one before it reaches a worker)."""
+        control. ``constraints``: compiles each request's constraint before it is routed (none:
+        only the structural checks run here, and the workers refuse what does not compile)."""
         if not workers:
             raise ValueError("a router needs workers")
         self.config = config
@@ -126,8 +127,7 @@ class Router:
         self.outputs = outputs
         self.workers = {w.worker_id: w for w in workers}
         self.tokenizer = tokenizer
-        # Compiled lazily, at the first constrained request (the engine's import costs a second).
-        self.grammars = Grammars(tokenizer, workers[0].info.vocab_size, eos_ids) if tokenizer else None
+        self.constraints = constraints
         self.generation = generation  # the model's sampling defaults for fields a request leaves unset
         self._streams: dict[str, RequestStream] = {}  # by the router's own request id
         self._client_ids: dict[str, str] = {}  # the client's request id -> the router's
@@ -192,8 +192,8 @@ class Router:
     async def stop(self) -> None:
         for s in list(self._streams.values()):
             s.fail(RouterError(Code.UNAVAILABLE, "the server is shutting down"))
-        if self.grammars is not None:
-            self.grammars.close()
+        if self.constraints is not None:
+            await self.constraints.close()
         await self.outputs.close()
 
     def _loads(self) -> list[WorkerLoad]:
@@ -267,20 +267,16 @@ class Router:
     async def check_constraint(self, params: SamplingParams) -> None:
         """Refuse (``RouterError(INVALID_ARGUMENT)`` naming the field) a constraint that does not
         compile, compiles too slowly or too large, or matches nothing, before anything is
-        routed: the workers compile only what passed here. Waits for the compile (off the
-        event loop) the first time a constraint is seen; later, answers from the cache."""
+        routed (``router/constraint_check.py``)."""
         c = params.constraint
         if c is None:
             return
         try:
-            if self.grammars is None:
+            check_constraint(c)  # the structural checks first: they cost nothing
+            if self.tokenizer is None:
                 raise InvalidRequestError("response_format", "this model has no tokenizer to constrain with")
-            # Once, here on the event loop (~1 s): on a thread behind a busy loop the import
-            # crawls (``Grammars.load``).
-            self.grammars.load()
-            if not self.grammars.ready(c):
-                await asyncio.to_thread(self.grammars.check, c)
-            self.grammars.compiled(c)
+            if self.constraints is not None:
+                await self.constraints.check(c)
         except InvalidRequestError as e:
             raise RouterError(Code.INVALID_ARGUMENT, str(e), e.field) from None
 

@@ -30,7 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind, check_constraint
+from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind, check_constraint, field_of
 from pdserve.model_runtime.structured.vocab_masks import VocabMasks
 from pdserve.model_runtime.tokenizer import TextTokenizer
 
@@ -194,7 +194,7 @@ class Grammars:
 
     def _too_slow(self, c: Constraint) -> InvalidRequestError:
         limit = self.compile_timeout_s
-        return InvalidRequestError(_field(c), f"took longer than {limit:g} s to compile; simplify it")
+        return InvalidRequestError(field_of(c), f"took longer than {limit:g} s to compile; simplify it")
 
     # -- the compile thread ----------------------------------------------------------------
     def _run(self, c: Constraint, fut: Future[xgr.CompiledGrammar]) -> None:
@@ -209,9 +209,9 @@ class Grammars:
         except InvalidRequestError as e:
             fut.set_exception(e)
         except Exception as e:  # the engine's own words for a spec it cannot compile
-            fut.set_exception(InvalidRequestError(_field(c), f"does not compile: {_first_line(e)}"))
+            fut.set_exception(InvalidRequestError(field_of(c), f"does not compile: {_first_line(e)}"))
         except BaseException as e:  # a compile thread must always resolve its future
-            fut.set_exception(InvalidRequestError(_field(c), f"does not compile: {_first_line(e)}"))
+            fut.set_exception(InvalidRequestError(field_of(c), f"does not compile: {_first_line(e)}"))
             raise
 
     def _compile_now(self, c: Constraint) -> xgr.CompiledGrammar:
@@ -241,9 +241,9 @@ class Grammars:
         size = g.memory_size_bytes
         if size > self.max_grammar_bytes:
             cap = self.max_grammar_bytes >> 20
-            raise InvalidRequestError(_field(c), f"compiles to {size >> 20} MiB; the cap is {cap} MiB")
+            raise InvalidRequestError(field_of(c), f"compiles to {size >> 20} MiB; the cap is {cap} MiB")
         if not _matches_anything(g):
-            raise InvalidRequestError(_field(c), "matches no output at all")
+            raise InvalidRequestError(field_of(c), "matches no output at all")
         log.debug("compiled %s in %.1f ms (%d bytes)", c.describe(), (time.perf_counter() - t0) * 1e3, size)
         return g
 
@@ -257,12 +257,6 @@ def _matches_anything(g: xgr.CompiledGrammar) -> bool:
     mask = xgr.allocate_token_bitmask(1, g.tokenizer_info.vocab_size)
     m.fill_next_token_bitmask(mask)
     return bool(mask.any())
-
-
-def _field(c: Constraint) -> str:
-    return {ConstraintKind.JSON_OBJECT: "response_format", ConstraintKind.JSON_SCHEMA: "response_format"}.get(
-        c.kind, c.kind.value
-    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -109,7 +109,7 @@ def check_constraint(c: Constraint) -> None:
     """Raise ``InvalidRequestError`` for a constraint no worker will compile (see the module
     docstring). Field names are the API's: ``response_format``, ``regex``, ``choice``,
     ``grammar``."""
-    field = _FIELD[c.kind]
+    field = field_of(c)
     if len(c.spec.encode()) > MAX_SPEC_BYTES:
         raise InvalidRequestError(field, f"is {len(c.spec.encode())} bytes; the cap is {MAX_SPEC_BYTES}")
     if c.kind is ConstraintKind.JSON_OBJECT:
@@ -141,6 +141,11 @@ _FIELD = {
     ConstraintKind.CHOICE: "choice",
     ConstraintKind.GRAMMAR: "grammar",
 }
+
+
+def field_of(c: Constraint) -> str:
+    """The field a refusal of ``c`` names (the API's)."""
+    return _FIELD[c.kind]
 
 
 def _loads(spec: str, field: str) -> Any:
