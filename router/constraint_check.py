@@ -27,7 +27,7 @@ from pdserve.model_runtime.structured.constraint import Constraint, field_of
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 5.0  # (the workers' ``structured.compiler.COMPILE_TIMEOUT_S``)
+COMPILE_TIMEOUT_S = 5.0  # workers allow more (``structured.compiler``): they compile beside a step loop
 START_TIMEOUT_S = 120.0
 CACHE_ENTRIES = 4096
 

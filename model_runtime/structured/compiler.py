@@ -39,7 +39,9 @@ if TYPE_CHECKING:  # imported on the compile thread, at the first constraint: it
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 5.0
+# A worker's safety net: the router refuses what takes longer than its own limit (5 s) to
+# compile, and a worker compiling beside a busy step loop may take longer than the router did.
+COMPILE_TIMEOUT_S = 20.0
 CACHE_ENTRIES = 512
 COMPILE_THREADS = 4
 MAX_GRAMMAR_BYTES = 64 << 20
