@@ -11,7 +11,8 @@ really has, whoever produced them:
 - with overlap, the mask of a row whose input is still on the device waits for that token
   (``pending_token``) — on a GPU, after the next forward was queued, so it overlaps it;
 - a token the engine dropped (a row computed past a stop) was never accepted; an id re-used by
-  a new request starts a new matcher (the key differs, or ``release`` ran at the old one's end).
+  a new request starts a new matcher (``release`` ran at the old one's end; else its output
+  list is another object, or the key differs).
 
 A matcher whose tokens diverge from what it accepted (a rewound request) is rebuilt and
 replayed. A matcher that terminated (it accepted EOS) masks nothing: that row's token is one an
@@ -46,6 +47,7 @@ _JSON = (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA)
 class _State:
     key: tuple[str, str]
     matcher: xgr.GrammarMatcher
+    owner: Sequence[int]  # the request's output list: a new request (a re-used id) has another
     accepted: int = 0  # tokens it accepted
     last: int = -1  # the last of them
     broken: bool = False
@@ -142,8 +144,8 @@ class GrammarMasks:
             return output[k] if k < len(output) else extra  # type: ignore[return-value]
 
         st = self._states.get(rid)
-        if st is None or st.key != c.key or not _extends(st, token, total):
-            st = self._states[rid] = _State(c.key, xgr.GrammarMatcher(self.grammars.compiled(c)))
+        if st is None or st.key != c.key or st.owner is not output or not _extends(st, token, total):
+            st = self._states[rid] = _State(c.key, xgr.GrammarMatcher(self.grammars.compiled(c)), output)
         while st.accepted < total and not (st.broken or st.matcher.is_terminated()):
             t = token(st.accepted)
             if not st.matcher.accept_token(t):

@@ -103,7 +103,10 @@ def sample_row(
     rid: str, c: Constraint | None, out: Sequence[int] = (), pending: int = 0, **params: object
 ) -> SampleRow:
     p = SamplingParams(constraint=c, **params)  # type: ignore[arg-type]
-    return SampleRow(p, [1, 2, 3], list(out), frozenset({EOS}), rid, pending)
+    # A list is passed as is: a request's output list is one object for its life (the matchers
+    # tell a new request under a re-used id by it).
+    output = out if isinstance(out, list) else list(out)
+    return SampleRow(p, [1, 2, 3], output, frozenset({EOS}), rid, pending)
 
 
 # -- GrammarMasks: the property -------------------------------------------------------------
@@ -118,6 +121,7 @@ class Walker:
     c: Constraint
     tokens: list[int] = field(default_factory=list)
     shown: int = 0
+    out: list[int] = field(default_factory=list)  # its output list, as the engine holds it
 
 
 def extend(grammars: Grammars, w: Walker, data: st.DataObject, max_len: int) -> None:
@@ -175,9 +179,11 @@ def test_masks_equal_a_fresh_matchers_whatever_the_order(grammars: Grammars, dat
             in_flight = data.draw(st.booleans())
             if tokens and in_flight:  # the last token is the step in flight's
                 pending[w.rid] = tokens[-1]
-                rows.append(sample_row(w.rid, w.c, tokens[:-1], pending=1))
+                w.out[:] = tokens[:-1]
+                rows.append(sample_row(w.rid, w.c, w.out, pending=1))
             else:
-                rows.append(sample_row(w.rid, w.c, tokens))
+                w.out[:] = tokens
+                rows.append(sample_row(w.rid, w.c, w.out))
             want.append((w, tokens))
             if data.draw(st.booleans()):
                 rows.append(sample_row(f"free{len(rows)}", None, [5, 6]))
@@ -205,6 +211,16 @@ def mask_of(masks: GrammarMasks, rows: Sequence[SampleRow]) -> list[set[int]]:
     got = masks.mask(rows, lambda rid: pytest.fail(f"{rid} is not pending"))
     assert got is not None
     return [allowed(r) for r in got[1]]
+
+
+def test_a_reused_id_unreleased_gets_a_new_matcher(grammars: Grammars) -> None:
+    """A new request under an id whose matcher was not released: the same constraint, as many
+    tokens, the same last one — its output list is another object, so it is not the old one."""
+    c = Constraint.choice(["xa", "ya", "xab"])
+    grammars.check(c)
+    masks = GrammarMasks(grammars, [EOS])
+    assert mask_of(masks, [sample_row("r", c, list(b"xa"))]) == [{ord("b"), EOS}]
+    assert mask_of(masks, [sample_row("r", c, list(b"ya"))]) == [{EOS}]
 
 
 def test_a_reused_id_with_another_constraint_gets_a_new_matcher(grammars: Grammars) -> None:
@@ -254,16 +270,19 @@ def test_a_token_outside_the_grammar_ends_the_row(
     grammars: Grammars, caplog: pytest.LogCaptureFixture
 ) -> None:
     masks = GrammarMasks(grammars, [EOS])
+    out = list(b"rex")  # the request's output list, one object for its life
     with caplog.at_level(logging.ERROR, logger="pdserve.model_runtime.structured.matchers"):
-        assert mask_of(masks, [sample_row("r", CHOICE, b"rex")]) == [{EOS}]
+        assert mask_of(masks, [sample_row("r", CHOICE, out)]) == [{EOS}]
     assert [r.levelno for r in caplog.records] == [logging.ERROR]
     assert "r: token 120 is outside its constraint choice" in caplog.text
     caplog.clear()
     # broken it stays (and says so once): more tokens change nothing
-    assert mask_of(masks, [sample_row("r", CHOICE, b"rexd")]) == [{EOS}]
+    out.append(ord("d"))
+    assert mask_of(masks, [sample_row("r", CHOICE, out)]) == [{EOS}]
     assert not caplog.records
     # a rewind to tokens the grammar allows rebuilds it
-    assert mask_of(masks, [sample_row("r", CHOICE, b"r")]) == [{ord("e")}]
+    del out[1:]
+    assert mask_of(masks, [sample_row("r", CHOICE, out)]) == [{ord("e")}]
 
 
 def test_json_rows_never_allow_a_control_byte(grammars: Grammars) -> None:
