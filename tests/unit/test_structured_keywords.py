@@ -25,7 +25,6 @@ import pytest
 import xgrammar as xgr
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.structured.compiler import Grammars
 from pdserve.model_runtime.structured.constraint import (
     FORMATS,
@@ -37,7 +36,7 @@ from pdserve.model_runtime.structured.constraint import (
     ConstraintKind,
     check_constraint,
 )
-from pdserve.model_runtime.tokenizer import TextTokenizer
+from tests.unit.tiny_grammars import tiny_grammars
 
 Schema = dict[str, Any]
 INT = {"type": "integer"}
@@ -190,11 +189,7 @@ def _valid(schema: Schema, doc: str) -> bool:
 
 @pytest.fixture(scope="module")
 def grammars() -> Iterator[Grammars]:
-    ck = resolve_model("tiny")
-    tok = TextTokenizer.load(ck)
-    assert tok is not None
-    cfg = ck.model_config()
-    g = Grammars(tok, cfg.vocab_size, cfg.eos_token_ids)
+    g = tiny_grammars()
     yield g
     g.close()
 

@@ -22,13 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.model_runtime.errors import InvalidRequestError
-from pdserve.model_runtime.presets import resolve_model
 from pdserve.model_runtime.sampling.sampler import Sampler, SampleRow
 from pdserve.model_runtime.sampling_params import SamplingParams
 from pdserve.model_runtime.structured.compiler import Grammars
 from pdserve.model_runtime.structured.constraint import Constraint, ConstraintKind
 from pdserve.model_runtime.structured.matchers import GrammarMasks, apply
-from pdserve.model_runtime.tokenizer import TextTokenizer
+from tests.unit.tiny_grammars import tiny_grammars
 
 VOCAB = 259
 EOS = 257
@@ -53,12 +52,8 @@ CONSTRAINTS = (REGEX, CHOICE, SCHEMA, SHORT_STRING)
 
 @pytest.fixture(scope="module")
 def grammars() -> Iterator[Grammars]:
-    ck = resolve_model("tiny")
-    tok = TextTokenizer.load(ck)
-    assert tok is not None
-    cfg = ck.model_config()
-    assert (cfg.vocab_size, tuple(cfg.eos_token_ids)) == (VOCAB, (EOS,))
-    g = Grammars(tok, cfg.vocab_size, cfg.eos_token_ids)
+    g = tiny_grammars()
+    assert (g.vocab_size, g.eos_ids) == (VOCAB, (EOS,))
     for c in CONSTRAINTS:
         g.check(c)
     yield g
