@@ -40,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from pdserve.model_runtime.errors import InvalidRequestError
 from pdserve.model_runtime.generation_config import NO_DEFAULTS, GenerationDefaults
 from pdserve.model_runtime.sampling_params import SamplingParams
-from pdserve.model_runtime.structured.constraint import check_constraint
 from pdserve.model_runtime.tokenizer import TextTokenizer
 from pdserve.model_runtime.validation import RequestLimits, validate_request
 from pdserve.router.accounting import Accounting
@@ -267,12 +266,12 @@ class Router:
     async def check_constraint(self, params: SamplingParams) -> None:
         """Refuse (``RouterError(INVALID_ARGUMENT)`` naming the field) a constraint that does not
         compile, compiles too slowly or too large, or matches nothing, before anything is
-        routed (``router/constraint_check.py``)."""
+        routed (``router/constraint_check.py``). The structural checks ran when the API made
+        the constraint (``structured_api.checked``), and run again in ``admit``'s validation."""
         c = params.constraint
         if c is None:
             return
         try:
-            check_constraint(c)  # the structural checks first: they cost nothing
             if self.tokenizer is None:
                 raise InvalidRequestError("response_format", "this model has no tokenizer to constrain with")
             if self.constraints is not None:

@@ -77,8 +77,8 @@ def invalid(field: str, message: str) -> RouterError:
 
 
 def checked(c: Constraint, field: str) -> Constraint:
-    """``c`` if a worker will compile it, else a 400 naming ``field``. Every constraint either
-    API makes passes here: the place for a check that needs the compiler."""
+    """``c`` if it passes the structural checks, else a 400 naming ``field``. Every constraint
+    either API makes passes here; the compile check follows (``Router.check_constraint``)."""
     try:
         check_constraint(c)
     except InvalidRequestError as e:

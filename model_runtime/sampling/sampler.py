@@ -296,8 +296,10 @@ class Sampler:
         self._masks: GrammarMasks | None = None  # made at the first constrained row
         self._last: BatchParams | None = None
         self._ring = _HostRing()
-        # The step launched last: its rows by request id, and its tokens (a pending row's input).
-        self._previous: tuple[dict[str, int], SampledStep] | None = None
+        # The step launched last: its rows and tokens (a pending row's input); the rows' index by
+        # request id is built only when a constrained pending row asks (``_pending_token``).
+        self._previous: tuple[Sequence[SampleRow], SampledStep] | None = None
+        self._previous_index: dict[str, int] | None = None
 
     def release(self, request_id: str) -> None:
         self.penalties.release(request_id)
@@ -308,10 +310,15 @@ class Sampler:
         return len(self.penalties) + (len(self._masks) if self._masks is not None else 0)
 
     def _pending_token(self, request_id: str) -> int:
-        if self._previous is None or request_id not in self._previous[0]:
-            raise RuntimeError(f"{request_id}: its input is pending but the previous step sampled none")
+        if self._previous is None:
+            raise RuntimeError(f"{request_id}: its input is pending but no step was launched before")
         rows, step = self._previous
-        return step.result().token_ids[rows[request_id]]
+        if self._previous_index is None:
+            self._previous_index = {r.request_id: i for i, r in enumerate(rows)}
+        row = self._previous_index.get(request_id)
+        if row is None:
+            raise RuntimeError(f"{request_id}: its input is pending but the previous step sampled none")
+        return step.result().token_ids[row]
 
     def _grammar_mask(self, rows: Sequence[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
         if all(r.params.constraint is None for r in rows):
@@ -364,5 +371,5 @@ class Sampler:
                 parts += [top_i.to(torch.float64), top_v.to(torch.float64)]
         host, done = self._ring.copy_out(torch.cat(parts, dim=1))
         step = SampledStep(chosen, host, done, want, k)
-        self._previous = ({r.request_id: i for i, r in enumerate(rows)}, step)
+        self._previous, self._previous_index = (rows, step), None
         return step

@@ -14,7 +14,7 @@ all (the first step's mask is empty) or is larger than ``max_grammar_bytes``.
 
 Contract: ``compile`` never blocks; ``ready`` says whether ``compiled`` may be called, which
 raises ``InvalidRequestError`` for a refused constraint. ``check`` blocks up to the timeout (the
-router's admission, on a thread of its own).
+router's checker process, ``structured/check_process.py``).
 """
 
 from __future__ import annotations
